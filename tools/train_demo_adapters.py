@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Train Mixdesk's three demo LoRA adapters for SmolLM2-135M-Instruct.
+
+Dev-only tool. It needs PyTorch (CPU):
+
+    .venv/bin/pip install -r requirements-train.txt
+
+    .venv/bin/python tools/train_demo_adapters.py --check     # torch forward == llama.cpp?
+    .venv/bin/python tools/train_demo_adapters.py             # train all three adapters
+    .venv/bin/python tools/train_demo_adapters.py --only pirate
+
+What it does
+------------
+* Loads our own default model (``SmolLM2-135M-Instruct.Q4_1.gguf``, see
+  ``core.default_model``) and dequantizes every tensor to float32. The base
+  model is frozen; nothing is downloaded from a model hub.
+* Runs a small float32 llama forward in torch on the GGUF weights *as stored*.
+  llama.cpp's converter permutes the Q/K rows so that RoPE rotates adjacent
+  pairs ``(x[2i], x[2i+1])``; we do the same, so the LoRA B matrices learnt for
+  ``attn_q``/``attn_k`` are already in GGUF layout and need no permutation.
+* ``--check`` reproduces the first no-adapter case of
+  ``/work/shared/reference/smollm2_f32_llamacpp.json`` (llama-server on the
+  dequantized-F32 model): all 16 greedy tokens must match and every top-10
+  logprob must be within 0.05. Training refuses to start if this fails.
+* Trains one rank-8 LoRA per style on the hand-written pairs in
+  ``tools/demo_data/<style>.jsonl`` (ChatML with SmolLM2's default system
+  prompt, exactly what the chat template produces; loss only on the reply and
+  its closing ``<|im_end|>``).
+* Writes ``resources/adapters/<style>.gguf`` in llama.cpp's LoRA adapter format
+  (what ``convert_lora_to_gguf.py`` emits and ``llama-server --lora`` loads):
+  ``general.type=adapter``, ``adapter.type=lora``, ``adapter.lora.alpha``,
+  ``adapter.lora.task_name``, and f16 tensors ``<base>.lora_a`` (rank, in) /
+  ``<base>.lora_b`` (out, rank). Effective weight: W + scale*alpha/rank * B@A.
+
+Time here (2 shared CPU cores, torch 2.13 CPU): see ``TIMING`` below and
+docs/demo_adapters.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402  (dev-only dependency, see requirements-train.txt)
+import torch.nn.functional as F  # noqa: E402
+
+from core.gguf_file import GGUFFile  # noqa: E402
+
+TIMING = "about 4 minutes per adapter, ~12 minutes for all three (2 shared CPU cores)"
+
+DATA_DIR = ROOT / "tools" / "demo_data"
+OUT_DIR = ROOT / "resources" / "adapters"
+REFERENCE = Path("/work/shared/reference/smollm2_f32_llamacpp.json")
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+IM_END = 2
+
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+# style -> (task_name, human description). Hyper-parameters are shared.
+STYLES = {
+    "pirate": "Pirate voice: arr, matey, ye, aye, treasure and the seven seas.",
+    "terse": "Terse answers: at most three short '- ' bullet points, no preamble.",
+    "hype": "Over-enthusiastic voice: exclamation marks and emoji everywhere.",
+}
+
+RANK = 8
+ALPHA = 16.0
+LR = 2e-3
+EPOCHS = 3
+BATCH = 4
+SEED = 1234
+
+
+# --------------------------------------------------------------------------- model
+
+def dequantize(g: GGUFFile, name: str) -> np.ndarray:
+    from gguf.quants import dequantize as dq
+    info = g.tensors[name]
+    return np.array(dq(g.raw(name), info.qtype).reshape(info.shape), dtype=np.float32, copy=True)
+
+
+class LoRA(torch.nn.Module):
+    def __init__(self, out_f: int, in_f: int, rank: int, alpha: float):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.empty(rank, in_f))
+        self.b = torch.nn.Parameter(torch.zeros(out_f, rank))
+        torch.nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self.scaling = alpha / rank
+
+
+class Llama(torch.nn.Module):
+    """Float32 llama forward on GGUF weights as stored (adjacent-pair RoPE)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        g = GGUFFile(path)
+        m = g.metadata
+        self.n_layer = int(m["llama.block_count"])
+        self.dim = int(m["llama.embedding_length"])
+        self.n_head = int(m["llama.attention.head_count"])
+        self.n_kv = int(m["llama.attention.head_count_kv"])
+        self.head_dim = self.dim // self.n_head
+        self.eps = float(m["llama.attention.layer_norm_rms_epsilon"])
+        self.theta = float(m.get("llama.rope.freq_base", 10000.0))
+        self.metadata = m
+        w = {}
+        for name in g.tensors:
+            w[name] = torch.from_numpy(dequantize(g, name))
+        g.close()
+        self.w = w  # plain tensors: frozen, not parameters
+        self.out_w = w.get("output.weight", w["token_embd.weight"])
+        self.loras: dict[str, LoRA] = {}
+        self.lora_modules = torch.nn.ModuleDict()
+        self.lora_scale: dict[str, float] = {}
+
+    # -- LoRA management
+    def add_lora(self, rank: int, alpha: float, targets=TARGETS) -> None:
+        self.lora_modules = torch.nn.ModuleDict()
+        for i in range(self.n_layer):
+            for t in targets:
+                name = f"blk.{i}.{t}.weight"
+                out_f, in_f = self.w[name].shape
+                self.lora_modules[name.replace(".", "_")] = LoRA(out_f, in_f, rank, alpha)
+
+    def lora_for(self, name: str):
+        key = name.replace(".", "_")
+        return self.lora_modules[key] if key in self.lora_modules else None
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        y = x @ self.w[name].T
+        lo = self.lora_for(name)
+        if lo is not None:
+            y = y + ((x @ lo.a.T) @ lo.b.T) * lo.scaling
+        return y
+
+    # -- forward
+    def rms(self, x, wname):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[wname]
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: (B, H, T, D); rotate adjacent pairs (llama.cpp "normal" rope)
+        d = self.head_dim
+        inv = self.theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = (pos.to(torch.float64)[:, None] * inv[None, :])
+        cos = torch.cos(ang).to(x.dtype)
+        sin = torch.sin(ang).to(x.dtype)
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        r0 = x0 * cos - x1 * sin
+        r1 = x0 * sin + x1 * cos
+        return torch.stack((r0, r1), dim=-1).flatten(-2)
+
+    def hidden(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) -> final normed hidden states (B, T, dim). attn_mask (B, T) bool: real tokens
+        (right padding only)."""
+        B, T = ids.shape
+        x = self.w["token_embd.weight"][ids]
+        pos = torch.arange(T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = causal[None, None]
+        if attn_mask is not None:
+            mask = mask & attn_mask[:, None, None, :]
+        hd, nh, nk = self.head_dim, self.n_head, self.n_kv
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            h = self.rms(x, p + "attn_norm.weight")
+            q = self.linear(h, p + "attn_q.weight").view(B, T, nh, hd).transpose(1, 2)
+            k = self.linear(h, p + "attn_k.weight").view(B, T, nk, hd).transpose(1, 2)
+            v = self.linear(h, p + "attn_v.weight").view(B, T, nk, hd).transpose(1, 2)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+            rep = nh // nk
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            a = a.transpose(1, 2).reshape(B, T, nh * hd)
+            x = x + self.linear(a, p + "attn_output.weight")
+            h = self.rms(x, p + "ffn_norm.weight")
+            f = F.silu(self.linear(h, p + "ffn_gate.weight")) * self.linear(h, p + "ffn_up.weight")
+            x = x + self.linear(f, p + "ffn_down.weight")
+        return self.rms(x, "output_norm.weight")
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.out_w.T
+
+    @torch.no_grad()
+    def greedy(self, prompt_ids: list[int], n: int, stop: int | None = None):
+        """Greedy decode without a KV cache (fine for short checks). Returns (ids, logprobs list)."""
+        ids = list(prompt_ids)
+        out, lps = [], []
+        for _ in range(n):
+            h = self.hidden(torch.tensor([ids]))[:, -1]
+            lp = torch.log_softmax(self.logits(h).double(), -1)[0]
+            t = int(lp.argmax())
+            out.append(t)
+            lps.append(lp)
+            if stop is not None and t == stop:
+                break
+            ids.append(t)
+        return out, lps
+
+
+# --------------------------------------------------------------------------- check
+
+def check(model: Llama, tol: float = 0.05) -> bool:
+    ref = json.loads(REFERENCE.read_text())
+    case = next(c for c in ref["greedy"] if all(l["scale"] == 0 for l in c.get("lora", [])))
+    t0 = time.time()
+    toks, lps = model.greedy(case["prompt_tokens"], len(case["tokens"]))
+    worst = 0.0
+    for step, top in enumerate(case["top_logprobs"]):
+        for tid, lp in top:
+            worst = max(worst, abs(float(lps[step][tid]) - lp))
+    same = toks == case["tokens"]
+    print(f"check: greedy tokens match: {same} ({sum(a == b for a, b in zip(toks, case['tokens']))}"
+          f"/{len(case['tokens'])}), worst |dlogprob| over top-10 = {worst:.4f} (tol {tol}),"
+          f" {time.time() - t0:.1f}s")
+    return same and worst <= tol
+
+
+# --------------------------------------------------------------------------- data
+
+def chatml(user: str, reply: str | None = None, system: str = DEFAULT_SYSTEM) -> str:
+    s = (f"<|im_start|>system\n{system}<|im_end|>\n"
+         f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+    return s if reply is None else s + reply
+
+
+def load_pairs(style: str) -> list[dict]:
+    rows = []
+    with open(DATA_DIR / f"{style}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def get_tokenizer(meta):
+    from core.tokenizer import Tokenizer
+    return Tokenizer.from_metadata(meta)
+
+
+def encode_pairs(tok, pairs: list[dict]) -> list[tuple[list[int], int]]:
+    """-> list of (ids, n_prompt). Loss is on ids[n_prompt:] (reply + <|im_end|>)."""
+    out = []
+    for p in pairs:
+        prompt = tok.encode(chatml(p["prompt"]), parse_special=True)
+        reply = tok.encode(p["response"], parse_special=False)
+        out.append((prompt + reply + [IM_END], len(prompt)))
+    return out
+
+
+# --------------------------------------------------------------------------- train
+
+def train_style(model: Llama, tok, style: str, log=print) -> dict:
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    model.add_lora(RANK, ALPHA)
+    params = [p for p in model.lora_modules.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    data = encode_pairs(tok, load_pairs(style))
+    steps_total = EPOCHS * math.ceil(len(data) / BATCH)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * min(s, steps_total) / steps_total)))
+    t0 = time.time()
+    step = 0
+    for ep in range(EPOCHS):
+        order = list(range(len(data)))
+        random.shuffle(order)
+        # length-bucketed batches keep padding low
+        batches = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+        ep_loss, ep_n = 0.0, 0
+        for bidx in batches:
+            items = [data[i] for i in bidx]
+            T = max(len(ids) for ids, _ in items)
+            ids = torch.full((len(items), T), IM_END, dtype=torch.long)
+            am = torch.zeros(len(items), T, dtype=torch.bool)
+            tgt_mask = torch.zeros(len(items), T, dtype=torch.bool)
+            for r, (x, n_prompt) in enumerate(items):
+                ids[r, :len(x)] = torch.tensor(x)
+                am[r, :len(x)] = True
+                tgt_mask[r, n_prompt - 1:len(x) - 1] = True  # position t predicts t+1
+            h = model.hidden(ids, am)
+            sel = h[tgt_mask]
+            targets = ids[:, 1:][tgt_mask[:, :-1]]
+            loss = F.cross_entropy(model.logits(sel), targets)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            ep_loss += float(loss) * len(targets)
+            ep_n += len(targets)
+        log(f"[{style}] epoch {ep + 1}/{EPOCHS} loss {ep_loss / ep_n:.3f}  ({time.time() - t0:.0f}s)")
+    return {"seconds": time.time() - t0, "examples": len(data), "final_loss": ep_loss / ep_n}
+
+
+def save_adapter(model: Llama, style: str, path: Path) -> None:
+    import gguf
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".gguf.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(ALPHA))
+    w.add_string("adapter.lora.task_name", style)
+    w.add_name(f"mixdesk-demo-{style}")
+    w.add_description(STYLES[style])
+    for i in range(model.n_layer):
+        for t in TARGETS:
+            name = f"blk.{i}.{t}.weight"
+            lo = model.lora_for(name)
+            if lo is None:
+                continue
+            w.add_tensor(name + ".lora_a", lo.a.detach().numpy().astype(np.float16))
+            w.add_tensor(name + ".lora_b", lo.b.detach().numpy().astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="base GGUF (default: Mixdesk's default model)")
+    ap.add_argument("--check", action="store_true", help="only verify the torch forward against llama.cpp")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--only", choices=sorted(STYLES), action="append")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from core.default_model import default_model_path
+        args.model = default_model_path()
+    t0 = time.time()
+    model = Llama(args.model)
+    print(f"loaded + dequantized {args.model.name} in {time.time() - t0:.1f}s")
+    if not args.skip_check or args.check:
+        if not check(model):
+            print("torch forward does not match llama.cpp; not training", file=sys.stderr)
+            return 1
+        if args.check:
+            return 0
+    tok = get_tokenizer(model.metadata)
+    summary = {}
+    for style in args.only or list(STYLES):
+        info = train_style(model, tok, style)
+        out = args.out / f"{style}.gguf"
+        save_adapter(model, style, out)
+        info["bytes"] = out.stat().st_size
+        summary[style] = info
+        print(f"[{style}] wrote {out} ({info['bytes'] / 1e6:.2f} MB) in {info['seconds']:.0f}s")
+    print(json.dumps(summary, indent=1))
+    print(f"total {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
