@@ -1,0 +1,219 @@
+"""The llama forward pass in numpy, over a batch of sequences.
+
+Each sequence in a batch brings its own new tokens, its own start position, its
+own KV cache and its own LoRA mix. The base matmuls run once over all tokens of
+the batch (that is where the time goes); each sequence then adds its low-rank
+deltas ``(x Aᵀ) Bᵀ`` on its own rows, so different mixes share one forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .weights import LayerWeights, Weights
+
+# Fused projections that LoRA deltas attach to, in the order a block uses them.
+TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+class MixWeights(Protocol):
+    """What the forward pass needs from a mix (see core/mix.py)."""
+    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]  # per layer: target -> (A (R,in), B (out,R)·scale)
+    embd: tuple[np.ndarray, np.ndarray] | None              # (A (vocab,R), B (dim,R)·scale)
+
+
+@dataclass
+class BatchItem:
+    tokens: np.ndarray              # (n,) int token ids to run
+    cache: KVCache                  # positions [cache.length, cache.length+n) get written
+    mix: MixWeights | None = None   # None: base model only
+    all_logits: bool = False        # False: logits of the last token only
+
+
+# ---- primitives ------------------------------------------------------------
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x: (T, d), w: (d,) -> (T, d)
+    ms = np.einsum("td,td->t", x, x)[:, None] / x.shape[1]          # (T, 1) mean square
+    return x * (1.0 / np.sqrt(ms + eps)) * w
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    # SwiGLU: silu(g) * u. sigmoid via tanh never overflows, unlike 1/(1+exp(-g)).
+    return gate * (0.5 * (1.0 + np.tanh(0.5 * gate))) * up
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x: (T, H, hd); cos/sin: (T, 1, hd/2). llama's "normal" rope rotates adjacent
+    # pairs (x[2i], x[2i+1]); GGUF stores Q/K rows permuted for exactly that.
+    xe, xo = x[..., 0::2], x[..., 1::2]                               # (T, H, hd/2) each
+    out = np.empty_like(x)
+    out[..., 0::2] = xe * cos - xo * sin
+    out[..., 1::2] = xe * sin + xo * cos
+    return out
+
+
+def softmax_inplace(x: np.ndarray) -> np.ndarray:
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def lora_delta(x: np.ndarray, ab: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    # x: (n, in); A: (R, in); B: (out, R) with the scale folded in -> (n, out)
+    a, b = ab
+    return (x @ a.T) @ b.T
+
+
+# ---- the model ---------------------------------------------------------------
+
+class RopeTable:
+    """cos/sin per absolute position, grown on demand (never per token)."""
+
+    def __init__(self, cfg: ModelConfig, freq_factors: np.ndarray | None):
+        half = cfg.rope_dim // 2
+        inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
+        if freq_factors is not None:
+            inv = inv / np.asarray(freq_factors, dtype=np.float64)
+        self.inv_freq = inv / cfg.rope_scale
+        self.cos = self.sin = np.zeros((0, half), dtype=np.float32)
+
+    def get(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        need = int(positions.max()) + 1
+        if need > len(self.cos):
+            n = max(need, 2 * len(self.cos), 1024)
+            ang = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # (n, half)
+            self.cos, self.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # (T, 1, half)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: Weights):
+        self.cfg = cfg
+        self.w = weights
+        self.rope = RopeTable(cfg, weights.rope_freqs)
+        self.scale = 1.0 / np.sqrt(cfg.head_dim)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.cfg, capacity)
+
+    def __call__(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        return self.forward(items)
+
+    def forward(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Run new tokens of every item; return logits per item:
+        (n, vocab) when ``all_logits`` else (1, vocab) for its last token."""
+        cfg = self.cfg
+        spans, start = [], 0
+        for it in items:
+            n = len(it.tokens)
+            it.cache.check_room(n)
+            spans.append((start, start + n))
+            start += n
+        tokens = np.concatenate([np.asarray(it.tokens, dtype=np.int64) for it in items])  # (T,)
+        positions = np.concatenate([np.arange(it.cache.length, it.cache.length + len(it.tokens))
+                                    for it in items])                                     # (T,)
+        cos, sin = self.rope.get(positions)
+
+        x = self.w.tok_embd[tokens]                                    # (T, d) copy
+        for it, (s, e) in zip(items, spans):
+            if it.mix is not None and it.mix.embd is not None:
+                a, b = it.mix.embd                                     # (vocab, R), (d, R)
+                x[s:e] += a[tokens[s:e]] @ b.T                         # (n, d)
+
+        groups = _mix_groups(items, spans)
+        for li, lw in enumerate(self.w.layers):
+            x = self._block(li, lw, x, items, spans, groups, cos, sin)
+
+        for it, tok in zip(items, (it.tokens for it in items)):
+            it.cache.tokens.extend(int(t) for t in tok)
+
+        rows = [np.arange(s, e) if it.all_logits else np.array([e - 1])
+                for it, (s, e) in zip(items, spans)]
+        sel = np.concatenate(rows)
+        h = rms_norm(x[sel], self.w.output_norm, cfg.norm_eps)         # (R, d)
+        logits = h @ self.w.output.T                                   # (R, vocab)
+        out, k = [], 0
+        for r in rows:
+            out.append(logits[k:k + len(r)])
+            k += len(r)
+        return out
+
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, groups, cos, sin):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+        h = rms_norm(x, lw.attn_norm, cfg.norm_eps)                    # (T, d)
+        qkv = h @ lw.wqkv.T                                            # (T, q+2kv)
+        _add_lora(qkv, h, li, "wqkv", groups)
+        q = qkv[:, :cfg.q_dim].reshape(T, H, hd)                       # (T, H, hd)
+        k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(T, KV, hd)  # (T, KV, hd)
+        v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(T, KV, hd)         # (T, KV, hd)
+        q = rope(q, cos, sin)
+        k = rope(k, cos, sin)
+
+        attn = np.empty((T, cfg.q_dim), dtype=np.float32)              # (T, H*hd)
+        for it, (s, e) in zip(items, spans):
+            attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e])
+
+        o = attn @ lw.wo.T                                             # (T, d)
+        _add_lora(o, attn, li, "wo", groups)
+        x = x + o
+
+        h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)                     # (T, d)
+        gu = h @ lw.w_gate_up.T                                        # (T, 2f)
+        _add_lora(gu, h, li, "w_gate_up", groups)
+        act = silu_mul(gu[:, :cfg.ffn_dim], gu[:, cfg.ffn_dim:])       # (T, f)
+        d = act @ lw.w_down.T                                          # (T, d)
+        _add_lora(d, act, li, "w_down", groups)
+        return x + d
+
+    def _attend(self, li: int, cache: KVCache, q, k, v) -> np.ndarray:
+        """Causal GQA attention of n new queries over this sequence's cache."""
+        cfg = self.cfg
+        n = q.shape[0]
+        KV, hd = cfg.n_kv_heads, cfg.head_dim
+        g = cfg.n_heads // KV
+        p0 = cache.length
+        L = p0 + n
+        cache.k[li, :, p0:L] = k.transpose(1, 0, 2)                    # (KV, n, hd)
+        cache.v[li, :, p0:L] = v.transpose(1, 0, 2)
+        K = cache.k[li, :, :L]                                         # (KV, L, hd)
+        V = cache.v[li, :, :L]                                         # (KV, L, hd)
+        # Query head h reads kv head h // g, so group the g query heads per kv head.
+        qg = q.reshape(n, KV, g, hd).transpose(1, 2, 0, 3).reshape(KV, g * n, hd)  # (KV, g*n, hd)
+        s = qg @ K.transpose(0, 2, 1)                                  # (KV, g*n, L)
+        s *= self.scale
+        if n > 1:
+            # query i sits at position p0+i and may see keys 0..p0+i
+            mask = np.arange(L)[None, :] > (p0 + np.arange(n))[:, None]   # (n, L)
+            s.reshape(KV, g, n, L)[:, :, mask] = -np.inf
+        softmax_inplace(s)
+        o = s @ V                                                      # (KV, g*n, hd)
+        return o.reshape(KV, g, n, hd).transpose(2, 0, 1, 3).reshape(n, cfg.q_dim)  # (n, H*hd)
+
+
+def _mix_groups(items, spans) -> list[tuple[int, int, MixWeights]]:
+    """Merge adjacent items that share a mix, so their deltas run as one matmul."""
+    groups: list[tuple[int, int, MixWeights]] = []
+    for it, (s, e) in zip(items, spans):
+        if it.mix is None:
+            continue
+        if groups and groups[-1][2] is it.mix and groups[-1][1] == s:
+            groups[-1] = (groups[-1][0], e, it.mix)
+        else:
+            groups.append((s, e, it.mix))
+    return groups
+
+
+def _add_lora(y: np.ndarray, x: np.ndarray, li: int, target: str, groups) -> None:
+    for s, e, mix in groups:
+        ab = mix.layers[li].get(target)
+        if ab is not None:
+            y[s:e] += lora_delta(x[s:e], ab)

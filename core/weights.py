@@ -1,0 +1,238 @@
+"""Load a llama GGUF into fused float32 weights, with a memory-mapped cache.
+
+Cold load dequantizes every tensor (any type ``gguf.quants`` supports) straight
+into one float32 file in the platformdirs cache dir, already in the fused layout
+the forward pass wants (Q|K|V stacked, gate|up stacked). Warm load maps that file
+read-only, which costs a few milliseconds: the OS pages weights in on first use.
+The cache key is the file's identity (resolved path, size, mtime), so an edited
+or replaced model file gets a fresh cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import quants
+
+from .config import ModelConfig
+from .gguf_file import GGUFError, GGUFFile
+from .paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 2          # bump when the fused layout changes
+Progress = Callable[[float, str], None]
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message names the file and the problem."""
+
+
+class LoadCancelled(Exception):
+    pass
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray   # (dim,)
+    wqkv: np.ndarray        # (q_dim + 2*kv_dim, dim)  fused Q|K|V
+    wo: np.ndarray          # (dim, q_dim)
+    ffn_norm: np.ndarray    # (dim,)
+    w_gate_up: np.ndarray   # (2*ffn, dim)             fused gate|up
+    w_down: np.ndarray      # (dim, ffn)
+
+
+@dataclass
+class Weights:
+    tok_embd: np.ndarray            # (vocab, dim)
+    layers: list[LayerWeights]
+    output_norm: np.ndarray         # (dim,)
+    output: np.ndarray              # (vocab, dim); the same array as tok_embd when tied
+    rope_freqs: np.ndarray | None   # (rope_dim/2,) llama3-style frequency factors
+    tied: bool
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
+        for lw in self.layers:
+            arrays += [lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, lw.w_gate_up, lw.w_down]
+        return sum(a.nbytes for a in arrays)
+
+
+def _plan(cfg: ModelConfig, gf: GGUFFile) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """(fused name, fused shape, source tensors stacked along rows) in file order."""
+    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
+    plan = [("tok_embd", (cfg.vocab_size, d), ["token_embd.weight"])]
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm", (d,), [b + "attn_norm.weight"]),
+            (b + "wqkv", (q + 2 * kv, d), [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]),
+            (b + "wo", (d, q), [b + "attn_output.weight"]),
+            (b + "ffn_norm", (d,), [b + "ffn_norm.weight"]),
+            (b + "w_gate_up", (2 * f, d), [b + "ffn_gate.weight", b + "ffn_up.weight"]),
+            (b + "w_down", (d, f), [b + "ffn_down.weight"]),
+        ]
+    plan.append(("output_norm", (d,), ["output_norm.weight"]))
+    if "output.weight" in gf.tensors:
+        plan.append(("output", (cfg.vocab_size, d), ["output.weight"]))
+    if "rope_freqs.weight" in gf.tensors:
+        plan.append(("rope_freqs", (cfg.rope_dim // 2,), ["rope_freqs.weight"]))
+    return plan
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
+    return hashlib.sha1(ident.encode()).hexdigest()[:20]
+
+
+def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
+    layers = [LayerWeights(*(arrays[f"blk.{i}.{k}"] for k in
+                             ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")))
+              for i in range(cfg.n_layers)]
+    tied = "output" not in arrays
+    return Weights(tok_embd=arrays["tok_embd"], layers=layers, output_norm=arrays["output_norm"],
+                   output=arrays["tok_embd"] if tied else arrays["output"],
+                   rope_freqs=arrays.get("rope_freqs"), tied=tied)
+
+
+def _views(buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]) -> dict[str, np.ndarray]:
+    out = {}
+    for name, shape, off in layout:
+        n = int(np.prod(shape))
+        out[name] = buf[off:off + n].reshape(shape)
+    return out
+
+
+def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = None,
+                 cancel: threading.Event | None = None, use_cache: bool = True) -> Weights:
+    progress = progress or (lambda f, m: None)
+    plan = _plan(cfg, gf)
+    layout, off = [], 0
+    for name, shape, _ in plan:
+        layout.append((name, shape, off))
+        off += int(np.prod(shape))
+    total = off
+
+    cdir = cache_dir() / "weights"
+    key = _cache_key(gf.path)
+    bin_path, idx_path = cdir / f"{key}.f32", cdir / f"{key}.json"
+    if use_cache and idx_path.exists() and bin_path.exists():
+        try:
+            idx = json.loads(idx_path.read_text())
+            if idx.get("total") == total and bin_path.stat().st_size == total * 4:
+                buf = np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,))
+                progress(1.0, "loaded from cache")
+                return _assemble(cfg, _views(buf, layout))
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable weight cache %s: %s", bin_path, e)
+
+    # Cold path: dequantize into a memory-mapped file (or RAM if the cache is not writable).
+    tmp = None
+    try:
+        if not use_cache:
+            raise OSError("cache disabled")
+        cdir.mkdir(parents=True, exist_ok=True)
+        tmp = cdir / f".{key}.{os.getpid()}.partial"
+        buf = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(total,))
+    except OSError:
+        tmp, buf = None, np.empty(total, dtype=np.float32)
+    views = _views(buf, layout)
+
+    jobs = []  # (destination view, source tensor, row offset)
+    for name, shape, sources in plan:
+        row = 0
+        for src in sources:
+            info = gf.tensors.get(src)
+            if info is None:
+                raise ModelLoadError(f"{gf.path.name}: missing tensor {src!r}")
+            rows = info.shape[0] if len(info.shape) > 1 else info.shape[0]
+            want_cols = shape[1] if len(shape) > 1 else None
+            if (want_cols is not None and (len(info.shape) != 2 or info.shape[1] != want_cols)) or \
+               (want_cols is None and info.shape != shape):
+                raise ModelLoadError(f"{gf.path.name}: tensor {src!r} has shape {info.shape}, "
+                                     f"expected {(rows, want_cols) if want_cols else shape}")
+            jobs.append((views[name], info, row))
+            row += rows
+
+    done_elems = 0
+    lock = threading.Lock()
+
+    def run(job):
+        nonlocal done_elems
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled()
+        dest, info, row = job
+        try:
+            data = quants.dequantize(gf.raw(info.name), info.qtype)
+        except NotImplementedError:
+            raise ModelLoadError(f"{gf.path.name}: tensor {info.name!r} uses quant type "
+                                 f"{info.qtype.name}, which cannot be dequantized") from None
+        data = data.reshape(info.shape)
+        if dest.ndim == 1:
+            dest[:] = data
+        else:
+            dest[row:row + info.shape[0]] = data
+        with lock:
+            done_elems += info.n_elements
+            progress(min(done_elems / total, 0.999), f"dequantizing {info.name}")
+
+    try:
+        # gguf.quants releases the GIL inside numpy, so two threads ~halve cold load.
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as ex:
+            for _ in ex.map(run, jobs):
+                pass
+        if tmp is not None:
+            buf.flush()
+            os.replace(tmp, bin_path)
+            _write_index(idx_path, gf.path, total)
+            _drop_stale(cdir, gf.path, key)
+            tmp = None
+    finally:
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
+    progress(1.0, "loaded")
+    return _assemble(cfg, views)
+
+
+def _write_index(idx_path: Path, model: Path, total: int) -> None:
+    part = idx_path.with_suffix(".json.partial")
+    part.write_text(json.dumps({"model": str(model.resolve()), "total": total, "format": CACHE_FORMAT}))
+    os.replace(part, idx_path)
+
+
+def _drop_stale(cdir: Path, model: Path, keep: str) -> None:
+    """Delete caches of earlier versions of the same model file."""
+    target = str(model.resolve())
+    for idx in cdir.glob("*.json"):
+        if idx.stem == keep:
+            continue
+        try:
+            if json.loads(idx.read_text()).get("model") == target:
+                idx.with_suffix(".f32").unlink(missing_ok=True)
+                idx.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            continue
+
+
+def open_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig]:
+    """Parse a model file's header; all failures become ModelLoadError naming the file."""
+    from .config import ModelConfigError
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"{p}: no such file")
+    try:
+        gf = GGUFFile(p)
+        cfg = ModelConfig.from_metadata(gf.metadata, source=p.name)
+    except (GGUFError, ModelConfigError) as e:
+        raise ModelLoadError(str(e)) from None
+    return gf, cfg
