@@ -1,0 +1,502 @@
+"""Tokenizer built from a GGUF file's vocabulary, matching llama.cpp token for token.
+
+Two vocabulary types are supported:
+
+* ``gpt2``: byte-level BPE. Text is split by the pre-tokenizer regexes named by
+  ``tokenizer.ggml.pre``, each piece is mapped byte-by-byte to GPT-2's printable
+  alphabet and then merged by rank.
+* ``llama``: SentencePiece-style BPE driven by token scores, with ``<0xNN>`` byte
+  fallback and an optional leading space (``add_space_prefix``).
+
+Special tokens are found in the text before normal tokenization (llama.cpp's
+"partition" step): control tokens only with ``parse_special``, user-defined
+tokens always. The behaviour follows llama.cpp's ``src/llama-vocab.cpp`` and
+``src/unicode.cpp``; comments point out where and why we deviate.
+"""
+from __future__ import annotations
+
+import codecs
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import regex
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """The model's tokenizer metadata is unsupported or inconsistent."""
+
+
+# GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*).
+_TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 2, 3, 4, 5, 6
+
+# Token attribute bits (llama.cpp LLAMA_TOKEN_ATTR_*); a token's type maps to one bit,
+# and auto-detection below can add CONTROL to tokens that look like control tokens.
+ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BYTE = 1, 2, 4, 8, 16, 32
+_TYPE_TO_ATTR = {
+    1: ATTR_NORMAL, _TYPE_UNKNOWN: ATTR_UNKNOWN, _TYPE_CONTROL: ATTR_CONTROL,
+    _TYPE_USER_DEFINED: ATTR_USER_DEFINED, _TYPE_UNUSED: ATTR_UNUSED, _TYPE_BYTE: ATTR_BYTE,
+}
+_ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN                      # dropped by skip_special
+_ATTR_SPECIAL = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # matched before BPE/SPM
+
+_SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
+
+# --- pre-tokenizers ---------------------------------------------------------------
+# The exact regex lists llama.cpp uses. Each regex further splits the pieces left by
+# the previous one; text a regex does not match stays as its own piece. The `regex`
+# package's \s is the same whitespace set as llama.cpp's, and \p{L}/\p{N} the same
+# categories (up to Unicode version differences).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a piece that is itself a token skips BPE (llama3)
+    add_bos: bool = False        # llama.cpp's default before tokenizer.ggml.add_bos_token
+
+
+_DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_LLAMA3_PRE = _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_SMOLLM_PRE = _PreTokenizer((r"\p{N}", _GPT2))
+_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
+    "default": _DEFAULT_PRE,
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo"), _PreTokenizer((_GPT2,))),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3_PRE),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), _SMOLLM_PRE),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabs."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+# --- special-token auto-detection (llama.cpp identifies these by their text) -------
+_EOT_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+              "<end_of_utterance>")
+_AUTO_IDS = {  # metadata key -> candidate texts, tried when the key is absent
+    "eot": _EOT_NAMES,
+    "eom": ("<|eom_id|>",),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_DEPRECATED_FIM_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
+_EOG_NAMES = frozenset(_EOT_NAMES) | {
+    "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "</s>", "<|eom_id|>", "[EOS]",
+    "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+}
+
+_BPE_CACHE_LIMIT = 100_000  # words; bounds memory on huge, varied inputs
+
+
+class Tokenizer:
+    """Encode/decode text exactly as llama.cpp does for the same GGUF vocabulary."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    add_bos: bool
+    add_eos: bool
+    eog_ids: frozenset[int]
+
+    def __init__(self, meta: Mapping[str, Any]):
+        self.model = meta.get("tokenizer.ggml.model")
+        if self.model not in ("gpt2", "llama"):
+            raise TokenizerError(f"unsupported tokenizer model {self.model!r} "
+                                 "(supported: 'gpt2' BPE, 'llama' SPM)")
+        self._load_vocab(meta)
+        if self.model == "gpt2":
+            self._init_bpe(meta)
+        else:
+            self._init_spm(meta)
+        self._load_special_ids(meta)
+        self._detect_eog()
+        # Longest first, as llama.cpp partitions: a longer special token wins over a
+        # shorter one it contains.
+        special = [i for i, a in enumerate(self._attrs) if a & _ATTR_SPECIAL]
+        special.sort(key=lambda i: -len(self._tokens[i]))
+        self._special_all = special
+        self._special_user = [i for i in special if self._attrs[i] & ATTR_USER_DEFINED]
+        self._pieces: list[bytes | None] = [None] * self.vocab_size
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+        return cls(meta)
+
+    # --- construction ---------------------------------------------------------------
+
+    def _load_vocab(self, meta: Mapping[str, Any]) -> None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError("model has no tokenizer.ggml.tokens vocabulary")
+        # llama.cpp renames empty tokens so every id keeps a unique, findable text
+        self._tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.vocab_size = len(self._tokens)
+        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
+        if len(self._token_to_id) != self.vocab_size:
+            raise TokenizerError("duplicate token text in tokenizer.ggml.tokens")
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is None:
+            self._attrs = [ATTR_NORMAL] * self.vocab_size
+        else:
+            self._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in map(int, types[:self.vocab_size])]
+            if len(self._attrs) < self.vocab_size:
+                raise TokenizerError("tokenizer.ggml.token_type is shorter than the vocabulary")
+
+    def _init_bpe(self, meta: Mapping[str, Any]) -> None:
+        pre_name = meta.get("tokenizer.ggml.pre")
+        if not pre_name:
+            log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer "
+                        "(as llama.cpp does); tokenization may be degraded")
+            pre_name = "default"
+        pre = _PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            raise TokenizerError(f"unsupported pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
+                                 f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}")
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise TokenizerError("BPE tokenizer has no tokenizer.ggml.merges")
+        self._pre_regexes = [regex.compile(r) for r in pre.regexes]
+        self._ignore_merges = pre.ignore_merges
+        self._ranks = _merge_ranks(merges)
+        self._bpe_cache: dict[str, tuple[int, ...]] = {}
+        self.add_space_prefix = False  # the BPE path never prefixes a space
+        self.add_bos, self.add_eos = pre.add_bos, False
+        # llama.cpp's defaults when the file names none (GPT-2's <|endoftext|> is 11)
+        self._default_ids = {"bos": 11, "eos": 11, "unk": None}
+
+    def _init_spm(self, meta: Mapping[str, Any]) -> None:
+        scores = meta.get("tokenizer.ggml.scores")
+        self._scores = [0.0] * self.vocab_size if scores is None else [float(s) for s in scores]
+        if len(self._scores) < self.vocab_size:
+            raise TokenizerError("tokenizer.ggml.scores is shorter than the vocabulary")
+        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        self.add_bos, self.add_eos = True, False
+        self._default_ids = {"bos": 1, "eos": 2, "unk": 0}
+
+    def _load_special_ids(self, meta: Mapping[str, Any]) -> None:
+        def read(name: str, default: int | None) -> int | None:
+            if default is not None and default >= self.vocab_size:
+                default = None  # llama.cpp disables out-of-range defaults
+            value = meta.get(f"tokenizer.ggml.{name}_token_id")
+            if value is None and name in _DEPRECATED_FIM_KEYS:
+                value = meta.get(f"tokenizer.ggml.{_DEPRECATED_FIM_KEYS[name]}_token_id")
+            if value is None:
+                return default
+            if not 0 <= int(value) < self.vocab_size:
+                log.warning("tokenizer.ggml.%s_token_id = %s is out of range; ignoring it", name, value)
+                return default
+            return int(value)
+
+        self.bos_id = read("bos", self._default_ids["bos"])
+        self.eos_id = read("eos", self._default_ids["eos"])
+        self.unk_id = read("unk", self._default_ids["unk"])
+        self._auto_ids = {name: read(name, None) for name in _AUTO_IDS}
+        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", self.add_bos))
+        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", self.add_eos))
+        if self.add_bos and self.bos_id is None:
+            raise TokenizerError("tokenizer.ggml.add_bos_token is true but the model has no BOS token")
+        if self.add_eos and self.eos_id is None:
+            raise TokenizerError("tokenizer.ggml.add_eos_token is true but the model has no EOS token")
+
+    def _detect_eog(self) -> None:
+        """End-of-generation ids, as llama.cpp builds them from ids and token texts.
+
+        Tokens found this way are forced to CONTROL so they are hidden by
+        skip_special and parsed as specials, which is what llama.cpp does too.
+        """
+        for name, candidates in _AUTO_IDS.items():
+            if self._auto_ids[name] is None:
+                found = next((self._token_to_id[t] for t in candidates if t in self._token_to_id), None)
+                if found is not None:
+                    self._attrs[found] |= ATTR_CONTROL
+                self._auto_ids[name] = found
+        self.eot_id = self._auto_ids["eot"]
+
+        eog = {self._auto_ids[k] for k in ("fim_pad", "fim_rep", "fim_sep")}
+        for text in _EOG_NAMES & self._token_to_id.keys():
+            tid = self._token_to_id[text]
+            self._attrs[tid] |= ATTR_CONTROL
+            eog.add(tid)
+        eog |= {self.eos_id, self.eot_id, self._auto_ids["eom"]}
+        eog.discard(None)
+        self.eog_ids = frozenset(eog)
+
+    # --- queries ----------------------------------------------------------------------
+
+    def token_id_of(self, text: str) -> int | None:
+        return self._token_to_id.get(text)
+
+    def is_eog(self, id: int) -> bool:
+        return id in self.eog_ids
+
+    def is_control(self, id: int) -> bool:
+        return bool(self._attrs[id] & ATTR_CONTROL)
+
+    def token_bytes(self, id: int) -> bytes:
+        piece = self._pieces[id]
+        if piece is None:
+            piece = self._pieces[id] = self._render_piece(id)
+        return piece
+
+    def token_str(self, id: int) -> str:
+        return self.token_bytes(id).decode("utf-8", errors="replace")
+
+    def _render_piece(self, id: int) -> bytes:
+        text, attr = self._tokens[id], self._attrs[id]
+        if attr & _ATTR_SPECIAL:
+            return text.encode("utf-8")
+        if attr & ATTR_NORMAL:
+            if self.model == "llama":
+                return text.replace(_SPM_SPACE, " ").encode("utf-8")
+            # Characters outside GPT-2's byte alphabet should not occur; llama.cpp
+            # emits an [UNK_BYTE_..] marker, we keep the character itself.
+            return b"".join(bytes((_CHAR_TO_BYTE[c],)) if c in _CHAR_TO_BYTE else c.encode("utf-8")
+                            for c in text)
+        if attr & ATTR_BYTE:
+            return bytes((int(text[3:5], 16),))  # "<0xNN>"
+        return b""  # unused/undefined tokens render as nothing, as in llama.cpp
+
+    def _visible_bytes(self, id: int, skip_special: bool) -> bytes:
+        if skip_special and self._attrs[id] & _ATTR_HIDDEN:
+            return b""
+        return self.token_bytes(id)
+
+    # --- encoding -------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        ids: list[int] = []
+        if add_special and self.add_bos:
+            ids.append(self.bos_id)
+        prev_special = True  # SPM prefixes a space at the start and after each special token
+        for fragment in self._partition(text, parse_special):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+                prev_special = True
+                continue
+            if self.model == "llama":
+                if self.add_space_prefix and prev_special:
+                    fragment = " " + fragment
+                self._spm_encode(fragment.replace(" ", _SPM_SPACE), ids)
+            else:
+                for word in self._pre_tokenize(fragment):
+                    ids.extend(self._bpe_word(word))
+            prev_special = False
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Split text into raw-text fragments and special-token ids.
+
+        Control/unknown tokens are recognised only with parse_special; user-defined
+        tokens always are (llama.cpp follows HF tokenizers here).
+        """
+        fragments: list[str | int] = [text] if text else []
+        for tid in self._special_all if parse_special else self._special_user:
+            needle = self._tokens[tid]
+            if not any(isinstance(f, str) and needle in f for f in fragments):
+                continue
+            split: list[str | int] = []
+            for f in fragments:
+                if not isinstance(f, str) or needle not in f:
+                    split.append(f)
+                    continue
+                for n, part in enumerate(f.split(needle)):
+                    if n:
+                        split.append(tid)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    def _pre_tokenize(self, text: str) -> list[str]:
+        pieces = [text]
+        for pattern in self._pre_regexes:
+            pieces = [p for piece in pieces for p in _regex_split(pattern, piece)]
+        return pieces
+
+    def _bpe_word(self, word: str) -> tuple[int, ...]:
+        ids = self._bpe_cache.get(word)
+        if ids is None:
+            if len(self._bpe_cache) >= _BPE_CACHE_LIMIT:
+                self._bpe_cache.clear()
+            ids = self._bpe_cache[word] = self._bpe_uncached(word)
+        return ids
+
+    def _bpe_uncached(self, word: str) -> tuple[int, ...]:
+        symbol = "".join(_BYTE_TO_CHAR[b] for b in word.encode("utf-8"))
+        vocab = self._token_to_id
+        if self._ignore_merges and symbol in vocab:
+            return (vocab[symbol],)
+        # Repeatedly merge the lowest-ranked adjacent pair, leftmost on ties. This is
+        # the order llama.cpp's priority queue (rank, then left index) produces.
+        parts = list(symbol)
+        ranks = self._ranks
+        while len(parts) > 1:
+            best, best_rank = -1, None
+            for i in range(len(parts) - 1):
+                rank = ranks.get((parts[i], parts[i + 1]))
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best, best_rank = i, rank
+            if best < 0:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        ids: list[int] = []
+        for part in parts:
+            if part in vocab:
+                ids.append(vocab[part])
+            else:  # a merge produced a non-token: fall back to its single characters
+                ids.extend(vocab[c] for c in part if c in vocab)
+        return tuple(ids)
+
+    def _spm_encode(self, text: str, out: list[int]) -> None:
+        """llama.cpp's SPM tokenizer: greedily merge the adjacent pair whose joined text
+        is the highest-scoring token (leftmost on ties), then map leftovers to bytes."""
+        if not text:
+            return
+        sym = list(text)  # current text of each symbol; "" once merged into its left
+        n = len(sym)
+        prev = list(range(-1, n - 1))
+        nxt = [*range(1, n), -1]
+        queue: list[tuple[float, int, int, int]] = []
+
+        def push(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            joined = sym[left] + sym[right]
+            tid = self._token_to_id.get(joined)
+            if tid is not None:
+                heapq.heappush(queue, (-self._scores[tid], left, right, len(joined)))
+
+        for i in range(1, n):
+            push(i - 1, i)
+        while queue:
+            _, left, right, size = heapq.heappop(queue)
+            # stale entry: one side was merged elsewhere since it was queued
+            if not sym[left] or not sym[right] or len(sym[left]) + len(sym[right]) != size:
+                continue
+            sym[left] += sym[right]
+            sym[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[left] >= 0:
+                prev[nxt[left]] = left
+            push(prev[left], left)
+            push(left, nxt[left])
+
+        i = 0
+        while i != -1:
+            tid = self._token_to_id.get(sym[i])
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self._spm_byte_token(b) for b in sym[i].encode("utf-8"))
+            i = nxt[i]
+
+    def _spm_byte_token(self, byte: int) -> int:
+        tid = self._token_to_id.get(f"<0x{byte:02X}>")
+        if tid is None:
+            tid = self._token_to_id.get(chr(byte))
+        if tid is None:
+            raise TokenizerError(f"SPM vocabulary has no byte token for 0x{byte:02X}")
+        return tid
+
+    # --- decoding -------------------------------------------------------------------
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        ids = list(ids)
+        data = b"".join(self._visible_bytes(i, skip_special) for i in ids)
+        # SPM adds a space in front of the text when encoding; like llama.cpp's
+        # detokenize, drop it again when the text starts the sequence.
+        if self.add_space_prefix and data.startswith(b" ") and self._starts_with_text(ids):
+            data = data[1:]
+        return data.decode("utf-8", errors="replace")
+
+    def _starts_with_text(self, ids: list[int]) -> bool:
+        """True if the first non-empty piece comes from a normal token after at most a BOS."""
+        for n, tid in enumerate(ids):
+            if n == 0 and tid == self.bos_id:
+                continue
+            return not self._attrs[tid] & _ATTR_SPECIAL
+        return False
+
+    def decoder(self, skip_special: bool = False) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special)
+
+
+class IncrementalDecoder:
+    """Streams token ids to text without ever emitting half a UTF-8 character.
+
+    Used for generated tokens, which follow the prompt, so no SPM leading space is
+    removed here.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        # Python's incremental UTF-8 decoder holds back an incomplete trailing
+        # sequence and replaces bytes that can never become valid.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, id: int) -> str:
+        return self._utf8.decode(self._tokenizer._visible_bytes(id, self._skip_special))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _regex_split(pattern: regex.Pattern, text: str) -> list[str]:
+    """Matches of pattern in text, with unmatched stretches kept as pieces too
+    (llama.cpp's unicode_regex_split_stl)."""
+    pieces, pos = [], 0
+    for m in pattern.finditer(text):
+        start, end = m.span()
+        if start > pos:
+            pieces.append(text[pos:start])
+        if end > start:
+            pieces.append(text[start:end])
+        pos = end
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
+def _merge_ranks(merges: Iterable[str]) -> dict[tuple[str, str], int]:
+    """Merge pair -> rank. llama.cpp splits each entry at the first space after its
+    first character, so a pair whose left side is a space still parses."""
+    ranks: dict[tuple[str, str], int] = {}
+    for rank, merge in enumerate(merges):
+        cut = merge.find(" ", 1)
+        if cut > 0:
+            ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
+    return ranks
