@@ -122,7 +122,7 @@ class Llama(torch.nn.Module):
         self.out_w = w.get("output.weight", w["token_embd.weight"])
         self.loras: dict[str, LoRA] = {}
         self.lora_modules = torch.nn.ModuleDict()
-        self.lora_scale: dict[str, float] = {}
+        self.mix: list[tuple[dict, float]] = []  # loaded GGUF adapters + scales (eval/check)
 
     # -- LoRA management
     def add_lora(self, rank: int, alpha: float, targets=TARGETS) -> None:
@@ -142,6 +142,11 @@ class Llama(torch.nn.Module):
         lo = self.lora_for(name)
         if lo is not None:
             y = y + ((x @ lo.a.T) @ lo.b.T) * lo.scaling
+        for ad, scale in self.mix:
+            ab = ad["tensors"].get(name)
+            if ab is not None and scale != 0.0:
+                a, b = ab
+                y = y + ((x @ a.T) @ b.T) * (scale * ad["factor"])
         return y
 
     # -- forward
@@ -209,22 +214,64 @@ class Llama(torch.nn.Module):
         return out, lps
 
 
+# --------------------------------------------------------------------------- adapters
+
+def load_adapter(path: Path) -> dict:
+    """Read a llama.cpp LoRA GGUF the way llama.cpp does: lora_a (rank, in), lora_b (out, rank),
+    delta = scale * alpha/rank * B @ A (alpha missing or 0 -> the scale is used as is)."""
+    g = GGUFFile(path)
+    meta = g.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise ValueError(f"{path}: not a LoRA adapter (general.type={meta.get('general.type')!r})")
+    tensors, rank = {}, None
+    for name in g.tensors:
+        if not name.endswith(".lora_a"):
+            continue
+        base = name[: -len(".lora_a")]
+        a = torch.from_numpy(dequantize(g, name))
+        b = torch.from_numpy(dequantize(g, base + ".lora_b"))
+        assert a.shape[0] == b.shape[1], (name, a.shape, b.shape)
+        tensors[base] = (a, b)
+        rank = a.shape[0]
+    alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
+    g.close()
+    return {"path": str(path), "alpha": alpha, "rank": rank,
+            "task": meta.get("adapter.lora.task_name"), "tensors": tensors,
+            "factor": alpha / rank if alpha else 1.0}
+
+
 # --------------------------------------------------------------------------- check
 
-def check(model: Llama, tol: float = 0.05) -> bool:
+def check(model: Llama, tol: float = 0.05, with_adapters: bool = True) -> bool:
+    """Reproduce llama-server's greedy tokens + top-10 logprobs: the first no-adapter case, and
+    (if the reference adapters are there) a few cases with the reference LoRAs mixed in, which
+    checks our reading of the adapter format and the alpha/rank scaling too."""
     ref = json.loads(REFERENCE.read_text())
-    case = next(c for c in ref["greedy"] if all(l["scale"] == 0 for l in c.get("lora", [])))
-    t0 = time.time()
-    toks, lps = model.greedy(case["prompt_tokens"], len(case["tokens"]))
-    worst = 0.0
-    for step, top in enumerate(case["top_logprobs"]):
-        for tid, lp in top:
-            worst = max(worst, abs(float(lps[step][tid]) - lp))
-    same = toks == case["tokens"]
-    print(f"check: greedy tokens match: {same} ({sum(a == b for a, b in zip(toks, case['tokens']))}"
-          f"/{len(case['tokens'])}), worst |dlogprob| over top-10 = {worst:.4f} (tol {tol}),"
-          f" {time.time() - t0:.1f}s")
-    return same and worst <= tol
+    cases = [0]
+    adapters = []
+    ref_dir = REFERENCE.parent / "adapters"
+    if with_adapters and all((ref_dir / n).exists() for n in ref["adapters"]):
+        adapters = [load_adapter(ref_dir / n) for n in ref["adapters"]]
+        cases += [1, 3, 4]  # attn f32 @1, all-q8 no-alpha @1, attn+ffn 0.5/0.5
+    ok = True
+    for ci in cases:
+        case = ref["greedy"][ci]
+        scales = {l["id"]: float(l["scale"]) for l in case.get("lora", [])}
+        model.mix = [(adapters[i], s) for i, s in scales.items() if s and adapters]
+        t0 = time.time()
+        toks, lps = model.greedy(case["prompt_tokens"], len(case["tokens"]))
+        model.mix = []
+        worst = 0.0
+        for step, top in enumerate(case["top_logprobs"]):
+            for tid, lp in top:
+                worst = max(worst, abs(float(lps[step][tid]) - lp))
+        same = toks == case["tokens"]
+        label = ", ".join(f"{ref['adapters'][i]}@{s:g}" for i, s in scales.items() if s) or "no adapter"
+        print(f"check case {ci} ({label}): greedy tokens match: {same} "
+              f"({sum(a == b for a, b in zip(toks, case['tokens']))}/{len(case['tokens'])}), "
+              f"worst |dlogprob| over top-10 = {worst:.4f} (tol {tol}), {time.time() - t0:.1f}s")
+        ok = ok and same and worst <= tol
+    return ok
 
 
 # --------------------------------------------------------------------------- data
@@ -236,11 +283,13 @@ def chatml(user: str, reply: str | None = None, system: str = DEFAULT_SYSTEM) ->
 
 
 def load_pairs(style: str) -> list[dict]:
+    """tools/demo_data/train.jsonl: one prompt per line with a hand-written reply per style."""
     rows = []
-    with open(DATA_DIR / f"{style}.jsonl", encoding="utf-8") as f:
+    with open(DATA_DIR / "train.jsonl", encoding="utf-8") as f:
         for line in f:
             if line.strip():
-                rows.append(json.loads(line))
+                r = json.loads(line)
+                rows.append({"prompt": r["prompt"], "response": r[style]})
     return rows
 
 
@@ -347,6 +396,8 @@ def main(argv=None) -> int:
         args.model = default_model_path()
     t0 = time.time()
     model = Llama(args.model)
+    if args.threads is None:
+        print(f"torch threads: {torch.get_num_threads()}")
     print(f"loaded + dequantized {args.model.name} in {time.time() - t0:.1f}s")
     if not args.skip_check or args.check:
         if not check(model):
