@@ -24,6 +24,7 @@ class MixWeights(Protocol):
     """What the forward pass needs from a mix (see core/mix.py)."""
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]  # per layer: target -> (A (R,in), B (out,R)·scale)
     embd: tuple[np.ndarray, np.ndarray] | None              # (A (vocab,R), B (dim,R)·scale)
+    output: tuple[np.ndarray, np.ndarray] | None            # (A (R,d), B (vocab,R)·scale)
 
 
 @dataclass
@@ -139,7 +140,9 @@ class LlamaModel:
         h = rms_norm(x[sel], self.w.output_norm, cfg.norm_eps)         # (R, d)
         logits = h @ self.w.output.T                                   # (R, vocab)
         out, k = [], 0
-        for r in rows:
+        for it, r in zip(items, rows):
+            if it.mix is not None and it.mix.output is not None:
+                logits[k:k + len(r)] += lora_delta(h[k:k + len(r)], it.mix.output)
             out.append(logits[k:k + len(r)])
             k += len(r)
         return out

@@ -1,0 +1,362 @@
+"""LoRA adapters: the llama.cpp GGUF format and PEFT folders, validated against a base.
+
+An :class:`Adapter` holds, per base tensor name (GGUF naming, e.g.
+``blk.3.attn_q.weight``), a pair (A (rank, in), B (out, rank)) and the alpha to
+use for it. Both loaders end in the same validation against the base model's
+shapes, so every error names the adapter and the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import quants
+
+from .config import ModelConfig
+from .gguf_file import GGUFError, GGUFFile
+
+log = logging.getLogger(__name__)
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be used; the message names the adapter (and tensor)."""
+
+
+def effective_scale(scale: float, alpha: float | None, rank: int) -> float:
+    """The one LoRA scale formula: ``scale * alpha / rank`` if alpha is set, else ``scale``
+    (as llama.cpp's llama_adapter_lora_weight::get_scale)."""
+    return scale * alpha / rank if alpha else scale
+
+
+# ---- the one mapping from base tensors to fused projections ---------------
+
+# GGUF tensor suffix -> (fused target in core.model, which row block of it)
+_BLOCK_TENSORS = {
+    "attn_q": ("wqkv", 0), "attn_k": ("wqkv", 1), "attn_v": ("wqkv", 2),
+    "attn_output": ("wo", 0),
+    "ffn_gate": ("w_gate_up", 0), "ffn_up": ("w_gate_up", 1),
+    "ffn_down": ("w_down", 0),
+}
+# HF (PEFT) module name -> GGUF tensor suffix
+_HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def base_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """numpy (out, in) shape of every base matrix a LoRA may target."""
+    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
+    per = {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+           "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    shapes = {"token_embd.weight": (cfg.vocab_size, d), "output.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        for k, s in per.items():
+            shapes[f"blk.{i}.{k}.weight"] = s
+    return shapes
+
+
+def fused_slot(cfg: ModelConfig, name: str) -> tuple[int, str, int, int] | None:
+    """blk.N.<t>.weight -> (layer, fused target, first row, rows) in the fused matrix."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if not m or m.group(2) not in _BLOCK_TENSORS:
+        return None
+    target, block = _BLOCK_TENSORS[m.group(2)]
+    if target == "wqkv":
+        sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
+    elif target == "w_gate_up":
+        sizes = [cfg.ffn_dim, cfg.ffn_dim]
+    else:
+        sizes = [cfg.dim]
+    return int(m.group(1)), target, sum(sizes[:block]), sizes[block]
+
+
+def hf_module_to_gguf(module: str) -> str | None:
+    """'model.layers.3.self_attn.q_proj' -> 'blk.3.attn_q.weight' (also embed/lm_head)."""
+    module = module.removeprefix("base_model.model.")
+    if module == "model.embed_tokens":
+        return "token_embd.weight"
+    if module == "lm_head":
+        return "output.weight"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    if m and m.group(2) in _HF_TO_GGUF:
+        return f"blk.{m.group(1)}.{_HF_TO_GGUF[m.group(2)]}.weight"
+    return None
+
+
+def permute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutes Q/K weight rows per head (HF rotate-half ->
+    adjacent-pair rope). A LoRA's B on q_proj/k_proj needs the same permutation."""
+    out, r = b.shape
+    return (b.reshape(n_head, 2, out // n_head // 2, r).swapaxes(1, 2).reshape(out, r))
+
+
+# ---- the adapter ----------------------------------------------------------
+
+@dataclass
+class LoraPair:
+    a: np.ndarray           # (rank, in); for token_embd: (vocab, rank)
+    b: np.ndarray           # (out, rank); for token_embd: (dim, rank)
+    alpha: float | None     # None: the scale is used as is
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[1]
+
+    def scale_for(self, scale: float) -> float:
+        return effective_scale(scale, self.alpha, self.rank)
+
+
+@dataclass
+class Adapter:
+    path: Path
+    name: str
+    format: str                         # "gguf" | "peft"
+    tensors: dict[str, LoraPair]
+    alpha: float | None = None
+    task_name: str = ""
+    prompt_prefix: str = ""
+    invocation_tokens: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    id: int = -1                        # assigned by the registry; stable for the session
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({p.rank for p in self.tensors.values()})
+
+    @property
+    def rank(self) -> int:
+        return max(self.ranks) if self.tensors else 0
+
+    @property
+    def targets(self) -> list[str]:
+        """Short target names, e.g. ['attn_k', 'attn_q', 'ffn_up']."""
+        return sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in self.tensors})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.nbytes + p.b.nbytes for p in self.tensors.values())
+
+    def effective_scale(self, scale: float) -> float:
+        """Representative effective scale (adapter-level alpha/rank), for display."""
+        return effective_scale(scale, self.alpha, self.rank) if self.tensors else scale
+
+    def info(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "path": str(self.path), "format": self.format,
+                "rank": self.rank, "alpha": self.alpha, "targets": self.targets,
+                "n_tensors": len(self.tensors), "size_bytes": self.nbytes,
+                "task_name": self.task_name, "prompt_prefix": self.prompt_prefix,
+                "invocation_tokens": list(self.invocation_tokens)}
+
+
+def load_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
+    """Load a llama.cpp LoRA GGUF or a PEFT folder and validate it against ``cfg``."""
+    p = Path(path)
+    if p.is_dir() or p.name == "adapter_config.json" or p.suffix == ".safetensors":
+        folder = p if p.is_dir() else p.parent
+        adapter = _load_peft(folder, cfg)
+    elif p.exists():
+        adapter = _load_gguf(p, cfg)
+    else:
+        raise AdapterError(f"{p}: no such file or folder")
+    _validate(adapter, cfg)
+    return adapter
+
+
+def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
+    try:
+        gf = GGUFFile(path)
+    except GGUFError as e:
+        raise AdapterError(f"adapter {path.name}: {e}") from None
+    meta = gf.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type", "lora") != "lora":
+        kind = meta.get("general.type", "no general.type")
+        raise AdapterError(f"adapter {path.name}: not a LoRA adapter GGUF (general.type={kind!r}, "
+                           f"adapter.type={meta.get('adapter.type')!r})")
+    arch = meta.get("general.architecture")
+    if arch != cfg.arch:
+        raise AdapterError(f"adapter {path.name}: made for architecture {arch!r}, "
+                           f"but the base model is {cfg.arch!r}")
+    alpha = meta.get("adapter.lora.alpha")
+    alpha = float(alpha) if alpha else None
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    skipped = []
+    for tname, info in gf.tensors.items():
+        m = re.fullmatch(r"(.+)\.lora_([ab])", tname)
+        if not m:
+            raise AdapterError(f"adapter {path.name}: unexpected tensor {tname!r} "
+                               "(expected <base>.lora_a / <base>.lora_b)")
+        base, which = m.groups()
+        if base.endswith("_norm.weight"):
+            skipped.append(tname)
+            continue
+        try:
+            arr = quants.dequantize(gf.raw(tname), info.qtype).reshape(info.shape)
+        except NotImplementedError:
+            raise AdapterError(f"adapter {path.name}: tensor {tname!r} has unsupported "
+                               f"type {info.qtype.name}") from None
+        pairs.setdefault(base, {})[which] = np.ascontiguousarray(arr, dtype=np.float32)
+    if skipped:
+        log.warning("adapter %s: skipping %d norm tensors (as llama.cpp does): %s",
+                    path.name, len(skipped), ", ".join(skipped[:3]))
+    tensors = {}
+    for base, ab in pairs.items():
+        if set(ab) != {"a", "b"}:
+            missing = "lora_b" if "a" in ab else "lora_a"
+            raise AdapterError(f"adapter {path.name}: tensor {base!r} has no {missing}")
+        tensors[base] = LoraPair(ab["a"], ab["b"], alpha)
+    inv = meta.get("adapter.alora.invocation_tokens")
+    name = path.stem
+    return Adapter(path=path, name=name, format="gguf", tensors=tensors, alpha=alpha,
+                   task_name=str(meta.get("adapter.lora.task_name", "") or ""),
+                   prompt_prefix=str(meta.get("adapter.lora.prompt_prefix", "") or ""),
+                   invocation_tokens=[int(t) for t in inv] if inv is not None else [],
+                   skipped=skipped)
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT rank_pattern / alpha_pattern lookup: a key matches a module by full name
+    or as a dotted suffix (PEFT treats keys as regexes anchored at a dot)."""
+    for key, val in (patterns or {}).items():
+        if module == key or re.fullmatch(rf"(.*\.)?{key}", module):
+            return val
+    return default
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Tensors as float32. numpy has no bfloat16, so BF16 is widened by hand."""
+    from safetensors import safe_open
+    header_len = int.from_bytes(path.read_bytes()[:8], "little") if path.stat().st_size >= 8 else 0
+    if header_len <= 0 or header_len > path.stat().st_size:
+        raise AdapterError(f"adapter {path.parent.name}: {path.name} is not a safetensors file")
+    with open(path, "rb") as f:
+        f.seek(8)
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        out = {}
+        bf16 = {k: v for k, v in header.items() if k != "__metadata__" and v["dtype"] == "BF16"}
+        for k, v in bf16.items():
+            s, e = v["data_offsets"]
+            f.seek(data_start + s)
+            raw = np.frombuffer(f.read(e - s), dtype="<u2").astype(np.uint32) << 16
+            out[k] = raw.view(np.float32).reshape(v["shape"])
+    with safe_open(str(path), framework="np") as st:
+        for k in st.keys():
+            if k not in out:
+                out[k] = st.get_tensor(k).astype(np.float32)
+    return out
+
+
+def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
+    label = folder.name
+    cfg_path = folder / "adapter_config.json"
+    st_path = folder / "adapter_model.safetensors"
+    if not cfg_path.exists():
+        raise AdapterError(f"adapter {label}: no adapter_config.json in {folder}")
+    if not st_path.exists():
+        extra = " (adapter_model.bin is not supported: re-save with safetensors)" \
+            if (folder / "adapter_model.bin").exists() else ""
+        raise AdapterError(f"adapter {label}: no adapter_model.safetensors in {folder}{extra}")
+    try:
+        pc = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise AdapterError(f"adapter {label}: adapter_config.json is not valid JSON ({e})") from None
+    ptype = pc.get("peft_type", "LORA")
+    if ptype != "LORA":
+        raise AdapterError(f"adapter {label}: unsupported: PEFT type {ptype} (only LORA)")
+    if pc.get("use_dora"):
+        raise AdapterError(f"adapter {label}: unsupported: DoRA (use_dora=true)")
+    if pc.get("modules_to_save"):
+        raise AdapterError(f"adapter {label}: unsupported: modules_to_save "
+                           f"({', '.join(pc['modules_to_save'])}) stores full weights, not a LoRA")
+    if pc.get("bias", "none") != "none":
+        raise AdapterError(f"adapter {label}: unsupported: bias training (bias={pc['bias']!r})")
+    if pc.get("fan_in_fan_out"):
+        raise AdapterError(f"adapter {label}: unsupported: fan_in_fan_out=true (Conv1D models)")
+    r_default = int(pc.get("r", 8))
+    alpha_default = float(pc.get("lora_alpha", r_default))
+    rslora = bool(pc.get("use_rslora"))
+    try:
+        raw = _read_safetensors(st_path)
+    except AdapterError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise AdapterError(f"adapter {label}: cannot read adapter_model.safetensors ({e})") from None
+
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, arr in raw.items():
+        m = re.fullmatch(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+                         r"lora_magnitude_vector)(?:\.default)?(?:\.weight)?", key)
+        if not m:
+            if key.endswith(".bias"):
+                raise AdapterError(f"adapter {label}: unsupported: bias training ({key})")
+            raise AdapterError(f"adapter {label}: unexpected tensor {key!r}")
+        module, kind = m.groups()
+        if kind == "lora_magnitude_vector":
+            raise AdapterError(f"adapter {label}: unsupported: DoRA ({key})")
+        modules.setdefault(module, {})[kind] = arr
+
+    tensors: dict[str, LoraPair] = {}
+    for module, parts in modules.items():
+        gname = hf_module_to_gguf(module)
+        if gname is None:
+            raise AdapterError(f"adapter {label}: module {module!r} has no counterpart in a "
+                               "llama GGUF (supported: q/k/v/o_proj, gate/up/down_proj, "
+                               "embed_tokens, lm_head)")
+        short = module.removeprefix("base_model.model.")
+        rank = int(_pattern_value(pc.get("rank_pattern"), short, r_default))
+        alpha = float(_pattern_value(pc.get("alpha_pattern"), short, alpha_default))
+        if "lora_embedding_A" in parts:
+            # PEFT embedding LoRA: A (r, vocab), B (dim, r); llama.cpp wants a (vocab, r), b (dim, r)
+            a, b = parts["lora_embedding_A"].T, parts["lora_embedding_B"]
+        else:
+            if "lora_A" not in parts or "lora_B" not in parts:
+                raise AdapterError(f"adapter {label}: module {module!r} lacks lora_A or lora_B")
+            a, b = parts["lora_A"], parts["lora_B"]
+            if gname.endswith("attn_q.weight"):
+                b = permute_qk_rows(b, cfg.n_heads)
+            elif gname.endswith("attn_k.weight"):
+                b = permute_qk_rows(b, cfg.n_kv_heads)
+        if b.shape[1] != rank:
+            raise AdapterError(f"adapter {label}: tensor {gname!r} has rank {b.shape[1]} but "
+                               f"adapter_config.json says r={rank}")
+        # rsLoRA scales by alpha/sqrt(r); express it as an alpha for the one formula.
+        eff_alpha = alpha * math.sqrt(rank) if rslora else alpha
+        tensors[gname] = LoraPair(np.ascontiguousarray(a, dtype=np.float32),
+                                  np.ascontiguousarray(b, dtype=np.float32), eff_alpha)
+    return Adapter(path=folder, name=folder.name, format="peft", tensors=tensors,
+                   alpha=alpha_default * math.sqrt(r_default) if rslora else alpha_default,
+                   task_name=str(pc.get("task_type") or ""))
+
+
+def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
+    label = adapter.path.name
+    if not adapter.tensors:
+        raise AdapterError(f"adapter {label}: contains no LoRA tensors")
+    shapes = base_tensor_shapes(cfg)
+    for name, pair in adapter.tensors.items():
+        if name not in shapes:
+            raise AdapterError(f"adapter {label}: tensor {name!r} does not exist in the base "
+                               f"model ({cfg.name}, {cfg.n_layers} layers)")
+        out, inp = shapes[name]
+        a, b = pair.a, pair.b
+        if a.ndim != 2 or b.ndim != 2:
+            raise AdapterError(f"adapter {label}: tensor {name!r}: lora_a/lora_b must be 2-D")
+        if name == "token_embd.weight":
+            want_a, want_b = (out, b.shape[1]), (inp, a.shape[1])   # flipped, as llama.cpp
+        else:
+            want_a, want_b = (a.shape[0], inp), (out, a.shape[0])
+        if a.shape != want_a or b.shape != want_b:
+            raise AdapterError(
+                f"adapter {label}: tensor {name!r} does not fit the base: lora_a {a.shape}, "
+                f"lora_b {b.shape}; base weight is {(out, inp)} (out, in), so expected "
+                f"lora_a {want_a} and lora_b {want_b}")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise AdapterError(f"adapter {label}: tensor {name!r} contains NaN or Inf")
