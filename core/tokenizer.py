@@ -397,7 +397,7 @@ class Tokenizer:
             joined = sym[left] + sym[right]
             tid = self._token_to_id.get(joined)
             if tid is not None:
-                heapq.heappush(queue, (self._scores[tid], left, right, len(joined)))
+                heapq.heappush(queue, (-self._scores[tid], left, right, len(joined)))
 
         for i in range(1, n):
             push(i - 1, i)

@@ -1,0 +1,152 @@
+"""Chat template tests: SmolLM2's own template against the prompts llama.cpp was
+given, the ChatML fallback, and the sandbox against hostile templates."""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+# pytest.ini does not put the repo root on sys.path (no `pythonpath = .`), so a plain
+# `pytest` run cannot import `core` without this.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
+from core.tokenizer import Tokenizer  # noqa: E402
+
+SMOLLM_DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                         "trained by Hugging Face<|im_end|>\n")
+_CHATML_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>\n", re.S)
+_GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+def _parse_chatml(prompt: str) -> list[dict]:
+    """Messages back out of a ChatML prompt that ends with the generation prompt."""
+    assert prompt.endswith(_GENERATION_PROMPT)
+    body = prompt[:-len(_GENERATION_PROMPT)]
+    messages = [{"role": r, "content": c} for r, c in _CHATML_TURN.findall(body)]
+    assert _CHATML_TURN.sub("", body) == "", "prompt is not plain ChatML"
+    return messages
+
+
+@pytest.fixture(scope="module")
+def smollm_template(smollm_meta) -> ChatTemplate:
+    return ChatTemplate.from_metadata(smollm_meta, Tokenizer.from_metadata(smollm_meta))
+
+
+def _chat_prompts(reference) -> list[str]:
+    prompts = dict.fromkeys(g["prompt"] for g in reference["greedy"])  # unique, in order
+    return [p for p in prompts if p.startswith("<|im_start|>")]
+
+
+def test_smollm_renders_reference_prompt_with_system(smollm_template, reference):
+    with_system = [p for p in _chat_prompts(reference) if p.startswith("<|im_start|>system")]
+    assert with_system, "reference has no chat prompt with a system message"
+    for prompt in with_system:
+        assert smollm_template.render(_parse_chatml(prompt)) == prompt
+
+
+def test_smollm_inserts_default_system_prompt(smollm_template, reference):
+    user_only = [p for p in _chat_prompts(reference) if p.startswith("<|im_start|>user")]
+    assert user_only, "reference has no chat prompt without a system message"
+    for prompt in user_only:
+        assert smollm_template.render(_parse_chatml(prompt)) == SMOLLM_DEFAULT_SYSTEM + prompt
+
+
+def test_smollm_template_facts(smollm_template):
+    assert not smollm_template.is_fallback
+    assert (smollm_template.bos_token, smollm_template.eos_token) == ("<|im_start|>", "<|im_end|>")
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert smollm_template.render(msgs, add_generation_prompt=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n")
+
+
+def test_content_parts_are_joined(smollm_template):
+    parts = [{"type": "text", "text": "one"}, {"type": "image_url", "image_url": {}},
+             {"type": "text", "text": "two"}]
+    rendered = smollm_template.render([{"role": "system", "content": "S"},
+                                       {"role": "user", "content": parts}])
+    assert "<|im_start|>user\none\ntwo<|im_end|>\n" in rendered
+
+
+def test_bos_eos_come_from_tokenizer(smollm_meta):
+    meta = {**smollm_meta, "tokenizer.chat_template": "{{ bos_token }}|{{ eos_token }}"}
+    tmpl = ChatTemplate.from_metadata(meta, Tokenizer.from_metadata(smollm_meta))
+    assert tmpl.render([]) == "<|im_start|>|<|im_end|>"
+
+
+# --- fallback -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", [None, ""])
+def test_missing_template_falls_back_to_chatml_with_warning(caplog, source):
+    with caplog.at_level(logging.WARNING, logger="core.chat_template"):
+        tmpl = ChatTemplate(source)
+    assert tmpl.is_fallback
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "ChatML" in caplog.text
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tmpl.render(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tmpl.render(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_from_metadata_without_template_falls_back(caplog):
+    with caplog.at_level(logging.WARNING, logger="core.chat_template"):
+        assert ChatTemplate.from_metadata({}).is_fallback
+    assert "ChatML" in caplog.text
+
+
+# --- untrusted templates ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ ''.__class__ }}",  # would render as "" in a default sandbox
+    "{{ cycler.__init__.__globals__.os.system('true') }}",
+    "{{ messages.append({'role': 'x'}) }}",
+    "{% set d = {} %}{{ d.update({'a': 1}) }}",
+], ids=["mro", "class", "globals", "list-append", "dict-update"])
+def test_sandbox_violations_raise(source):
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+
+
+def test_sandbox_blocks_side_effects(tmp_path):
+    marker = tmp_path / "pwned"
+    messages = [{"role": "user", "content": "hi"}]
+    for hostile in ["{% set _ = messages.append({'role': 'injected'}) %}",
+                    "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}"]:
+        with pytest.raises(ChatTemplateError):
+            ChatTemplate(hostile).render(messages)
+    assert not marker.exists()
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_raise_exception_becomes_chat_template_error():
+    tmpl = ChatTemplate("{% if messages[0]['role'] != 'user' %}"
+                        "{{ raise_exception('Conversation must start with a user turn') }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="Conversation must start with a user turn"):
+        tmpl.render([{"role": "assistant", "content": "hi"}])
+
+
+def test_runtime_and_syntax_errors_become_chat_template_errors():
+    with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+        ChatTemplate("{{ 1 / 0 }}").render([])
+    with pytest.raises(ChatTemplateError, match="compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_helpers_available():
+    out = ChatTemplate("{{ strftime_now('%Y') }}|{{ {'a': '<b>'} | tojson }}"
+                       "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                       "|{{ m.content }}{% endfor %}").render(
+        [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+    year, as_json, first = out.split("|")
+    assert year.isdigit() and len(year) == 4
+    assert as_json == '{"a": "<b>"}'  # HF's tojson: no HTML escaping
+    assert first == "x"
+
+
+def test_extra_variables_reach_template():
+    tmpl = ChatTemplate("{{ tools | length }}{{ add_generation_prompt }}")
+    assert tmpl.render([], tools=[{"name": "t"}], add_generation_prompt=False) == "1False"

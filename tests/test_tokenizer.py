@@ -1,0 +1,276 @@
+"""Tokenizer tests: SmolLM2 against llama.cpp's own tokenizations, plus tiny
+hand-made vocabularies for SPM and for pre-tokenizer differences."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+
+# pytest.ini does not put the repo root on sys.path (no `pythonpath = .`), so a plain
+# `pytest` run cannot import `core` without this.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.gguf_file import GGUFFile  # noqa: E402
+from core.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError  # noqa: E402
+
+N_REFERENCE = 32  # entries in both reference["tokenize"] and reference["greedy"]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_meta) -> Tokenizer:
+    return Tokenizer.from_metadata(smollm_meta)
+
+
+# --- SmolLM2 vs llama.cpp -------------------------------------------------------------
+
+def test_reference_sizes(reference):
+    assert len(reference["tokenize"]) == N_REFERENCE
+    assert len(reference["greedy"]) == N_REFERENCE
+
+
+@pytest.mark.parametrize("i", range(N_REFERENCE), ids=lambda i: f"tokenize{i:02d}")
+def test_matches_llamacpp_tokenize(tok, reference, i):
+    case = reference["tokenize"][i]
+    assert tok.encode(case["text"], parse_special=case["parse_special"]) == case["tokens"]
+
+
+@pytest.mark.parametrize("i", range(N_REFERENCE), ids=lambda i: f"greedy{i:02d}")
+def test_matches_llamacpp_prompt_tokens(tok, reference, i):
+    case = reference["greedy"][i]
+    assert tok.encode(case["prompt"], parse_special=True) == case["prompt_tokens"]
+
+
+def test_decode_roundtrips_reference_texts(tok, reference):
+    texts = [c["text"] for c in reference["tokenize"] if not c["parse_special"]]
+    assert len(texts) == N_REFERENCE // 2
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_only_parsed_on_request(tok):
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert tok.encode(text, parse_special=True)[0] == 1
+    assert 1 not in tok.encode(text, parse_special=False)
+    ids = tok.encode(text, parse_special=True)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special=True) == "user\nhi"
+    assert tok.is_control(1) and not tok.is_control(4093)
+    assert tok.token_bytes(2) == b"<|im_end|>" and tok.token_str(2) == "<|im_end|>"
+
+
+def test_smollm_special_ids_and_bos(tok):
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 49152)
+    assert tok.add_bos is False  # tokenizer.ggml.add_bos_token = false in the file
+    assert tok.encode("hi", add_special=True) == tok.encode("hi")
+    assert tok.token_id_of("<|im_end|>") == 2 and tok.token_id_of("no such token") is None
+
+
+def test_smollm_eog_ids_follow_llamacpp(tok):
+    # llama.cpp: EOS (2, <|im_end|>), every token whose text is in its EOG list
+    # (<|im_end|>, <|endoftext|> = 0), and the FIM repo token, which it detects as
+    # "<reponame>" (4) and also treats as end of generation.
+    assert tok.eog_ids == frozenset({0, 2, 4})
+    assert tok.eot_id == 2
+    assert tok.is_eog(0) and tok.is_eog(2) and not tok.is_eog(1)
+
+
+# --- incremental decoding ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["emoji 🙂🚀 and flags 🇫🇷", "日本語のテキストと中文字符",
+                                  "naïve café — déjà vu"])
+def test_incremental_decode_is_exact_and_never_half_a_char(tok, text):
+    ids = tok.encode(text)
+    dec = tok.decoder()
+    pieces = [dec.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + dec.flush() == text
+
+
+def test_split_character_is_held_back_until_complete(tok):
+    ids = tok.encode("🙂")
+    assert len(ids) > 1, "test needs an emoji spread over several byte tokens"
+    dec = tok.decoder()
+    assert [dec.push(i) for i in ids] == [""] * (len(ids) - 1) + ["🙂"]
+    assert dec.flush() == ""
+
+
+def test_incomplete_leftover_becomes_replacement_char_on_flush(tok):
+    lead_byte = tok.encode("🙂")[0]  # starts a 4-byte sequence that never ends
+    dec = tok.decoder()
+    assert dec.push(lead_byte) == ""
+    assert dec.flush() == "\ufffd"
+    assert tok.decode([lead_byte]) == "\ufffd"
+
+
+def test_decoder_skip_special(tok):
+    dec = tok.decoder(skip_special=True)
+    assert dec.push(1) == "" and dec.push(4093) == "user" and dec.push(2) == ""
+
+
+def test_speed(smollm_meta, reference):
+    t0 = time.perf_counter()
+    fresh = Tokenizer.from_metadata(smollm_meta)
+    build = time.perf_counter() - t0
+    text = (" ".join(c["text"] for c in reference["tokenize"]) + " ".join(
+        g["prompt"] for g in reference["greedy"][::8]) * 8)[:2048]
+    t0 = time.perf_counter()
+    fresh.encode(text)  # cold BPE cache: the slow case
+    encode = time.perf_counter() - t0
+    assert build < 0.5 and encode < 0.05, (build, encode)
+
+
+# --- SPM (tokenizer.ggml.model = "llama") -------------------------------------------------
+
+_SPM_WORDS = ["▁", "a", "b", "c", "ab", "bc"]
+
+
+def _spm_tokens() -> tuple[list[str], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_WORDS
+    types = [2, 3, 3] + [6] * 256 + [1] * len(_SPM_WORDS)
+    return tokens, types
+
+
+def _write_spm_gguf(path, scores: dict[str, float]) -> None:
+    tokens, types = _spm_tokens()
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([scores.get(t, 0.0) for t in tokens])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def spm(tmp_path) -> Tokenizer:
+    path = tmp_path / "spm.gguf"
+    _write_spm_gguf(path, {"ab": -1.0, "bc": -0.5})
+    return Tokenizer.from_metadata(GGUFFile(path).metadata)
+
+
+def _ids(t: Tokenizer, *texts: str) -> list[int]:
+    return [t.token_id_of(x) for x in texts]
+
+
+def test_spm_merges_by_score(spm, tmp_path):
+    # "bc" outscores "ab", so it is merged first and "ab" can no longer form.
+    assert spm.encode("abc") == _ids(spm, "▁", "a", "bc")
+    path = tmp_path / "swapped.gguf"
+    _write_spm_gguf(path, {"ab": -0.5, "bc": -1.0})
+    swapped = Tokenizer.from_metadata(GGUFFile(path).metadata)
+    assert swapped.encode("abc") == _ids(swapped, "▁", "ab", "c")
+
+
+def test_spm_byte_fallback(spm):
+    ids = spm.encode("aé")  # é is not in the vocab: its UTF-8 bytes C3 A9 are used
+    assert ids == _ids(spm, "▁", "a", "<0xC3>", "<0xA9>")
+    assert spm.token_bytes(ids[2]) == b"\xc3"
+    assert spm.decode(ids) == "aé"
+
+
+def test_spm_space_prefix_and_bos(spm):
+    assert spm.add_space_prefix and spm.add_bos  # llama.cpp's SPM defaults
+    assert spm.encode("a b") == _ids(spm, "▁", "a", "▁", "b")
+    assert spm.token_bytes(spm.token_id_of("▁")) == b" "
+    ids = spm.encode("a b", add_special=True)
+    assert ids[0] == 1
+    assert spm.decode(ids, skip_special=True) == "a b"  # the added prefix space is dropped
+
+
+def test_spm_without_space_prefix(tmp_path):
+    tokens, types = _spm_tokens()
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_space_prefix": False,
+            "tokenizer.ggml.scores": [0.0] * len(tokens)}
+    t = Tokenizer.from_metadata(meta)
+    assert t.encode("ab") == _ids(t, "ab")
+    assert t.decode(t.encode(" ab")) == " ab"
+
+
+def test_spm_parse_special(spm):
+    assert spm.encode("<s>a", parse_special=True) == [1] + _ids(spm, "▁", "a")
+    raw = spm.encode("<s>a")
+    assert 1 not in raw and spm.decode(raw) == "<s>a"
+
+
+# --- BPE pre-tokenizers on a tiny byte-level vocabulary ----------------------------------
+
+def _bpe_meta(pre: str, words: list[str], merges: list[str], **extra) -> dict:
+    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + words
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [1] * len(tokens), **extra}
+
+
+_DIGIT_MERGES = ["1 2", "12 3", "123 4", "4 5"]
+_DIGIT_WORDS = ["12", "123", "1234", "45"]
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("llama-bpe", ["123", "45"]),          # \p{N}{1,3}: groups of up to three digits
+    ("default", ["123", "45"]),            # its [0-9][0-9][0-9] pass does the same
+    ("gpt2", ["1234", "5"]),               # \p{N}+: one piece, merges run across it
+    ("smollm", ["1", "2", "3", "4", "5"]),  # \p{N}: every digit alone
+    ("qwen2", ["1", "2", "3", "4", "5"]),
+])
+def test_pre_tokenizer_digit_splitting(pre, pieces):
+    t = Tokenizer.from_metadata(_bpe_meta(pre, _DIGIT_WORDS, _DIGIT_MERGES))
+    assert t.encode("12345") == _ids(t, *pieces)
+    assert t.decode(t.encode("12345")) == "12345"
+
+
+def test_llama3_uses_whole_word_tokens_without_merges():
+    # llama.cpp sets ignore_merges for llama3: a piece that is a token is used as is.
+    words, merges = ["abc"], []
+    llama3 = Tokenizer.from_metadata(_bpe_meta("llama-bpe", words, merges))
+    gpt2 = Tokenizer.from_metadata(_bpe_meta("gpt2", words, merges))
+    assert llama3.encode("abc") == _ids(llama3, "abc")
+    assert gpt2.encode("abc") == _ids(gpt2, "a", "b", "c")
+
+
+def test_llama3_adds_bos_by_default():
+    meta = _bpe_meta("llama-bpe", ["<|begin_of_text|>"], [], **{"tokenizer.ggml.bos_token_id": 256})
+    t = Tokenizer.from_metadata(meta)
+    assert t.add_bos and t.encode("a", add_special=True) == [256, t.token_id_of("a")]
+
+
+def test_user_defined_tokens_are_parsed_even_without_parse_special():
+    meta = _bpe_meta("gpt2", ["<tool>", "<ctl>"], [])
+    meta["tokenizer.ggml.token_type"] = [1] * 256 + [4, 3]  # user-defined, control
+    t = Tokenizer.from_metadata(meta)
+    a, tool, ctl = _ids(t, "a", "<tool>", "<ctl>")
+    assert t.encode("a<tool>a") == [a, tool, a]
+    assert ctl not in t.encode("a<ctl>") and t.encode("a<ctl>", parse_special=True) == [a, ctl]
+
+
+def test_gpt2_has_no_bos_or_eos_for_a_tiny_vocab():
+    # llama.cpp's BPE default BOS/EOS id 11 only applies when it exists in the vocab
+    t = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+                                 "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []})
+    assert (t.bos_id, t.eos_id, t.eog_ids) == (None, None, frozenset())
+
+
+# --- unsupported input -------------------------------------------------------------------
+
+def test_unsupported_model_is_named():
+    with pytest.raises(TokenizerError, match="'t5'"):
+        Tokenizer.from_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_unsupported_pre_tokenizer_is_named():
+    with pytest.raises(TokenizerError, match="'klingon-bpe'"):
+        Tokenizer.from_metadata(_bpe_meta("klingon-bpe", [], []))
+
+
+def test_add_bos_without_bos_token_is_rejected():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.add_bos_token": True}
+    with pytest.raises(TokenizerError, match="BOS"):
+        Tokenizer.from_metadata(meta)
