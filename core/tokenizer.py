@@ -193,7 +193,7 @@ class Tokenizer:
         self.add_space_prefix = False  # the BPE path never prefixes a space
         self.add_bos, self.add_eos = pre.add_bos, False
         # llama.cpp's defaults when the file names none (GPT-2's <|endoftext|> is 11)
-        self._default_ids = {"bos": 11, "eos": 11, "unk": None}
+        self._default_bos_eos = (11, 11)
 
     def _init_spm(self, meta: Mapping[str, Any]) -> None:
         scores = meta.get("tokenizer.ggml.scores")
@@ -202,7 +202,7 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.scores is shorter than the vocabulary")
         self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         self.add_bos, self.add_eos = True, False
-        self._default_ids = {"bos": 1, "eos": 2, "unk": 0}
+        self._default_bos_eos = (1, 2)  # <s>, </s>
 
     def _load_special_ids(self, meta: Mapping[str, Any]) -> None:
         def read(name: str, default: int | None) -> int | None:
@@ -218,9 +218,8 @@ class Tokenizer:
                 return default
             return int(value)
 
-        self.bos_id = read("bos", self._default_ids["bos"])
-        self.eos_id = read("eos", self._default_ids["eos"])
-        self.unk_id = read("unk", self._default_ids["unk"])
+        self.bos_id = read("bos", self._default_bos_eos[0])
+        self.eos_id = read("eos", self._default_bos_eos[1])
         self._auto_ids = {name: read(name, None) for name in _AUTO_IDS}
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", self.add_bos))
         self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", self.add_eos))
@@ -434,10 +433,15 @@ class Tokenizer:
     # --- decoding -------------------------------------------------------------------
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Concatenated token pieces; invalid UTF-8 becomes U+FFFD.
+
+        Two deliberate differences from llama.cpp's detokenize, both so that
+        decode(encode(text)) == text: the SPM prefix space is also dropped after a
+        leading BOS (llama.cpp keeps it there), and BPE "clean_spaces" rewriting
+        (" ," -> ",", " 's" -> "'s", ...) is not applied.
+        """
         ids = list(ids)
         data = b"".join(self._visible_bytes(i, skip_special) for i in ids)
-        # SPM adds a space in front of the text when encoding; like llama.cpp's
-        # detokenize, drop it again when the text starts the sequence.
         if self.add_space_prefix and data.startswith(b" ") and self._starts_with_text(ids):
             data = data[1:]
         return data.decode("utf-8", errors="replace")
