@@ -1,0 +1,341 @@
+"""The one engine that owns the model: adapters, the global mix, and the scheduler.
+
+The GUI, the HTTP API and the CLI all talk to one :class:`Engine`. It never
+imports Qt. Long work (loading a model) runs on the caller's thread and reports
+progress through a callback; generation runs on the scheduler thread, which
+either :meth:`Engine.start` creates, or a host thread (the GUI's QThread) drives
+by calling :meth:`Engine.run_loop`.
+
+Observers subscribe to named events with :meth:`Engine.subscribe`; callbacks
+run on whichever thread made the change, so GUI code must marshal to its own
+thread (the worker bridge does this with queued signals).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from .chat_template import ChatTemplate
+from .config import ModelConfig
+from .kv_cache import ContextOverflow
+from .lora import Adapter, AdapterError, load_adapter
+from .mix import MixCache, MixKey, mix_key
+from .model import LlamaModel
+from .prefix_cache import PrefixCache
+from .sampling import SamplingParams, validate
+from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
+from .tokenizer import Tokenizer
+from .weights import ModelLoadError, load_weights, open_model_file
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, dict], None]
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; ``type`` mirrors llama-server's error types."""
+
+    def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400):
+        super().__init__(message)
+        self.type, self.code = type, code
+
+
+class Engine:
+    def __init__(self, ctx_size: int = 4096, n_parallel: int = 4,
+                 prefix_cache_bytes: int = 512 << 20):
+        self.ctx_size = ctx_size
+        self.n_parallel = n_parallel
+        self.path: Path | None = None
+        self.config: ModelConfig | None = None
+        self.model: LlamaModel | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.chat_template: ChatTemplate | None = None
+        self.loading = False
+        self.load_progress = 0.0
+        self.load_ms = 0.0
+        self._adapters: dict[int, Adapter] = {}
+        self._scales: dict[int, float] = {}          # the global mix: adapter id -> scale
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._listeners: list[Listener] = []
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.mixes: MixCache | None = None
+        self.scheduler: Scheduler | None = None
+        self._thread: threading.Thread | None = None
+        self._requests: dict[int, Request] = {}
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def from_path(cls, path: str | Path, start: bool = True, **kw) -> "Engine":
+        eng = cls(**kw)
+        eng.load_model(path)
+        if start:
+            eng.start()
+        return eng
+
+    # -- events -----------------------------------------------------------------
+    def subscribe(self, fn: Listener) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def _notify(self, name: str, **payload: Any) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(name, payload)
+            except Exception:
+                log.exception("listener failed on %s", name)
+
+    # -- model --------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and not self.loading
+
+    def load_model(self, path: str | Path, progress: Callable[[float, str], None] | None = None,
+                   cancel: threading.Event | None = None) -> ModelConfig:
+        """Load (or replace) the base model. Raises ModelLoadError with a clear message;
+        on failure the previously loaded model stays in service."""
+        t0 = time.perf_counter()
+        self.loading = True
+        self._notify("model_loading", path=str(path), progress=0.0, message="opening")
+
+        def report(frac: float, msg: str) -> None:
+            self.load_progress = frac
+            if progress:
+                progress(frac, msg)
+            self._notify("model_loading", path=str(path), progress=frac, message=msg)
+
+        try:
+            gf, cfg = open_model_file(path)
+            try:
+                tok = Tokenizer.from_metadata(gf.metadata)
+            except ValueError as e:
+                raise ModelLoadError(f"{Path(path).name}: {e}") from None
+            template = ChatTemplate.from_metadata(gf.metadata, tok)
+            weights = load_weights(gf, cfg, progress=report, cancel=cancel)
+        except BaseException as e:
+            self.loading = False
+            self._notify("model_error", path=str(path), error=str(e))
+            raise
+        was_running = self._thread is not None
+        self.stop()
+        with self._lock:
+            self.path, self.config = Path(path), cfg
+            self.model = LlamaModel(cfg, weights)
+            self.tokenizer, self.chat_template = tok, template
+            self.mixes = MixCache(cfg)
+            self.prefix.clear()
+            dropped = list(self._adapters.values())
+            self._adapters.clear()
+            self._scales.clear()
+            self.scheduler = Scheduler(self.model, tok, self.prefix, self.ctx_size, self.n_parallel)
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+        self.loading = False
+        if dropped:
+            self._notify("adapters_changed", adapters=self.adapters())
+        self._notify("model_loaded", info=self.model_info())
+        if was_running:
+            self.start()
+        return cfg
+
+    def model_info(self) -> dict[str, Any]:
+        if self.config is None:
+            return {}
+        c = self.config
+        n_params = sum(int(math.prod(t.shape)) for t in
+                       open_model_file(self.path)[0].tensors.values()) if self.path else 0
+        return {"path": str(self.path), "name": c.name, "arch": c.arch, "n_params": n_params,
+                "quant": c.file_type, "n_ctx_train": c.ctx_len, "n_ctx": self.ctx_size,
+                "n_layers": c.n_layers, "dim": c.dim, "n_vocab": c.vocab_size,
+                "memory_bytes": self.model.w.nbytes, "load_ms": self.load_ms,
+                "chat_template": self.chat_template.source if self.chat_template else ""}
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            raise EngineError("Loading model" if self.loading else "no model loaded",
+                              type="unavailable_error", code=503)
+
+    # -- adapters -------------------------------------------------------------------
+    def add_adapter(self, path: str | Path, scale: float = 0.0) -> int:
+        """Load and validate an adapter; returns its id (stable for the session).
+        Raises AdapterError naming the adapter; nothing changes on failure."""
+        self.require_ready()
+        scale = _check_scale(scale, "scale")
+        adapter = load_adapter(path, self.config)
+        with self._lock:
+            adapter.id = self._next_id
+            self._next_id += 1
+            self._adapters[adapter.id] = adapter
+            self._scales[adapter.id] = scale
+        self._notify("adapters_changed", adapters=self.adapters())
+        return adapter.id
+
+    def remove_adapter(self, aid: int) -> None:
+        with self._lock:
+            if aid not in self._adapters:
+                raise EngineError(f"no adapter with id {aid}")
+            del self._adapters[aid]
+            del self._scales[aid]
+            if self.mixes:
+                self.mixes.forget_adapter(aid)
+            self.prefix.forget_adapter(aid)
+        self._notify("adapters_changed", adapters=self.adapters())
+        self._notify("mix_changed", mix=self.get_mix(), source="unload")
+
+    def adapter(self, aid: int) -> Adapter:
+        with self._lock:
+            if aid not in self._adapters:
+                raise EngineError(f"no adapter with id {aid}")
+            return self._adapters[aid]
+
+    def adapters(self) -> list[dict[str, Any]]:
+        """llama-server's GET /lora-adapters entries, plus our extra info fields."""
+        with self._lock:
+            out = []
+            for aid, ad in sorted(self._adapters.items()):
+                info = ad.info()
+                info["scale"] = self._scales[aid]
+                info["effective_scale"] = ad.effective_scale(self._scales[aid])
+                out.append(info)
+            return out
+
+    # -- the global mix ---------------------------------------------------------------
+    def get_mix(self) -> dict[int, float]:
+        with self._lock:
+            return dict(self._scales)
+
+    def parse_mix(self, entries: Any, what: str = "lora") -> dict[int, float]:
+        """Validate llama-server's [{"id", "scale"}] list. Unlisted ids are 0.
+        Raises EngineError (400) without changing anything."""
+        if not isinstance(entries, list):
+            raise EngineError(f"{what} must be a list of {{\"id\", \"scale\"}} objects")
+        out: dict[int, float] = {}
+        with self._lock:
+            known = set(self._adapters)
+        for e in entries:
+            if not isinstance(e, dict) or "id" not in e:
+                raise EngineError(f"each {what} entry must be an object with \"id\" and \"scale\"")
+            aid = e["id"]
+            if not isinstance(aid, int) or isinstance(aid, bool):
+                raise EngineError(f"{what}: adapter id must be an integer, got {aid!r}")
+            if aid not in known:
+                raise EngineError(f"{what}: no adapter with id {aid}")
+            out[aid] = _check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
+        return {aid: out.get(aid, 0.0) for aid in known}
+
+    def set_mix(self, scales: Mapping[int, float], source: str = "api", replace: bool = True) -> None:
+        """Set the global mix. With replace, unlisted adapters go to 0. O(#adapters):
+        nothing model-sized happens here."""
+        with self._lock:
+            for aid in scales:
+                if aid not in self._adapters:
+                    raise EngineError(f"no adapter with id {aid}")
+            checked = {aid: _check_scale(s, f"scale of adapter {aid}") for aid, s in scales.items()}
+            if replace:
+                self._scales = {aid: checked.get(aid, 0.0) for aid in self._adapters}
+            else:
+                self._scales.update(checked)
+            mix = dict(self._scales)
+        self._notify("mix_changed", mix=mix, source=source)
+
+    # -- generation ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the scheduler on a background thread (headless, tests, CLI)."""
+        if self._thread is not None or self.scheduler is None:
+            return
+        self._thread = threading.Thread(target=self.run_loop, name="mixdesk-engine", daemon=True)
+        self._thread.start()
+
+    def run_loop(self) -> None:
+        """Blocking scheduler loop; a GUI QThread may call this instead of start()."""
+        sched = self.scheduler
+        if sched is not None:
+            sched._stop.clear()
+            sched.run()
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_event: Callable[[Event], None],
+               mix: Mapping[int, float] | None = None, cache_prompt: bool = True,
+               source: str = "") -> Request:
+        """Queue a generation. ``mix`` None means the global mix, snapshotted now:
+        later mix changes do not alter this request (llama.cpp #10374)."""
+        self.require_ready()
+        validate(params)
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        bad = [t for t in prompt if not (0 <= t < self.config.vocab_size)]
+        if bad:
+            raise EngineError(f"prompt contains invalid token id {bad[0]} "
+                              f"(vocabulary has {self.config.vocab_size})")
+        with self._lock:
+            scales = dict(self._scales) if mix is None else dict(mix)
+            for aid in scales:
+                if aid not in self._adapters:
+                    raise EngineError(f"no adapter with id {aid}")
+            key = mix_key(scales)
+            weights = self.mixes.get(key, self._adapters)
+        req = Request(list(prompt), params, key, weights, on_event, cache_prompt, source)
+        try:
+            self.scheduler.submit(req)
+        except ContextOverflow as e:
+            raise EngineError(str(e), type="exceed_context_size_error") from None
+        self._notify("request_started", id=req.id, source=source, mix=dict(key),
+                     prompt_n=len(prompt))
+        return req
+
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 mix: Mapping[int, float] | None = None, cache_prompt: bool = True,
+                 source: str = "") -> Iterator[Event]:
+        """Synchronous generator of events for one request (CLI, tests, scripts).
+        Closing the generator early cancels the request."""
+        q: queue.Queue[Event] = queue.Queue()
+        req = self.submit(prompt, params, q.put, mix=mix, cache_prompt=cache_prompt, source=source)
+        try:
+            while True:
+                ev = q.get()
+                yield ev
+                if isinstance(ev, DoneEvent):
+                    return
+        finally:
+            req.cancel()
+
+    def complete(self, prompt: list[int], params: SamplingParams,
+                 mix: Mapping[int, float] | None = None, **kw) -> DoneEvent:
+        done = None
+        for ev in self.generate(prompt, params, mix=mix, **kw):
+            if isinstance(ev, DoneEvent):
+                done = ev
+        if done.stop_type == "error":
+            raise EngineError(done.error or "generation failed", type="server_error", code=500)
+        return done
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        self.require_ready()
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+
+    def chat(self, messages: list[dict], mix: Mapping[int, float] | None = None,
+             max_tokens: int = 256, temperature: float = 0.0, **params) -> str:
+        """One chat reply as a string (scripts and the demo-adapter evaluation)."""
+        p = SamplingParams(temperature=temperature, n_predict=max_tokens, **params)
+        return self.complete(self.chat_prompt(messages), p, mix=mix).content
+
+
+def _check_scale(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EngineError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+__all__ = ["Engine", "EngineError", "AdapterError", "ModelLoadError", "SamplingParams",
+           "TokenEvent", "DoneEvent", "Event", "Request", "MixKey"]

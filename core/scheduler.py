@@ -1,0 +1,282 @@
+"""Continuous batching: every active sequence advances in one forward per step.
+
+Requests from the chat pane and from HTTP land in one queue. Each step packs the
+decode token of every running sequence plus a chunk of any pending prompt into
+one batch, ordered by mix so sequences that share a mix share their LoRA
+matmuls. Sequences with different mixes still share all base matmuls.
+
+Events are delivered by calling ``request.on_event`` on the scheduler thread;
+consumers move them to their own thread (asyncio: call_soon_threadsafe; Qt: a
+queued signal).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .kv_cache import ContextOverflow, KVCache
+from .mix import MixKey, MixWeights
+from .model import BatchItem, LlamaModel
+from .prefix_cache import PrefixCache
+from .sampling import SamplingParams, StopMatcher, log_softmax, make_sampler, top_logprobs
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512       # prompt tokens per sequence per step: bounds memory, keeps decode moving
+CAPACITY_ROUND = 64
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str                                   # text released by this token (may be "")
+    logprob: float | None = None                # of the chosen token, when n_probs > 0
+    top: list[tuple[int, float]] | None = None  # top-n (id, logprob), when n_probs > 0
+    kind: str = "token"
+
+
+@dataclass
+class Timings:
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cache_n: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0,
+            "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second":
+                1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms else 0.0,
+        }
+
+
+@dataclass
+class DoneEvent:
+    stop_type: str                  # "eos" | "limit" | "word" | "cancel" | "error"
+    content: str
+    tokens: list[int]
+    timings: Timings
+    mix: MixKey
+    stopping_word: str = ""
+    error: str | None = None
+    error_type: str = ""            # e.g. "exceed_context_size_error"
+    kind: str = "done"
+
+
+Event = TokenEvent | DoneEvent
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    mix: MixKey                                  # snapshotted at admission by the engine
+    mix_weights: MixWeights | None
+    on_event: Callable[[Event], None]
+    cache_prompt: bool = True
+    source: str = ""
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Seq:
+    """One running request: its cache, sampler and the text it has released."""
+
+    def __init__(self, req: Request, cache: KVCache, n_cached: int, tokenizer, eog):
+        self.req = req
+        self.cache = cache
+        self.pending = list(req.prompt[n_cached:])      # prompt tokens not yet run
+        self.history = list(req.prompt)                  # for penalties
+        self.generated: list[int] = []
+        self.sampler = make_sampler(req.params, eog)
+        self.decoder = tokenizer.decoder()
+        self.stops = StopMatcher(req.params.stop)
+        self.timings = Timings(cache_n=n_cached)
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+        self.content: list[str] = []
+        self.next_token: int | None = None               # sampled, not yet run through the model
+
+    def inputs(self) -> np.ndarray:
+        if self.pending:
+            return np.asarray(self.pending[:PREFILL_CHUNK], dtype=np.int64)
+        return np.asarray([self.next_token], dtype=np.int64)
+
+
+class Scheduler:
+    def __init__(self, model: LlamaModel, tokenizer, prefix_cache: PrefixCache,
+                 ctx_size: int, n_parallel: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefix = prefix_cache
+        self.ctx_size = ctx_size
+        self.n_parallel = max(1, n_parallel)
+        self.queue: queue.Queue[Request] = queue.Queue()
+        self.active: list[_Seq] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.busy = False
+        self.steps = 0
+
+    # -- public -------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if len(req.prompt) >= self.ctx_size:
+            raise ContextOverflow(
+                f"the prompt has {len(req.prompt)} tokens, which exceeds the context size of "
+                f"{self.ctx_size}")
+        if not req.prompt:
+            raise ValueError("the prompt is empty")
+        self.queue.put(req)
+        self._wake.set()
+        return req
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Serve until stop(). Call from the one engine thread."""
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+        for s in self.active:
+            self._finish(s, "cancel")
+        self.active.clear()
+
+    def step(self) -> bool:
+        """Admit, run one batched forward, sample. False when there was nothing to do."""
+        self._admit()
+        for s in [s for s in self.active if s.req.cancelled.is_set()]:
+            self._finish(s, "cancel")
+        if not self.active:
+            self.busy = False
+            return False
+        self.busy = True
+        # Order by mix so equal mixes are adjacent and share their LoRA matmuls.
+        seqs = sorted(self.active, key=lambda s: s.req.mix)
+        items = [BatchItem(s.inputs(), s.cache, s.req.mix_weights) for s in seqs]
+        t0 = time.perf_counter()
+        try:
+            logits = self.model(items)
+        except Exception as e:  # a bug must not kill the engine thread: fail these requests
+            log.exception("forward failed")
+            for s in seqs:
+                self._finish(s, "error", error=f"internal error in forward pass: {e}")
+            return True
+        dt = (time.perf_counter() - t0) * 1e3
+        self.steps += 1
+        for s, it, lg in zip(seqs, items, logits):
+            n = len(it.tokens)
+            if s.pending:
+                del s.pending[:n]
+                s.timings.prompt_n += n
+                s.timings.prompt_ms += dt
+                if s.pending:
+                    continue        # more prompt to run before we can sample
+            else:
+                s.timings.predicted_ms += dt
+            self._sample(s, lg[-1])
+        return True
+
+    # -- internals ------------------------------------------------------------
+    def _admit(self) -> None:
+        while len(self.active) < self.n_parallel:
+            try:
+                req = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled.is_set():
+                self._emit_done(req, DoneEvent("cancel", "", [], Timings(), req.mix))
+                continue
+            p = req.params
+            want = len(req.prompt) + (p.n_predict if p.n_predict >= 0 else self.ctx_size)
+            cap = min(self.ctx_size, -(-want // CAPACITY_ROUND) * CAPACITY_ROUND)
+            cache, n_cached = (None, 0)
+            if req.cache_prompt:
+                cache, n_cached = self.prefix.take(req.mix, req.prompt)
+            if cache is not None and cache.capacity < cap:
+                fresh = self.model.new_cache(cap)
+                fresh.copy_prefix_from(cache, n_cached)
+                cache = fresh
+            if cache is None:
+                cache = self.model.new_cache(cap)
+            self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
+
+    def _sample(self, s: _Seq, logits: np.ndarray) -> None:
+        p = s.req.params
+        tok = s.sampler(logits, s.history)
+        now = time.perf_counter()
+        if s.t_first is None:
+            s.t_first = now
+        ev = TokenEvent(tok, "")
+        if p.n_probs > 0:
+            top = top_logprobs(logits, p.n_probs)
+            lp = dict(top).get(tok)
+            if lp is None:
+                lp = float(log_softmax(logits)[tok])
+            ev.logprob, ev.top = lp, top
+        s.generated.append(tok)
+        s.history.append(tok)
+        s.timings.predicted_n += 1
+
+        if self.tokenizer.is_eog(tok) and not p.ignore_eos:
+            ev.text = s.stops.feed(s.decoder.flush())
+            s.content.append(ev.text)
+            self._emit(s, ev)
+            self._finish(s, "eos")
+            return
+        ev.text = s.stops.feed(s.decoder.push(tok))
+        s.content.append(ev.text)
+        self._emit(s, ev)
+        if s.stops.hit is not None:
+            self._finish(s, "word", stopping_word=s.stops.hit)
+        elif p.n_predict >= 0 and len(s.generated) >= p.n_predict:
+            self._finish(s, "limit")
+        elif s.cache.length + 1 >= s.cache.capacity:
+            self._finish(s, "limit")
+        else:
+            s.next_token = tok
+
+    def _emit(self, s: _Seq, ev: Event) -> None:
+        try:
+            s.req.on_event(ev)
+        except Exception:  # a consumer's bug must not stop other sequences
+            log.exception("event consumer failed; cancelling request %s", s.req.id)
+            s.req.cancel()
+
+    def _finish(self, s: _Seq, stop_type: str, stopping_word: str = "", error: str | None = None):
+        if s in self.active:
+            self.active.remove(s)
+        tail = s.stops.feed(s.decoder.flush()) if stop_type not in ("eos", "error") else ""
+        tail += s.stops.flush() if s.stops.hit is None else ""
+        if tail:
+            s.content.append(tail)
+            self._emit(s, TokenEvent(-1, tail, kind="text"))
+        if s.req.cache_prompt and stop_type != "error":
+            self.prefix.put(s.req.mix, s.cache)
+        done = DoneEvent(stop_type, "".join(s.content), list(s.generated), s.timings, s.req.mix,
+                         stopping_word=stopping_word, error=error)
+        self._emit_done(s.req, done)
+
+    def _emit_done(self, req: Request, ev: DoneEvent) -> None:
+        try:
+            req.on_event(ev)
+        except Exception:
+            log.exception("event consumer failed on done")
