@@ -48,6 +48,7 @@ class EngineError(ValueError):
 class Engine:
     def __init__(self, ctx_size: int = 4096, n_parallel: int = 4,
                  prefix_cache_bytes: int = 512 << 20):
+        self.requested_ctx = ctx_size     # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
         self.path: Path | None = None
@@ -125,6 +126,7 @@ class Engine:
         self.stop()
         with self._lock:
             self.path, self.config = Path(path), cfg
+            self.ctx_size = self.requested_ctx or cfg.ctx_len
             self.model = LlamaModel(cfg, weights)
             self.tokenizer, self.chat_template = tok, template
             self.mixes = MixCache(cfg)

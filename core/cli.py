@@ -1,0 +1,141 @@
+"""Command-line flags, spelled and meant as llama.cpp's llama-server / llama-cli.
+
+One parser serves every mode of main.py: the GUI (default), ``--headless``
+(the HTTP API without Qt), one-shot generation (``-p``) and the exports.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+# Flags that only matter on a GPU build of llama.cpp: accepted, with a notice.
+# name(s) -> takes a value?
+GPU_ONLY_FLAGS = {
+    ("-ngl", "--n-gpu-layers", "--gpu-layers"): True,
+    ("-sm", "--split-mode"): True,
+    ("-ts", "--tensor-split"): True,
+    ("-mg", "--main-gpu"): True,
+    ("-fa", "--flash-attn"): True,
+    ("-dev", "--device"): True,
+    ("--mlock",): False,
+    ("--no-mmap",): False,
+    ("-nkvo", "--no-kv-offload"): False,
+    ("-cb", "--cont-batching"): False,
+}
+
+
+class CliError(ValueError):
+    pass
+
+
+def _float(text: str, what: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise CliError(f"{what}: {text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise CliError(f"{what}: {text!r} is not a finite number")
+    return v
+
+
+def parse_lora_scaled(groups: list[list[str]] | None) -> list[tuple[str, float]]:
+    """--lora-scaled accepts 'A.gguf:0.5,B.gguf:-1' and the older 'A.gguf 0.5'."""
+    out: list[tuple[str, float]] = []
+    for g in groups or []:
+        if len(g) == 2 and ":" not in g[0].rsplit("/", 1)[-1]:
+            out.append((g[0], _float(g[1], f"--lora-scaled {g[0]}")))
+            continue
+        for item in ",".join(g).split(","):
+            if not item:
+                continue
+            path, sep, scale = item.rpartition(":")
+            if not sep or not path:
+                raise CliError(f"--lora-scaled expects FNAME:SCALE (or FNAME SCALE), got {item!r}")
+            out.append((path, _float(scale, f"--lora-scaled {path}")))
+    return out
+
+
+def parse_lora(values: list[str] | None) -> list[str]:
+    return [p for v in values or [] for p in v.split(",") if p]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixdesk",
+        description="Mixdesk: a LoRA mixing desk for local LLMs. Without -p, --headless or an "
+                    "export flag it opens the desktop window.",
+        allow_abbrev=False)
+    m = p.add_argument_group("model and adapters")
+    m.add_argument("-m", "--model", help="base model GGUF (default: the embedded SmolLM2-135M)")
+    m.add_argument("--lora", action="append", metavar="FNAME",
+                   help="adapter to load at scale 1 (repeatable, comma-separated)")
+    m.add_argument("--lora-scaled", action="append", nargs="+", metavar="FNAME:SCALE",
+                   help="adapter with a scale: FNAME:SCALE[,...] or FNAME SCALE")
+    m.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load adapters with scale 0 (set scales later via /lora-adapters)")
+    m.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context size per sequence (default 4096; 0 = the model's)")
+    m.add_argument("--chat-template-file", help="Jinja chat template overriding the model's")
+    m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--headless", action="store_true", help="serve the HTTP API without the GUI")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this API key (repeatable)")
+    s.add_argument("-np", "--parallel", type=int, default=4, help="sequences batched at once")
+    s.add_argument("--alias", help="model name reported by the API")
+    s.add_argument("--cors-origins", default="",
+                   help="comma-separated origins allowed by CORS (default: none)")
+    s.add_argument("--verbose", "-v", action="store_true", help="log prompts and responses")
+
+    g = p.add_argument_group("one-shot generation (llama-cli style)")
+    g.add_argument("-p", "--prompt", help="generate a completion of this prompt and exit")
+    g.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until EOS)")
+    g.add_argument("--temp", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("-s", "--seed", type=int, default=-1)
+    g.add_argument("--ignore-eos", action="store_true")
+
+    e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
+    e.add_argument("--export-lora", metavar="OUT.gguf", help="write the mix as one LoRA GGUF")
+    e.add_argument("--export-merged", metavar="OUT.gguf", help="write base+mix merged as a model GGUF")
+    e.add_argument("--outtype", choices=["f32", "f16", "q8_0"], default="f16",
+                   help="tensor type for --export-merged (default f16)")
+    e.add_argument("--export-peft", metavar="DIR", help="write the mix as a PEFT folder")
+
+    for names, takes_value in GPU_ONLY_FLAGS.items():
+        kw = {"nargs": "?", "const": "on"} if takes_value else {"action": "store_true"}
+        p.add_argument(*names, dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
+                       help=argparse.SUPPRESS, **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.adapters = [(path, 1.0) for path in parse_lora(args.lora)] + \
+            parse_lora_scaled(args.lora_scaled)
+    except CliError as e:
+        parser.error(str(e))
+    args.api_key = [k for k in args.api_key if k]
+    args.cors_origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+    if args.parallel < 1:
+        parser.error("--parallel must be at least 1")
+    if args.ctx_size < 0:
+        parser.error("--ctx-size must be >= 0")
+    if not 0 < args.port < 65536:
+        parser.error("--port must be in 1..65535")
+    for names in GPU_ONLY_FLAGS:
+        if getattr(args, "gpu_" + names[-1].lstrip("-").replace("-", "_")):
+            print(f"mixdesk: {names[0]} ignored: Mixdesk runs on the CPU (numpy)", file=sys.stderr)
+    if args.chat_template_file and not Path(args.chat_template_file).is_file():
+        parser.error(f"--chat-template-file: no such file {args.chat_template_file}")
+    return args
