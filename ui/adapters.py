@@ -1,0 +1,158 @@
+"""Adapter manager: add (file dialog, PEFT folder, drag and drop) and remove LoRAs,
+with each adapter's rank, alpha, targets, size, task name and base-model check.
+A file that fails to load becomes a red row with the engine's message; the
+adapters already loaded keep working."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
+                               QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
+
+from core.settings import Settings
+
+from .bridge import EngineBridge
+from .util import human_bytes, local_paths
+
+COLUMNS = ("Adapter", "Rank", "Alpha", "Targets", "Size", "Task", "Base check")
+ERROR_ROLE = Qt.UserRole + 1
+
+
+class AdapterPanel(QWidget):
+    message = Signal(str)
+
+    def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.bridge = bridge
+        self.settings = settings
+        self.errors: dict[str, str] = {}          # path -> message of adapters that failed
+        self._adapters: list[dict] = []
+        self._model_name = ""
+        self.setAcceptDrops(True)
+
+        title = QLabel("Adapters")
+        title.setObjectName("sectionTitle")
+        self.add_btn = QPushButton("Add GGUF…")
+        self.add_btn.clicked.connect(self._add_files)
+        self.add_peft_btn = QPushButton("Add PEFT folder…")
+        self.add_peft_btn.clicked.connect(self._add_folder)
+        self.remove_btn = QPushButton("Remove")
+        self.remove_btn.clicked.connect(self.remove_selected)
+        top = QHBoxLayout()
+        top.addWidget(title)
+        top.addStretch(1)
+        for b in (self.add_btn, self.add_peft_btn, self.remove_btn):
+            top.addWidget(b)
+
+        self.tree = QTreeWidget()
+        self.tree.setHeaderLabels(list(COLUMNS))
+        self.tree.setRootIsDecorated(False)
+        self.tree.setAlternatingRowColors(True)
+        self.tree.setSelectionMode(QAbstractItemView.ExtendedSelection)
+        self.tree.setWordWrap(False)
+        hdr = self.tree.header()
+        hdr.setStretchLastSection(True)
+        hdr.setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.tree.setToolTip("Drop .gguf LoRA files or PEFT folders here")
+
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addLayout(top)
+        lay.addWidget(self.tree, 1)
+
+        bridge.adapters_changed.connect(self.set_adapters)
+        bridge.adapter_error.connect(self.show_error)
+        bridge.adapter_added.connect(self._added)
+        bridge.model_loaded.connect(self._model_loaded)
+        info = bridge.engine.model_info()
+        self._model_name = info.get("name", "")
+        self.set_adapters(bridge.engine.adapters())
+
+    # -- actions ---------------------------------------------------------------------
+    def add_paths(self, paths: list[str | Path], scale: float = 0.0) -> None:
+        for p in paths:
+            self.errors.pop(str(p), None)
+            self.bridge.add_adapter(str(p), scale)
+        self._rebuild()
+
+    def _add_files(self) -> None:
+        files, _ = QFileDialog.getOpenFileNames(self, "Add LoRA adapters", self._start_dir(),
+                                                "LoRA adapters (*.gguf *.safetensors);;All files (*)")
+        self.add_paths(files)
+
+    def _add_folder(self) -> None:
+        d = QFileDialog.getExistingDirectory(self, "Add a PEFT adapter folder", self._start_dir())
+        if d:
+            self.add_paths([d])
+
+    def _start_dir(self) -> str:
+        recent = self.settings.get("recent_adapters") or []
+        return str(Path(recent[0]).parent) if recent else str(Path.home())
+
+    def remove_selected(self) -> None:
+        for item in self.tree.selectedItems():
+            err_path = item.data(0, ERROR_ROLE)
+            if err_path:
+                self.errors.pop(err_path, None)
+            else:
+                self.bridge.remove_adapter(item.data(0, Qt.UserRole))
+        self._rebuild()
+
+    # -- engine events --------------------------------------------------------------------
+    def _added(self, aid: int, path: str) -> None:
+        self.errors.pop(path, None)
+        self.settings.add_recent("recent_adapters", path)
+
+    def _model_loaded(self, info: dict) -> None:
+        self._model_name = info.get("name", "")
+        self.errors.clear()
+        self._rebuild()
+
+    def show_error(self, path: str, message: str) -> None:
+        self.errors[path] = message
+        self._rebuild()
+        self.message.emit(f"Adapter not loaded: {message}")
+
+    def set_adapters(self, adapters: list[dict]) -> None:
+        self._adapters = adapters
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.tree.clear()
+        for a in self._adapters:
+            alpha = "—" if a.get("alpha") in (None, 0) else f"{a['alpha']:g}"
+            targets = ", ".join(a.get("targets") or [])
+            base = f"✓ fits {self._model_name}" if self._model_name else "✓ fits the model"
+            item = QTreeWidgetItem([a["name"], str(a.get("rank", "")), alpha, targets,
+                                    human_bytes(a.get("size_bytes", 0)), a.get("task_name") or "—",
+                                    base])
+            item.setData(0, Qt.UserRole, a["id"])
+            item.setToolTip(0, f"{a.get('path', '')}\nformat: {a.get('format', '')}")
+            item.setToolTip(3, targets)
+            if a.get("prompt_prefix"):
+                item.setToolTip(5, f"prompt prefix: {a['prompt_prefix']}")
+            item.setForeground(6, QBrush(QColor("#2e9d5b")))
+            self.tree.addTopLevelItem(item)
+        for path, msg in self.errors.items():
+            item = QTreeWidgetItem([Path(path).name, "", "", "", "", "", f"✗ {msg}"])
+            item.setData(0, ERROR_ROLE, path)
+            for c in range(len(COLUMNS)):
+                item.setForeground(c, QBrush(QColor("#d64545")))
+                item.setToolTip(c, f"{path}\n{msg}")
+            self.tree.addTopLevelItem(item)
+
+    def error_rows(self) -> list[str]:
+        return list(self.errors.values())
+
+    # -- drag and drop ----------------------------------------------------------------------
+    def dragEnterEvent(self, event) -> None:
+        if local_paths(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = local_paths(event.mimeData())
+        if paths:
+            self.add_paths(paths)
+            event.acceptProposedAction()

@@ -1,0 +1,108 @@
+"""GUI entry point: ``run_gui(args) -> int`` (called by main.py).
+
+Creates the QApplication, the qasync event loop (so the HTTP server shares the
+GUI thread's loop and the GUI's engine), the one Engine, and the window; then
+loads the model (the default SmolLM2 when none is given, plus the demo
+adapters at scale 0) in the background with progress.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from .util import RESOURCES
+
+log = logging.getLogger(__name__)
+
+
+def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """(path, scale) pairs to load at start: --lora/--lora-scaled, else the demo adapters."""
+    pairs = getattr(args, "adapters", None)
+    if pairs is None:
+        pairs = []
+        for item in getattr(args, "lora", None) or []:
+            pairs.append((str(item[0]), float(item[1])) if isinstance(item, (tuple, list))
+                         else (str(item), 1.0))
+    if getattr(args, "lora_init_without_apply", False):
+        pairs = [(p, 0.0) for p, _ in pairs]
+    if not pairs and not getattr(args, "model", None):
+        pairs = [(str(p), 0.0) for p in sorted((RESOURCES / "adapters").glob("*.gguf"))]
+    return [(str(p), float(s)) for p, s in pairs]
+
+
+def load_stylesheet() -> str:
+    qss = RESOURCES / "styles" / "mixdesk.qss"
+    return qss.read_text(encoding="utf-8") if qss.exists() else ""
+
+
+def app_icon():
+    from PySide6.QtGui import QIcon
+    icon = QIcon()
+    d = RESOURCES / "icons"
+    for size in (16, 32, 48, 128, 256):
+        p = d / f"mixdesk-{size}.png"
+        if p.exists():
+            icon.addFile(str(p))
+    if icon.isNull() and (d / "mixdesk.svg").exists():
+        icon = QIcon(str(d / "mixdesk.svg"))
+    return icon
+
+
+def create_window(args: argparse.Namespace):
+    """The window with its engine, model load started (tests and run_gui share this)."""
+    from core.default_model import ensure_default_model
+    from core.engine import Engine
+    from core.settings import Settings
+
+    from .main_window import MainWindow
+
+    engine = Engine(ctx_size=getattr(args, "ctx_size", 4096) or 0,
+                    n_parallel=getattr(args, "parallel", 4) or 4)
+    win = MainWindow(engine, Settings(), cors_origins=list(getattr(args, "cors_origins", []) or []))
+    server = getattr(args, "host", None), getattr(args, "port", None), getattr(args, "api_key", None)
+    if server[0]:
+        win.server.host.setText(server[0])
+    if server[1]:
+        win.server.port.setValue(int(server[1]))
+    if server[2]:
+        win.server.api_key.setText(server[2][0])
+    win.server._save()
+    model = getattr(args, "model", None)
+    target = Path(model) if model else (lambda: ensure_default_model(log=log.info))
+    win.open_model(target, startup_adapters(args))
+    return win
+
+
+def run_gui(args: argparse.Namespace) -> int:
+    from PySide6.QtWidgets import QApplication
+    import qasync
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Mixdesk")
+    app.setOrganizationName("Mixdesk")
+    app.setDesktopFileName("mixdesk")
+    app.setWindowIcon(app_icon())
+    app.setStyle("Fusion")
+    app.setStyleSheet(load_stylesheet())
+
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    win = create_window(args)
+
+    def excepthook(etype, value, tb):      # a bug in a slot shows a message, not a crash
+        log.error("unhandled error:\n%s", "".join(traceback.format_exception(etype, value, tb)))
+        try:
+            win.show_error(f"Internal error: {value}")
+        except Exception:
+            pass
+    sys.excepthook = excepthook
+
+    win.show()
+    app.aboutToQuit.connect(win.shutdown)
+    with loop:
+        code = loop.run_forever()
+    return int(code or 0)

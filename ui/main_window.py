@@ -1,0 +1,222 @@
+"""The Mixdesk window: model bar on top, the mixing desk and adapters on the left,
+chat / A-B compare / server tabs on the right. It only wires widgets together;
+each widget takes the bridge (and settings) and listens to its signals."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QByteArray, Qt, QTimer
+from PySide6.QtGui import QAction, QIcon, QKeySequence
+from PySide6.QtWidgets import (QHBoxLayout, QLabel, QMainWindow, QMessageBox, QSplitter, QTabWidget,
+                               QToolButton, QVBoxLayout, QWidget)
+
+from core.engine import Engine
+from core.settings import Conversations, Settings
+
+from .adapters import AdapterPanel
+from .bridge import EngineBridge
+from .chat import ChatPane
+from .compare import ComparePane
+from .mixer import MixerPanel
+from .model_bar import ModelBar
+from .sampling import SamplingForm
+from .server_panel import ServerPanel
+from .util import RESOURCES, is_adapter_path, local_paths
+
+TITLE = "Mixdesk — LoRA mixing desk"
+
+
+class ErrorBanner(QWidget):
+    """An inline, dismissable error line: errors are shown, never raised."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        self.setAttribute(Qt.WA_StyledBackground, True)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        close = QToolButton(text="✕")
+        close.setAutoRaise(True)
+        close.clicked.connect(self.hide)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(10, 4, 6, 4)
+        lay.addWidget(self.label, 1)
+        lay.addWidget(close)
+        self.messages: list[str] = []
+        self.hide()
+
+    def show_error(self, text: str) -> None:
+        self.messages.append(text)
+        self.label.setText(text)
+        self.show()
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, engine: Engine, settings: Settings | None = None,
+                 conversations: Conversations | None = None, cors_origins: list[str] | None = None):
+        super().__init__()
+        self.setWindowTitle(TITLE)
+        icon = RESOURCES / "icons" / "mixdesk.svg"
+        if icon.exists():
+            self.setWindowIcon(QIcon(str(icon)))
+        self.setAcceptDrops(True)
+        self.engine = engine
+        self.settings = settings or Settings()
+        self.bridge = EngineBridge(engine, self)
+
+        self.model_bar = ModelBar(self.bridge, self.settings)
+        self.mixer = MixerPanel(self.bridge, self.settings)
+        self.adapters = AdapterPanel(self.bridge, self.settings)
+        self.sampling = SamplingForm(self.settings)
+        self.chat = ChatPane(self.bridge, self.settings, self.sampling, conversations)
+        self.compare = ComparePane(self.bridge, self.mixer, self.sampling)
+        self.server = ServerPanel(self.bridge, self.settings, cors_origins)
+        self.banner = ErrorBanner()
+
+        left = QSplitter(Qt.Vertical)
+        left.addWidget(_padded(self.mixer))
+        left.addWidget(_padded(self.adapters))
+        left.setStretchFactor(0, 3)
+        left.setStretchFactor(1, 2)
+        chat_split = QSplitter(Qt.Horizontal)
+        chat_split.addWidget(_padded(self.chat))
+        side = _padded(self.sampling)
+        side.setMaximumWidth(300)
+        chat_split.addWidget(side)
+        chat_split.setStretchFactor(0, 1)
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(chat_split, "Chat")
+        self.tabs.addTab(_padded(self.compare), "A/B compare")
+        self.tabs.addTab(_padded(self.server), "Server")
+        self.splitter = QSplitter(Qt.Horizontal)
+        self.splitter.addWidget(left)
+        self.splitter.addWidget(self.tabs)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([560, 840])
+
+        central = QWidget()
+        lay = QVBoxLayout(central)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        lay.addWidget(self.model_bar)
+        lay.addWidget(self.banner)
+        lay.addWidget(self.splitter, 1)
+        self.setCentralWidget(central)
+        self._menus()
+
+        for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server):
+            w.message.connect(self.status)
+        self.model_bar.open_requested.connect(self.open_model)
+        self.bridge.error.connect(self.show_error)
+        self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
+        self.bridge.adapter_error.connect(lambda p, e: self.show_error(f"Adapter not loaded: {e}"))
+        self.bridge.model_loaded.connect(self._model_loaded)
+        self.server.message.connect(self.show_error)
+        self._restore()
+        self.bridge.start()
+
+    # -- layout helpers ------------------------------------------------------------------
+    def _menus(self) -> None:
+        m = self.menuBar().addMenu("&File")
+        act = QAction("&Open model…", self, shortcut=QKeySequence.Open)
+        act.triggered.connect(self.model_bar.choose_file)
+        m.addAction(act)
+        act = QAction("&Add adapter…", self, shortcut=QKeySequence("Ctrl+Shift+O"))
+        act.triggered.connect(self.adapters._add_files)
+        m.addAction(act)
+        m.addSeparator()
+        act = QAction("&Quit", self, shortcut=QKeySequence.Quit)
+        act.triggered.connect(self.close)
+        m.addAction(act)
+        h = self.menuBar().addMenu("&Help")
+        act = QAction("&About Mixdesk", self)
+        act.triggered.connect(lambda: QMessageBox.about(
+            self, "About Mixdesk", "Mixdesk: a LoRA mixing desk for local LLMs.\n"
+            "Mix adapters live, chat, compare, and serve a llama-server compatible API."))
+        h.addAction(act)
+
+    def status(self, text: str) -> None:
+        self.statusBar().showMessage(text, 8000)
+
+    def show_error(self, text: str) -> None:
+        self.banner.show_error(text)
+        self.status(text)
+
+    # -- model loading ----------------------------------------------------------------------
+    def open_model(self, path: str | Callable[[], Path],
+                   adapters: list[tuple[str, float]] = ()) -> None:
+        self.banner.hide()
+        self.bridge.load_model(path, adapters)
+
+    def _model_loaded(self, info: dict) -> None:
+        if info.get("path"):
+            self.settings.add_recent("recent_models", info["path"])
+        self.status(f"Loaded {info.get('name', '')}")
+
+    # -- drag and drop ------------------------------------------------------------------------
+    def dragEnterEvent(self, event) -> None:
+        if local_paths(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = local_paths(event.mimeData())
+        adapters = [p for p in paths if is_adapter_path(p)]
+        models = [p for p in paths if p not in adapters]
+        if adapters:
+            self.adapters.add_paths(adapters)
+        if models:
+            self.open_model(models[0])
+        event.acceptProposedAction()
+
+    # -- persistence --------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        geo = self.settings.get("window_geometry")
+        if geo:
+            self.restoreGeometry(QByteArray.fromBase64(geo.encode()))
+        else:
+            self.resize(1400, 880)
+        split = self.settings.get("splitter_state")
+        if split:
+            self.splitter.restoreState(QByteArray.fromBase64(split.encode()))
+        tab = self.settings.get("tab")
+        if isinstance(tab, int):
+            self.tabs.setCurrentIndex(tab)
+        if (self.settings.get("server") or {}).get("enabled"):
+            QTimer.singleShot(0, lambda: self.server.toggle.setChecked(True))
+
+    def save_state(self) -> None:
+        self.settings.set("window_geometry", bytes(self.saveGeometry().toBase64()).decode())
+        self.settings.set("splitter_state", bytes(self.splitter.saveState().toBase64()).decode())
+        self.settings.set("tab", self.tabs.currentIndex())
+
+    def closeEvent(self, event) -> None:
+        self.save_state()
+        self.shutdown()
+        super().closeEvent(event)
+
+    def shutdown(self) -> None:
+        if self.server.runner is not None:
+            runner, self.server.runner, self.server.site = self.server.runner, None, None
+            try:
+                loop = asyncio.get_event_loop()
+                if loop.is_running():
+                    asyncio.ensure_future(runner.cleanup())
+                else:
+                    loop.run_until_complete(runner.cleanup())
+            except Exception:
+                pass
+        self.chat.stop()
+        self.compare.stop()
+        self.bridge.shutdown()
+
+
+def _padded(w: QWidget, margin: int = 10) -> QWidget:
+    host = QWidget()
+    lay = QVBoxLayout(host)
+    lay.setContentsMargins(margin, margin, margin, margin)
+    lay.addWidget(w)
+    return host

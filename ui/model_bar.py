@@ -1,0 +1,118 @@
+"""Model bar: open a GGUF (button, Ctrl+O, recent list, drag and drop), a cancellable
+progress bar while it loads, and the loaded model's facts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton,
+                               QToolButton, QWidget)
+
+from core.settings import Settings
+
+from .bridge import EngineBridge
+from .util import human_bytes, human_count, local_paths
+
+
+class ModelBar(QWidget):
+    message = Signal(str)
+    open_requested = Signal(str)        # a path chosen by the user (main window loads it)
+
+    def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("modelBar")
+        self.bridge = bridge
+        self.settings = settings
+        self.setAcceptDrops(True)
+
+        self.open_btn = QPushButton("Open model…")
+        self.open_btn.setObjectName("primaryButton")
+        self.open_btn.setToolTip("Open a GGUF model (Ctrl+O)")
+        self.open_btn.clicked.connect(self.choose_file)
+        self.recent_btn = QToolButton(text="Recent")
+        self.recent_btn.setPopupMode(QToolButton.InstantPopup)
+        self.recent_menu = QMenu(self)
+        self.recent_btn.setMenu(self.recent_menu)
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+
+        self.name = QLabel("No model")
+        self.name.setObjectName("modelName")
+        self.info = QLabel("")
+        self.info.setObjectName("modelInfo")
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setFixedWidth(220)
+        self.progress.setTextVisible(True)
+        self.cancel_btn = QPushButton("Cancel")
+        self.cancel_btn.clicked.connect(bridge.cancel_load)
+        self.progress.hide()
+        self.cancel_btn.hide()
+
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(10, 6, 10, 6)
+        lay.addWidget(self.open_btn)
+        lay.addWidget(self.recent_btn)
+        lay.addSpacing(12)
+        lay.addWidget(self.name)
+        lay.addWidget(self.info, 1)
+        lay.addWidget(self.progress)
+        lay.addWidget(self.cancel_btn)
+
+        bridge.model_loading.connect(self._loading)
+        bridge.model_loaded.connect(self.show_info)
+        bridge.model_error.connect(self._failed)
+        if bridge.engine.config is not None:
+            self.show_info(bridge.engine.model_info())
+
+    def choose_file(self) -> None:
+        recent = self.settings.recent_models()
+        start = str(Path(recent[0]).parent) if recent else str(Path.home())
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", start,
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.open_requested.emit(path)
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        recent = self.settings.recent_models()
+        if not recent:
+            self.recent_menu.addAction("(no recent models)").setEnabled(False)
+        for p in recent:
+            act = self.recent_menu.addAction(Path(p).name)
+            act.setToolTip(p)
+            act.triggered.connect(lambda _=False, p=p: self.open_requested.emit(p))
+
+    def _loading(self, frac: float, msg: str) -> None:
+        self.progress.show()
+        self.cancel_btn.show()
+        self.progress.setValue(int(frac * 1000))
+        self.progress.setFormat(f"{msg or 'loading'} %p%")
+
+    def _failed(self, err: str) -> None:
+        self.progress.hide()
+        self.cancel_btn.hide()
+        self.message.emit(f"Model not loaded: {err}")
+
+    def show_info(self, info: dict) -> None:
+        self.progress.hide()
+        self.cancel_btn.hide()
+        if not info:
+            return
+        self.name.setText(info.get("name") or Path(info.get("path", "")).name)
+        self.name.setToolTip(info.get("path", ""))
+        parts = [info.get("arch", "?"), f"{human_count(info.get('n_params', 0))} params",
+                 str(info.get("quant", "?")),
+                 f"ctx {info.get('n_ctx', 0)}/{info.get('n_ctx_train', 0)}",
+                 f"{human_bytes(info.get('memory_bytes', 0))} RAM",
+                 f"loaded in {info.get('load_ms', 0) / 1000:.2f} s"]
+        self.info.setText("  ·  ".join(parts))
+
+    def dragEnterEvent(self, event) -> None:
+        if local_paths(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = local_paths(event.mimeData())
+        if paths:
+            self.open_requested.emit(paths[0])
+            event.acceptProposedAction()

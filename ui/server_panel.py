@@ -1,0 +1,219 @@
+"""Server panel: turn the llama-server-compatible HTTP API on and off from the GUI.
+
+The aiohttp app (``core.http.app.create_app``) runs on the qasync event loop, so
+it shares the GUI's engine (one model, one batch). Host, port and an optional
+API key persist in settings; the base URL and a curl example are copyable; a
+live log shows every HTTP request and every generation the engine starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
+                               QPushButton, QSpinBox, QVBoxLayout, QWidget)
+
+from core.settings import Settings
+
+from .bridge import EngineBridge
+
+log = logging.getLogger(__name__)
+MAX_LOG_LINES = 2000
+
+
+def _access_logger_class(sink):
+    from aiohttp.abc import AbstractAccessLogger
+
+    class PanelAccessLogger(AbstractAccessLogger):
+        def log(self, request, response, time_s):     # noqa: A003 (aiohttp's name)
+            sink(f"{request.remote or '-'}  {request.method} {request.path_qs}  "
+                 f"→ {response.status}  {time_s * 1000:.0f} ms")
+
+        @property
+        def enabled(self) -> bool:
+            return True
+
+    return PanelAccessLogger
+
+
+class ServerPanel(QWidget):
+    state_changed = Signal(bool)
+    log_line = Signal(str)
+    message = Signal(str)
+
+    def __init__(self, bridge: EngineBridge, settings: Settings, cors_origins: list[str] | None = None,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.bridge = bridge
+        self.settings = settings
+        self.cors_origins = list(cors_origins or [])
+        self.runner = None
+        self.site = None
+        self._busy = False
+        cfg = settings.get("server") or {}
+
+        self.toggle = QPushButton("Start server", checkable=True)
+        self.toggle.setObjectName("primaryButton")
+        self.toggle.toggled.connect(self._toggled)
+        self.state = QLabel("Stopped")
+        self.state.setObjectName("serverState")
+        self.host = QLineEdit(cfg.get("host", "127.0.0.1"))
+        self.port = QSpinBox(minimum=1, maximum=65535, value=int(cfg.get("port", 8080)))
+        self.api_key = QLineEdit(cfg.get("api_key", ""))
+        self.api_key.setPlaceholderText("optional: clients must send Authorization: Bearer KEY")
+        self.api_key.setEchoMode(QLineEdit.PasswordEchoOnEdit)
+        for w in (self.host, self.api_key):
+            w.editingFinished.connect(self._save)
+        self.port.valueChanged.connect(self._save)
+
+        self.url = QLineEdit(readOnly=True)
+        copy_url = QPushButton("Copy")
+        copy_url.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.url.text()))
+        self.curl = QPlainTextEdit(readOnly=True)
+        self.curl.setObjectName("codeBox")
+        self.curl.setMaximumHeight(96)
+        copy_curl = QPushButton("Copy curl")
+        copy_curl.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.curl.toPlainText()))
+
+        form = QFormLayout()
+        top = QHBoxLayout()
+        top.addWidget(self.toggle)
+        top.addWidget(self.state, 1)
+        form.addRow(top)
+        form.addRow("Host", self.host)
+        form.addRow("Port", self.port)
+        form.addRow("API key", self.api_key)
+        url_row = QHBoxLayout()
+        url_row.addWidget(self.url, 1)
+        url_row.addWidget(copy_url)
+        form.addRow("Base URL", url_row)
+        curl_row = QHBoxLayout()
+        curl_row.addWidget(self.curl, 1)
+        curl_row.addWidget(copy_curl)
+        form.addRow("Example", curl_row)
+
+        self.log_view = QPlainTextEdit(readOnly=True)
+        self.log_view.setObjectName("codeBox")
+        self.log_view.setMaximumBlockCount(MAX_LOG_LINES)
+        title = QLabel("Request log")
+        title.setObjectName("sectionTitle")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addLayout(form)
+        lay.addWidget(title)
+        lay.addWidget(self.log_view, 1)
+
+        self.log_line.connect(self._append)
+        bridge.request_started.connect(self._request_started)
+        self._update_texts()
+
+    # -- settings ------------------------------------------------------------------------
+    def _save(self) -> None:
+        self.settings.update("server", host=self.host.text().strip() or "127.0.0.1",
+                             port=self.port.value(), api_key=self.api_key.text())
+        self._update_texts()
+
+    def base_url(self) -> str:
+        host = self.host.text().strip() or "127.0.0.1"
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{shown}:{self.port.value()}"
+
+    def _update_texts(self) -> None:
+        url = self.base_url()
+        self.url.setText(url + "/v1")
+        auth = f' \\\n  -H "Authorization: Bearer {self.api_key.text()}"' if self.api_key.text() else ""
+        self.curl.setPlainText(
+            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            "  -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'")
+
+    # -- log ---------------------------------------------------------------------------------
+    def _append(self, line: str) -> None:
+        self.log_view.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
+
+    def _request_started(self, info: dict) -> None:
+        mix = ", ".join(f"#{a}×{s:g}" for a, s in (info.get("mix") or {}).items()) or "no adapters"
+        self.log_line.emit(f"generation #{info.get('id')} from {info.get('source') or '?'}: "
+                           f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}")
+
+    # -- on / off ---------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.site is not None
+
+    def _toggled(self, on: bool) -> None:
+        if self._busy:
+            return
+        coro = self.start() if on else self.stop()
+        asyncio.ensure_future(coro)
+
+    def _set_toggle(self, on: bool) -> None:
+        self._busy = True
+        self.toggle.setChecked(on)
+        self.toggle.setText("Stop server" if on else "Start server")
+        self._busy = False
+
+    async def start(self) -> bool:
+        if self.runner is not None:
+            return True
+        self._save()
+        host, port = self.host.text().strip() or "127.0.0.1", self.port.value()
+        try:
+            from aiohttp import web
+
+            from core.http.app import ServerSettings, create_app
+            keys = [self.api_key.text()] if self.api_key.text() else []
+            app = create_app(self.bridge.engine, _server_settings(ServerSettings, host, port, keys,
+                                                                  self.cors_origins))
+            runner = web.AppRunner(app, access_log_class=_access_logger_class(self.log_line.emit))
+            await runner.setup()
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+        except Exception as e:            # port in use, bad host, missing module...
+            log.warning("server did not start: %s", e)
+            self.state.setText(f"Not running: {e}")
+            self.message.emit(f"The API server did not start: {e}")
+            self._set_toggle(False)
+            if "runner" in locals():
+                await runner.cleanup()
+            return False
+        self.runner, self.site = runner, site
+        self.state.setText(f"Listening on {self.base_url()}")
+        self.state.setProperty("on", True)
+        self._repolish(self.state)
+        self._set_toggle(True)
+        self.settings.update("server", enabled=True)
+        self.log_line.emit(f"server started on {host}:{port}")
+        self.state_changed.emit(True)
+        return True
+
+    async def stop(self, remember: bool = True) -> None:
+        runner, self.runner, self.site = self.runner, None, None
+        if runner is not None:
+            await runner.cleanup()
+            self.log_line.emit("server stopped")
+        self.state.setText("Stopped")
+        self.state.setProperty("on", False)
+        self._repolish(self.state)
+        self._set_toggle(False)
+        if remember:
+            self.settings.update("server", enabled=False)
+        self.state_changed.emit(False)
+
+    @staticmethod
+    def _repolish(w: QWidget) -> None:
+        w.style().unpolish(w)
+        w.style().polish(w)
+
+
+def _server_settings(cls, host: str, port: int, keys: list[str], cors: list[str]):
+    """Build core.http's ServerSettings with the fields it has (it is still evolving)."""
+    import dataclasses
+    wanted = {"host": host, "port": port, "api_keys": keys, "cors_origins": cors}
+    try:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in wanted.items() if k in names})
+    except TypeError:
+        return cls(**wanted)

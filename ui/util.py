@@ -1,0 +1,50 @@
+"""Small helpers shared by the widgets (formatting, dropped files, resources)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QMimeData
+
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
+
+
+def human_bytes(n: float) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def human_count(n: float) -> str:
+    n = float(n or 0)
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def local_paths(mime: QMimeData) -> list[str]:
+    if not mime.hasUrls():
+        return []
+    return [u.toLocalFile() for u in mime.urls() if u.isLocalFile()]
+
+
+def is_adapter_path(path: str | Path) -> bool:
+    """A folder or a GGUF whose general.type is "adapter" is a LoRA; other GGUFs are models."""
+    p = Path(path)
+    if p.is_dir() or p.suffix in (".safetensors", ".json"):
+        return True
+    try:
+        from core.gguf_file import GGUFFile
+        return str(GGUFFile(p).metadata.get("general.type", "")) == "adapter"
+    except Exception:
+        return False
+
+
+def format_mix(mix, names: dict[int, str]) -> str:
+    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple."""
+    items = mix.items() if isinstance(mix, dict) else mix
+    parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
+    return ", ".join(parts) if parts else "base model (no adapters)"
