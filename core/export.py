@@ -1,0 +1,557 @@
+"""Export a mix: one LoRA GGUF, a merged model GGUF, or a PEFT folder.
+
+Every export is a pure function of (base, adapters + scales, output path,
+options, progress). ``base`` is an :class:`~core.engine.Engine` (its model file
+and loaded adapters; ``adapters=None`` means its current global mix) or the path
+of a base model GGUF. ``adapters`` is a list of ``(adapter, scale)`` where
+adapter is an :class:`~core.lora.Adapter`, an adapter path, or (with an engine)
+an adapter id. Zero-scale adapters are dropped.
+
+All three are exact, with no SVD: the mix's per-tensor (A_i, s_i·B_i) pairs are
+concatenated along the rank axis, so ``B_cat @ A_cat == Σ s_i B_i A_i`` where
+s_i is each adapter's effective scale (alpha/rank folded in). The exported
+adapter therefore means "this mix at scale 1".
+
+Files are written to a temporary name next to the target and moved into place
+with ``os.replace``, so a failed or interrupted export never leaves a half file.
+Errors a user can cause are :class:`ExportError` (a ValueError) with one line.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+from gguf import GGUFWriter, quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+
+from .config import ModelConfig
+from .gguf_file import GGUFError, GGUFFile, _Cursor
+from .lora import _HF_TO_GGUF, Adapter, AdapterError, base_tensor_shapes, load_adapter
+from .weights import open_model_file
+
+Progress = Callable[[float, str], None]
+
+OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
+            "q8_0": GGMLQuantizationType.Q8_0}
+FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+              "q8_0": LlamaFileType.MOSTLY_Q8_0}
+
+
+class ExportError(ValueError):
+    """An export cannot be done; the message says why in one line."""
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    n_tensors: int          # base tensors the mix changes
+    rank: int               # largest concatenated rank
+    nbytes: int             # size of what was written
+
+
+@dataclass
+class _Mix:
+    """The mix as per-base-tensor concatenated pairs, scales folded into B."""
+    cfg: ModelConfig
+    base_path: Path | None
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (A (R,in), B (out,R)); embd flipped
+    names: list[str]                                  # adapter names, for messages/metadata
+
+    def delta(self, name: str) -> np.ndarray | None:
+        """Σ s_i B_i A_i in the base tensor's numpy (rows, cols) layout, float32."""
+        ab = self.pairs.get(name)
+        if ab is None:
+            return None
+        a, b = ab
+        if name == "token_embd.weight":
+            return a @ b.T                   # (vocab, R) @ (R, dim) -> (vocab, dim)
+        return b @ a                         # (out, R) @ (R, in) -> (out, in)
+
+
+# ---- resolving the inputs ------------------------------------------------------
+
+def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
+    engine = None
+    if hasattr(base, "config") and hasattr(base, "add_adapter"):    # an Engine (no import cycle)
+        engine = base
+        if engine.config is None:
+            raise ExportError("no model loaded")
+        cfg, base_path = engine.config, engine.path
+        if adapters is None:
+            adapters = engine.get_mix()
+    else:
+        if base is None:
+            raise ExportError("no base model given")
+        _, cfg = open_model_file(base)           # ModelLoadError (ValueError) names the file
+        base_path = Path(base)
+        if adapters is None:
+            adapters = []
+    items = adapters.items() if isinstance(adapters, Mapping) else adapters
+
+    chosen: list[tuple[Adapter, float]] = []
+    for item in items:
+        try:
+            ref, scale = item
+        except (TypeError, ValueError):
+            raise ExportError(f"each adapter must be given as (adapter, scale), got {item!r}") from None
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise ExportError(f"scale of adapter {ref!r} must be a number, got {scale!r}") from None
+        if not np.isfinite(scale):
+            raise ExportError(f"scale of adapter {ref!r} must be finite, got {scale!r}")
+        if isinstance(ref, Adapter):
+            ad = ref
+        elif isinstance(ref, int) and not isinstance(ref, bool):
+            if engine is None:
+                raise ExportError(f"adapter id {ref} needs an engine; pass a path instead")
+            ad = engine.adapter(ref)
+        else:
+            ad = load_adapter(ref, cfg)          # AdapterError names the adapter
+        if scale != 0.0:
+            chosen.append((ad, scale))
+    if not chosen:
+        raise ExportError("nothing to export: no adapter with a non-zero scale "
+                          "(add adapters with --lora or --lora-scaled)")
+
+    collected: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for ad, scale in chosen:
+        for name, pair in ad.tensors.items():
+            collected.setdefault(name, []).append((pair.a, pair.b * np.float32(pair.scale_for(scale))))
+    pairs = {}
+    for name, plist in collected.items():
+        a_axis = 1 if name == "token_embd.weight" else 0
+        a = np.concatenate([p[0] for p in plist], axis=a_axis).astype(np.float32, copy=False)
+        b = np.concatenate([p[1] for p in plist], axis=1).astype(np.float32, copy=False)
+        pairs[name] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
+    return _Mix(cfg, base_path, pairs, [ad.name for ad, _ in chosen])
+
+
+def _rank_of(name: str, ab: tuple[np.ndarray, np.ndarray]) -> int:
+    return ab[1].shape[1]
+
+
+# ---- writing files safely ------------------------------------------------------
+
+def _check_target(out: Path, mix: _Mix, what: str) -> None:
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ExportError(f"{what}: output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{what}: output folder {parent} is not writable")
+    if out.is_dir() and what != "export-peft":
+        raise ExportError(f"{what}: {out} is a folder; give a file name")
+    if mix.base_path is not None and out.exists() and out.resolve() == mix.base_path.resolve():
+        raise ExportError(f"{what}: refusing to overwrite the base model {out}")
+
+
+def _partial(out: Path) -> Path:
+    return out.with_name(f".{out.name}.{os.getpid()}.partial")
+
+
+def _os_error(what: str, out: Path, e: OSError) -> ExportError:
+    return ExportError(f"{what}: cannot write {out}: {e.strerror or e}")
+
+
+class _Reporter:
+    def __init__(self, progress: Progress | None):
+        self.fn = progress or (lambda f, m: None)
+
+    def __call__(self, frac: float, msg: str) -> None:
+        self.fn(max(0.0, min(1.0, frac)), msg)
+
+
+# ---- 1. one LoRA GGUF ----------------------------------------------------------
+
+def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.PathLike, *,
+                dtype: str = "f32", progress: Progress | None = None) -> ExportResult:
+    """Write the mix as one llama.cpp LoRA GGUF that means the mix at scale 1
+    (no ``adapter.lora.alpha``: llama.cpp then uses the scale as is)."""
+    if dtype not in ("f32", "f16"):
+        raise ExportError(f"export-lora: dtype must be f32 or f16, got {dtype!r}")
+    report = _Reporter(progress)
+    out = Path(out)
+    mix = _resolve(base, adapters)
+    _check_target(out, mix, "export-lora")
+    np_dtype = np.float32 if dtype == "f32" else np.float16
+    tmp = _partial(out)
+    report(0.0, "collecting tensors")
+    try:
+        w = GGUFWriter(tmp, mix.cfg.arch)
+        w.add_type("adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_name(f"{mix.cfg.name} mix: " + ", ".join(mix.names))
+        names = _ordered(mix.cfg, mix.pairs)
+        for i, name in enumerate(names):
+            a, b = mix.pairs[name]
+            w.add_tensor(f"{name}.lora_a", a.astype(np_dtype))
+            w.add_tensor(f"{name}.lora_b", b.astype(np_dtype))
+            report(0.5 * (i + 1) / len(names), f"prepared {name}")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        report(0.6, "writing tensors")
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise _os_error("export-lora", out, e) from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    report(1.0, f"wrote {out.name}")
+    return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
+                        out.stat().st_size)
+
+
+def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
+    """Base tensor names in model order (token_embd, blocks, output)."""
+    order = {n: i for i, n in enumerate(base_tensor_shapes(cfg))}
+    return sorted(pairs, key=lambda n: order.get(n, len(order)))
+
+
+# ---- 2. a merged model GGUF ----------------------------------------------------
+
+def _typed_kvs(path: Path) -> list[tuple[str, int, int | None, Any]]:
+    """Every metadata KV of a GGUF as (key, value type, array item type, value),
+    in file order, so a copy keeps the exact types llama.cpp expects."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            cur = _Cursor(buf, path.name)
+            cur.pos = 8                                      # magic + version
+            cur.unpack("<Q")                                 # n_tensors
+            n_kv = cur.unpack("<Q")
+            out = []
+            for _ in range(n_kv):
+                key = cur.string()
+                vtype = cur.unpack("<I")
+                sub = struct.unpack_from("<I", buf, cur.pos)[0] if vtype == GGUFValueType.ARRAY else None
+                out.append((key, vtype, sub, cur.value(vtype)))
+        finally:
+            del cur
+            buf.release()
+    return out
+
+
+def _kv_value(vtype: int, sub: int | None, val: Any) -> Any:
+    if vtype != GGUFValueType.ARRAY:
+        return val
+    if isinstance(val, np.ndarray):
+        return val.tolist()
+    return list(val)
+
+
+def _encode(arr: np.ndarray, outtype: str, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """float32 (rows, cols) -> (data to write, its ggml type). Norms and other 1-D
+    tensors stay F32; a row that does not fit Q8_0 blocks falls back to F16."""
+    if arr.ndim < 2 or outtype == "f32":
+        return np.ascontiguousarray(arr, dtype=np.float32), GGMLQuantizationType.F32
+    if outtype == "q8_0" and arr.shape[-1] % 32 == 0:
+        return quants.quantize(arr, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    return arr.astype(np.float16), GGMLQuantizationType.F16
+
+
+def _encoded_nbytes(shape: tuple[int, ...], qt: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[qt]
+    return int(np.prod(shape)) // block * size
+
+
+def _planned_type(shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
+    if len(shape) < 2 or outtype == "f32":
+        return GGMLQuantizationType.F32
+    if outtype == "q8_0" and shape[-1] % 32 == 0:
+        return GGMLQuantizationType.Q8_0
+    return GGMLQuantizationType.F16
+
+
+def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.PathLike, *,
+                  outtype: str = "f16", progress: Progress | None = None) -> ExportResult:
+    """Write base + mix as a normal model GGUF: W' = W + Σ s_i B_i A_i per tensor,
+    every KV of the base kept (general.file_type updated), names and shapes as in
+    the base. Streams one tensor at a time, so memory stays about one tensor."""
+    if outtype not in OUTTYPES:
+        raise ExportError(f"export-merged: outtype must be one of {', '.join(OUTTYPES)}, "
+                          f"got {outtype!r}")
+    report = _Reporter(progress)
+    out = Path(out)
+    mix = _resolve(base, adapters)
+    if mix.base_path is None:
+        raise ExportError("export-merged: the engine has no model file")
+    _check_target(out, mix, "export-merged")
+    try:
+        gf = GGUFFile(mix.base_path)
+    except GGUFError as e:
+        raise ExportError(f"export-merged: {e}") from None
+    cfg = mix.cfg
+
+    # On a tied model (no output.weight) the logits use token_embd unchanged, and a
+    # LoRA on output.weight has nowhere to go: write an explicit output.weight then.
+    extra_output = "output.weight" not in gf.tensors and (
+        "token_embd.weight" in mix.pairs or "output.weight" in mix.pairs)
+    plan = [(name, info.shape) for name, info in gf.tensors.items()]
+    if extra_output:
+        plan.append(("output.weight", gf.tensors["token_embd.weight"].shape))
+    missing = [n for n in mix.pairs if n not in gf.tensors and not (n == "output.weight" and extra_output)]
+    if missing:
+        raise ExportError(f"export-merged: the base {mix.base_path.name} has no tensor {missing[0]!r}")
+
+    tmp = _partial(out)
+    report(0.0, "reading base metadata")
+    w = None
+    try:
+        w = GGUFWriter(tmp, cfg.arch)
+        for key, vtype, sub, val in _typed_kvs(mix.base_path):
+            if key in ("general.architecture", "general.file_type", "general.alignment"):
+                continue
+            if vtype == GGUFValueType.ARRAY and len(val) == 0:
+                continue        # the writer cannot write an empty array; nothing reads one
+            w.add_key_value(key, _kv_value(vtype, sub, val), GGUFValueType(vtype),
+                            GGUFValueType(sub) if sub is not None else None)
+        if "general.alignment" in gf.metadata:
+            w.add_custom_alignment(int(gf.metadata["general.alignment"]))
+        w.add_file_type(int(FILE_TYPES[outtype]))
+        if outtype == "q8_0" and "general.quantization_version" not in gf.metadata:
+            w.add_quantization_version(2)
+
+        total = 0
+        for name, shape in plan:
+            qt = _planned_type(shape, outtype)
+            nbytes = _encoded_nbytes(shape, qt)
+            if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                w.add_tensor_info(name, shape, np.dtype(np.float32 if qt == GGMLQuantizationType.F32
+                                                        else np.float16), nbytes)
+            else:
+                w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
+            total += int(np.prod(shape))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+
+        done = 0
+        for name, shape in plan:
+            src = "token_embd.weight" if (name == "output.weight" and extra_output) else name
+            info = gf.tensors[src]
+            try:
+                arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
+            except NotImplementedError:
+                raise ExportError(f"export-merged: tensor {src!r} of the base uses "
+                                  f"{info.qtype.name}, which cannot be dequantized") from None
+            arr = np.array(arr, dtype=np.float32)     # a private, writable float32 copy
+            d = mix.delta(name)
+            if d is not None:
+                arr += d
+                del d
+            data, _ = _encode(arr, outtype, name)
+            del arr
+            w.write_tensor_data(data)
+            del data
+            done += int(np.prod(shape))
+            report(0.02 + 0.97 * done / total, f"wrote {name}")
+        w.close()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise _os_error("export-merged", out, e) from None
+    finally:
+        if w is not None:
+            w.close()
+        if tmp.exists():
+            tmp.unlink()
+        gf.close()
+    report(1.0, f"wrote {out.name}")
+    return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
+                        out.stat().st_size)
+
+
+# ---- 3. a PEFT folder ----------------------------------------------------------
+
+_GGUF_TO_HF = {v: k for k, v in _HF_TO_GGUF.items()}
+
+
+def unpermute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`core.lora.permute_qk_rows`: llama.cpp's (GGUF) Q/K row
+    order back to Hugging Face's rotate-half order."""
+    out, r = b.shape
+    return b.reshape(n_head, out // n_head // 2, 2, r).swapaxes(1, 2).reshape(out, r)
+
+
+def gguf_to_hf_module(name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj' (and embed/lm_head)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens"
+    if name == "output.weight":
+        return "lm_head"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if not m or m.group(2) not in _GGUF_TO_HF:
+        raise ExportError(f"export-peft: tensor {name!r} has no Hugging Face counterpart")
+    return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
+
+
+def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | os.PathLike, *,
+                dtype: str = "f32", progress: Progress | None = None) -> ExportResult:
+    """Write the mix as a PEFT LoRA folder (adapter_config.json +
+    adapter_model.safetensors, HF module names and HF Q/K row order) whose scaling
+    is 1 everywhere (lora_alpha = r, per module through rank/alpha_pattern)."""
+    from safetensors.numpy import save_file
+    if dtype not in ("f32", "f16"):
+        raise ExportError(f"export-peft: dtype must be f32 or f16, got {dtype!r}")
+    report = _Reporter(progress)
+    out_dir = Path(out_dir)
+    mix = _resolve(base, adapters)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"export-peft: {out_dir} exists and is not a folder")
+    _check_target(out_dir, mix, "export-peft")
+    cfg = mix.cfg
+    np_dtype = np.float32 if dtype == "f32" else np.float16
+
+    report(0.0, "converting to Hugging Face layout")
+    tensors: dict[str, np.ndarray] = {}
+    ranks: dict[str, int] = {}
+    short_targets: set[str] = set()
+    names = _ordered(cfg, mix.pairs)
+    for i, name in enumerate(names):
+        a, b = mix.pairs[name]
+        module = gguf_to_hf_module(name)
+        prefix = f"base_model.model.{module}"
+        short_targets.add(module.rsplit(".", 1)[-1])
+        if name == "token_embd.weight":
+            # llama.cpp a (vocab, r), b (dim, r) -> PEFT lora_embedding_A (r, vocab), B (dim, r)
+            tensors[f"{prefix}.lora_embedding_A"] = np.ascontiguousarray(a.T, dtype=np_dtype)
+            tensors[f"{prefix}.lora_embedding_B"] = np.ascontiguousarray(b, dtype=np_dtype)
+            ranks[module] = a.shape[1]
+            continue
+        if name.endswith(".attn_q.weight"):
+            b = unpermute_qk_rows(b, cfg.n_heads)
+        elif name.endswith(".attn_k.weight"):
+            b = unpermute_qk_rows(b, cfg.n_kv_heads)
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a, dtype=np_dtype)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b, dtype=np_dtype)
+        ranks[module] = a.shape[0]
+        report(0.6 * (i + 1) / len(names), f"converted {name}")
+
+    # The most common rank is r; the others go to rank_pattern, with alpha = r per
+    # module so every module's scaling alpha/r is exactly 1.
+    counts = Counter(ranks.values())
+    r = max(counts, key=lambda k: (counts[k], k))
+    rank_pattern = {m: rk for m, rk in ranks.items() if rk != r}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.name,
+        "r": r,
+        "lora_alpha": r,
+        "target_modules": sorted(short_targets),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": dict(rank_pattern),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    meta = {"format": "pt", "mixdesk_mix": json.dumps(mix.names)}
+    created = False
+    st_tmp = cfg_tmp = None
+    try:
+        if not out_dir.exists():
+            out_dir.mkdir()
+            created = True
+        st_path, cfg_path = out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"
+        st_tmp, cfg_tmp = _partial(st_path), _partial(cfg_path)
+        report(0.7, "writing adapter_model.safetensors")
+        save_file(tensors, str(st_tmp), metadata=meta)
+        cfg_tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(st_tmp, st_path)
+        os.replace(cfg_tmp, cfg_path)
+    except OSError as e:
+        if created:
+            for p in (st_tmp, cfg_tmp):
+                if p is not None and p.exists():
+                    p.unlink()
+            try:
+                out_dir.rmdir()
+            except OSError:
+                pass
+        raise _os_error("export-peft", out_dir, e) from None
+    finally:
+        for p in (st_tmp, cfg_tmp):
+            if p is not None and p.exists():
+                p.unlink()
+    report(1.0, f"wrote {out_dir.name}")
+    return ExportResult(out_dir, len(mix.pairs), max(ranks.values()),
+                        sum(p.stat().st_size for p in (st_path, cfg_path)))
+
+
+# ---- the command line ----------------------------------------------------------
+
+def _cli_progress(label: str) -> Progress:
+    tty = sys.stderr.isatty()
+    last = [-1]
+
+    def show(frac: float, msg: str) -> None:
+        pct = int(frac * 100)
+        if tty:
+            sys.stderr.write(f"\rmixdesk: {label}: {pct:3d}% {msg[:60]:<60}")
+            if frac >= 1.0:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif pct // 10 > last[0] // 10 or (frac >= 1.0 and last[0] < 100):
+            print(f"mixdesk: {label}: {pct:3d}% {msg}", file=sys.stderr, flush=True)
+        last[0] = pct
+    return show
+
+
+def run_exports(args) -> int:
+    """main.py's export mode: -m BASE, --lora/--lora-scaled, one or more of
+    --export-lora/--export-merged/--export-peft. Raises ValueError subclasses
+    (printed as one line by main.py); returns the exit status."""
+    from .default_model import ensure_default_model
+    adapters = list(getattr(args, "adapters", None) or [])
+    if not adapters:
+        raise ExportError("nothing to export: give adapters with --lora or --lora-scaled")
+    base = Path(args.model) if getattr(args, "model", None) else \
+        ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    # Load every adapter once (clear errors before any file is written).
+    _, cfg = open_model_file(base)
+    loaded = [(load_adapter(p, cfg), s) for p, s in adapters]
+    # --outtype is documented for the merged model; it picks f16 LoRA/PEFT only
+    # when it was given explicitly (its parser default is for --export-merged).
+    outtype = getattr(args, "outtype", None) or "f16"
+    explicit = _explicit_outtype(args)
+    small = "f16" if explicit == "f16" else "f32"
+    jobs = []
+    if args.export_lora:
+        jobs.append(("export-lora", lambda p: export_lora(base, loaded, args.export_lora,
+                                                          dtype=small, progress=p)))
+    if args.export_peft:
+        jobs.append(("export-peft", lambda p: export_peft(base, loaded, args.export_peft,
+                                                          dtype=small, progress=p)))
+    if args.export_merged:
+        jobs.append(("export-merged", lambda p: export_merged(base, loaded, args.export_merged,
+                                                              outtype=outtype, progress=p)))
+    for label, job in jobs:
+        res = job(_cli_progress(label))
+        print(f"mixdesk: {label}: wrote {res.path} ({res.nbytes / 1e6:.1f} MB, "
+              f"{res.n_tensors} tensors, rank up to {res.rank})", file=sys.stderr)
+    return 0
+
+
+def _explicit_outtype(args) -> str | None:
+    try:
+        from .cli import build_parser
+        default = build_parser().get_default("outtype")
+    except Exception:
+        default = None
+    val = getattr(args, "outtype", None)
+    return val if val != default else None
