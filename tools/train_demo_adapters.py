@@ -77,7 +77,7 @@ STYLES = {
 RANK = 8
 ALPHA = 16.0
 LR = 2e-3
-EPOCHS = 3
+EPOCHS = 4
 BATCH = 4
 SEED = 1234
 
@@ -165,13 +165,16 @@ class Llama(torch.nn.Module):
         r1 = x0 * sin + x1 * cos
         return torch.stack((r0, r1), dim=-1).flatten(-2)
 
-    def hidden(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               cache: list | None = None) -> torch.Tensor:
         """ids (B, T) -> final normed hidden states (B, T, dim). attn_mask (B, T) bool: real tokens
-        (right padding only)."""
+        (right padding only). ``cache``: a list that holds per-layer (k, v) across calls
+        (inference only; pass [] for the prompt, then the same list for each new token)."""
         B, T = ids.shape
         x = self.w["token_embd.weight"][ids]
-        pos = torch.arange(T)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        start = cache[0][0].shape[2] if cache else 0
+        pos = torch.arange(start, start + T)
+        causal = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
         mask = causal[None, None]
         if attn_mask is not None:
             mask = mask & attn_mask[:, None, None, :]
@@ -183,6 +186,13 @@ class Llama(torch.nn.Module):
             k = self.linear(h, p + "attn_k.weight").view(B, T, nk, hd).transpose(1, 2)
             v = self.linear(h, p + "attn_v.weight").view(B, T, nk, hd).transpose(1, 2)
             q, k = self.rope(q, pos), self.rope(k, pos)
+            if cache is not None:
+                if len(cache) > i:
+                    k = torch.cat((cache[i][0], k), dim=2)
+                    v = torch.cat((cache[i][1], v), dim=2)
+                    cache[i] = (k, v)
+                else:
+                    cache.append((k, v))
             rep = nh // nk
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -200,17 +210,18 @@ class Llama(torch.nn.Module):
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], n: int, stop: int | None = None):
         """Greedy decode without a KV cache (fine for short checks). Returns (ids, logprobs list)."""
-        ids = list(prompt_ids)
+        cache: list = []
+        nxt = list(prompt_ids)
         out, lps = [], []
         for _ in range(n):
-            h = self.hidden(torch.tensor([ids]))[:, -1]
+            h = self.hidden(torch.tensor([nxt]), cache=cache)[:, -1]
             lp = torch.log_softmax(self.logits(h).double(), -1)[0]
             t = int(lp.argmax())
             out.append(t)
             lps.append(lp)
             if stop is not None and t == stop:
                 break
-            ids.append(t)
+            nxt = [t]
         return out, lps
 
 
@@ -323,10 +334,14 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
     t0 = time.time()
     step = 0
     for ep in range(EPOCHS):
+        # length-bucketed batches (shuffled, then sorted by length in chunks) keep padding low
         order = list(range(len(data)))
         random.shuffle(order)
-        # length-bucketed batches keep padding low
+        chunk = BATCH * 8
+        order = [i for c in range(0, len(order), chunk)
+                 for i in sorted(order[c:c + chunk], key=lambda j: len(data[j][0]))]
         batches = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+        random.shuffle(batches)
         ep_loss, ep_n = 0.0, 0
         for bidx in batches:
             items = [data[i] for i in bidx]
@@ -348,8 +363,11 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
             opt.step()
             sched.step()
             step += 1
-            ep_loss += float(loss) * len(targets)
+            ep_loss += float(loss.detach()) * len(targets)
             ep_n += len(targets)
+            if step % 5 == 0:
+                log(f"[{style}]   step {step}/{steps_total} loss {float(loss.detach()):.3f}"
+                    f"  ({time.time() - t0:.0f}s)")
         log(f"[{style}] epoch {ep + 1}/{EPOCHS} loss {ep_loss / ep_n:.3f}  ({time.time() - t0:.0f}s)")
     return {"seconds": time.time() - t0, "examples": len(data), "final_loss": ep_loss / ep_n}
 
@@ -386,18 +404,18 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="only verify the torch forward against llama.cpp")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--only", choices=sorted(STYLES), action="append")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # One thread by default: on a shared 2-core machine, 2 OpenMP threads competing with
+    # other processes slow down badly (spinning barriers); 1 thread degrades gracefully.
+    torch.set_num_threads(args.threads or 1)
     if args.model is None:
         from core.default_model import default_model_path
         args.model = default_model_path()
     t0 = time.time()
     model = Llama(args.model)
-    if args.threads is None:
-        print(f"torch threads: {torch.get_num_threads()}")
+    print(f"torch threads: {torch.get_num_threads()}")
     print(f"loaded + dequantized {args.model.name} in {time.time() - t0:.1f}s")
     if not args.skip_check or args.check:
         if not check(model):
