@@ -1,0 +1,572 @@
+"""The aiohttp application: llama-server's endpoints, OpenAI's, and the LoRA extras.
+
+``create_app(engine, settings)`` builds it; the headless server and the GUI (on
+its qasync loop) run the same app. The engine may be None while the model is
+still loading: every endpoint then answers 503 ``unavailable_error``; call
+``set_engine(app, engine)`` once it is ready.
+
+Generation never blocks the event loop: requests go to the engine's scheduler
+thread, whose events come back through ``loop.call_soon_threadsafe`` into an
+asyncio.Queue. A client that goes away cancels its request, which frees its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from ..scheduler import DoneEvent, TokenEvent
+from ..sampling import SamplingParams
+from . import responses as R
+from .responses import HttpError
+from .security import add_cors_on_prepare, make_middlewares
+
+log = logging.getLogger("mixdesk.http")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)
+    alias: str | None = None
+    n_predict_default: int = -1
+    verbose: bool = False
+    max_body: int = 8 << 20
+    lora_init_without_apply: bool = False
+    on_log: Callable[[str], None] | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "ServerSettings":
+        return cls(host=args.host, port=args.port, api_keys=list(args.api_key or []),
+                   cors_origins=list(args.cors_origins or []), alias=args.alias,
+                   n_predict_default=args.n_predict, verbose=bool(args.verbose),
+                   lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)))
+
+
+ENGINE = web.AppKey("engine", object)
+SETTINGS = web.AppKey("settings", ServerSettings)
+LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
+
+POLL_S = 0.25          # how often a non-streaming request checks that its client is still there
+TOKENIZE_INLINE_CHARS = 16384
+
+
+def create_app(engine, settings: ServerSettings | None = None) -> web.Application:
+    settings = settings or ServerSettings()
+
+    def on_line(line: str) -> None:
+        log.info("%s", line)
+        if settings.on_log is not None:
+            try:
+                settings.on_log(line)
+            except Exception:
+                log.exception("on_log callback failed")
+
+    app = web.Application(middlewares=make_middlewares(settings, on_line),
+                          client_max_size=settings.max_body)
+    app[ENGINE] = engine
+    app[SETTINGS] = settings
+    app[LOAD_LOCK] = asyncio.Lock() if _has_loop() else None  # created lazily otherwise
+    app.on_response_prepare.append(add_cors_on_prepare)
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/v1/health", health)
+    r.add_get("/props", props)
+    r.add_get("/v1/models", models)
+    r.add_get("/models", models)
+    r.add_get("/lora-adapters", get_lora)
+    r.add_post("/lora-adapters", post_lora)
+    r.add_post("/lora-adapters/load", lora_load)
+    r.add_post("/lora-adapters/unload", lora_unload)
+    r.add_post("/v1/load_lora_adapter", vllm_load)
+    r.add_post("/v1/unload_lora_adapter", vllm_unload)
+    r.add_post("/completion", completion)
+    r.add_post("/completions", completion)
+    r.add_post("/v1/completions", oai_completions)
+    r.add_post("/chat/completions", chat_completions)
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_post("/apply-template", apply_template)
+    return app
+
+
+def set_engine(app: web.Application, engine) -> None:
+    """Hand the app its engine once the model is loaded (until then: 503)."""
+    app[ENGINE] = engine
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+def _engine(request: web.Request):
+    eng = request.app[ENGINE]
+    if eng is None or not eng.ready:
+        loading = eng is None or eng.loading
+        raise HttpError("Loading model" if loading else "no model loaded", 503, "unavailable_error")
+    return eng
+
+
+def _settings(request: web.Request) -> ServerSettings:
+    return request.app[SETTINGS]
+
+
+async def _body(request: web.Request) -> dict:
+    return R.parse_json_body(await request.read())
+
+
+def _model_id(request: web.Request, eng) -> str:
+    s = _settings(request)
+    return s.alias or (Path(eng.path).name if eng.path else "mixdesk")
+
+
+def _verbose(request: web.Request, what: str, text: str) -> None:
+    if _settings(request).verbose:
+        log.info("%s %s: %r", request.path, what, text)
+
+
+async def _encode_prompt(eng, prompt: Any) -> list[int]:
+    size = len(prompt) if isinstance(prompt, str) else sum(
+        len(x) for x in prompt if isinstance(x, str)) if isinstance(prompt, list) else 0
+    if size > TOKENIZE_INLINE_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, R.parse_prompt, prompt, eng.tokenizer)
+    return R.parse_prompt(prompt, eng.tokenizer)
+
+
+def _resolve_mix(eng, opts: R.GenOptions, oai: bool) -> dict[int, float] | None:
+    """The mix for one request: its "lora" list (unlisted ids 0, [] all off); else,
+    on OpenAI endpoints, "model": "<adapter name>" selects that adapter alone at
+    scale 1 (vLLM); else None, the global mix."""
+    if opts.lora is not None:
+        return eng.parse_mix(opts.lora, "lora")
+    if oai and opts.model:
+        ads = eng.adapters()
+        match = [a["id"] for a in ads if a.get("name") == opts.model]
+        if match:
+            return {a["id"]: (1.0 if a["id"] == match[0] else 0.0) for a in ads}
+    return None
+
+
+class _Generation:
+    """One submitted request whose engine events arrive on an asyncio.Queue."""
+
+    def __init__(self, request: web.Request, eng, prompt: list[int], params: SamplingParams,
+                 mix, cache_prompt: bool):
+        loop = asyncio.get_running_loop()
+        self.request = request
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+        def on_event(ev) -> None:          # scheduler thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            except RuntimeError:           # the loop is gone: stop generating
+                self.req.cancel()
+
+        self.done: DoneEvent | None = None
+        try:
+            self.req = eng.submit(prompt, params, on_event, mix=mix, cache_prompt=cache_prompt,
+                                  source="http")
+        except Exception as e:
+            from ..engine import EngineError
+            if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
+                raise HttpError(str(e), 400, e.type, n_prompt_tokens=len(prompt),
+                                n_ctx=eng.ctx_size) from None
+            raise
+
+    def _client_gone(self) -> bool:
+        t = self.request.transport
+        return t is None or t.is_closing()
+
+    async def next(self, watch_client: bool = True):
+        """The next event; cancels the request if the client disconnected meanwhile."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(self.queue.get(), POLL_S) if watch_client \
+                    else await self.queue.get()
+            except asyncio.TimeoutError:
+                if self._client_gone():
+                    self.cancel()
+                    raise ConnectionResetError("client disconnected")
+                continue
+            if isinstance(ev, DoneEvent):
+                self.done = ev
+            return ev
+
+    def cancel(self) -> None:
+        if self.done is None:
+            self.request["disconnected"] = True
+            self.req.cancel()
+
+    async def collect(self) -> tuple[DoneEvent, list[TokenEvent]]:
+        toks: list[TokenEvent] = []
+        try:
+            while True:
+                ev = await self.next()
+                if isinstance(ev, DoneEvent):
+                    return ev, toks
+                if ev.kind == "token":
+                    toks.append(ev)
+        finally:
+            self.cancel()
+
+
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+def _raise_for_done(done: DoneEvent) -> None:
+    if done.stop_type == "error":
+        raise HttpError(done.error or "generation failed", 500, done.error_type or "server_error")
+    if done.stop_type == "cancel":
+        raise HttpError("the request was cancelled (server shutting down)", 503,
+                        "unavailable_error")
+
+
+def _stream_error(done: DoneEvent) -> dict:
+    if done.stop_type == "error":
+        return R.error_body(done.error or "generation failed", 500,
+                            done.error_type or "server_error")
+    return R.error_body("the request was cancelled", 503, "unavailable_error")
+
+
+# ---- simple endpoints ----------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    _engine(request)
+    return web.json_response({"status": "ok"})
+
+
+async def props(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    s = _settings(request)
+    mid = _model_id(request, eng)
+    params = SamplingParams(n_predict=s.n_predict_default)
+    lora = R.mix_to_lora(eng.get_mix())
+    return web.json_response({
+        "default_generation_settings": {
+            "id": 0, "id_task": -1, "n_ctx": eng.ctx_size, "speculative": False,
+            "is_processing": False,
+            "params": R.generation_settings(params, eng.ctx_size, mid, False, lora),
+        },
+        "total_slots": eng.n_parallel,
+        "model_path": str(eng.path),
+        "model_alias": mid,
+        "chat_template": eng.chat_template.source if eng.chat_template else "",
+        "chat_template_caps": {},
+        "bos_token": eng.chat_template.bos_token if eng.chat_template else "",
+        "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
+        "modalities": {"vision": False, "audio": False},
+        "build_info": "mixdesk",
+        "is_sleeping": False,
+        "lora_init_without_apply": s.lora_init_without_apply,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    return web.json_response(R.models_list(_model_id(request, eng), eng.model_info(),
+                                           eng.adapters()))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    body = await _body(request)
+    content = R.get_str(body, "content", required=True)
+    add_special = R.get_bool(body, "add_special", False)
+    parse_special = R.get_bool(body, "parse_special", True)
+    with_pieces = R.get_bool(body, "with_pieces", False)
+    ids = await _run(eng.tokenizer.encode, content, add_special, parse_special) \
+        if len(content) > TOKENIZE_INLINE_CHARS else \
+        eng.tokenizer.encode(content, add_special, parse_special)
+    if with_pieces:
+        return web.json_response({"tokens": [{"id": t, "piece": R.token_piece(eng.tokenizer, t)}
+                                             for t in ids]})
+    return web.json_response({"tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    body = await _body(request)
+    ids = R.parse_token_list(body.get("tokens", []), eng.config.vocab_size)
+    return web.json_response({"content": eng.tokenizer.decode(ids)})
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    body = await _body(request)
+    msgs = R.parse_messages(body)
+    return web.json_response({"prompt": eng.chat_template.render(msgs, add_generation_prompt=True)})
+
+
+async def _run(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+# ---- adapters --------------------------------------------------------------------------
+
+async def get_lora(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    return web.json_response([R.lora_adapter_entry(a) for a in eng.adapters()])
+
+
+async def post_lora(request: web.Request) -> web.Response:
+    """Set the global mix. Validated in full first: an invalid body changes nothing."""
+    eng = _engine(request)
+    body = R.parse_json_any(await request.read())
+    mix = eng.parse_mix(body, "lora-adapters")
+    eng.set_mix(mix, source="http")
+    return web.json_response({"success": True})
+
+
+def _load_lock(app: web.Application) -> asyncio.Lock:
+    if app[LOAD_LOCK] is None:
+        app[LOAD_LOCK] = asyncio.Lock()
+    return app[LOAD_LOCK]
+
+
+async def _load_adapter(request: web.Request, path: str, scale: float, name: str | None) -> dict:
+    eng = _engine(request)
+    async with _load_lock(request.app):      # one load at a time: names stay unique
+        if name is not None and any(a.get("name") == name for a in eng.adapters()):
+            raise HttpError(f"an adapter named {name!r} is already loaded")
+        aid = await _run(eng.add_adapter, path, scale)
+        if name is not None:
+            eng.adapter(aid).name = name
+    info = next(a for a in eng.adapters() if a["id"] == aid)
+    return info
+
+
+async def lora_load(request: web.Request) -> web.Response:
+    """POST /lora-adapters/load {"path", "scale"?, "name"?} -> the new GET entry."""
+    body = await _body(request)
+    path = R.get_str(body, "path", required=True)
+    default = 0.0 if _settings(request).lora_init_without_apply else 1.0
+    scale = R.get_float(body, "scale", default)
+    name = R.get_str(body, "name")
+    info = await _load_adapter(request, path, scale, name)
+    return web.json_response(R.lora_adapter_entry(info))
+
+
+async def lora_unload(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    body = await _body(request)
+    aid = R.get_int(body, "id", None)
+    if aid is None:
+        raise HttpError("\"id\" is required")
+    eng.remove_adapter(aid)
+    return web.json_response({"success": True})
+
+
+async def vllm_load(request: web.Request) -> web.Response:
+    """vLLM: {"lora_name", "lora_path"}. Loaded at scale 0: as in vLLM, it applies
+    only to requests whose "model" names it."""
+    body = await _body(request)
+    name = R.get_str(body, "lora_name", required=True)
+    path = R.get_str(body, "lora_path", required=True)
+    if not name:
+        raise HttpError("lora_name must not be empty")
+    await _load_adapter(request, path, 0.0, name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def vllm_unload(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    body = await _body(request)
+    name = R.get_str(body, "lora_name")
+    aid = R.get_int(body, "lora_int_id", None)
+    if name is None and aid is None:
+        raise HttpError("\"lora_name\" is required")
+    found = [a for a in eng.adapters() if (name is not None and a.get("name") == name)
+             or (name is None and a["id"] == aid)]
+    if not found:
+        raise HttpError(f"The lora adapter '{name if name is not None else aid}' cannot be found.",
+                        404, "not_found_error")
+    eng.remove_adapter(found[0]["id"])
+    return web.Response(text=f"Success: LoRA adapter '{found[0]['name']}' removed successfully.")
+
+
+# ---- generation ------------------------------------------------------------------------
+
+async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool = False):
+    eng = _engine(request)
+    s = _settings(request)
+    body = await _body(request)
+    opts = R.parse_generation(body, s.n_predict_default, oai=oai)
+    if oai:
+        n_top = R.parse_oai_logprobs(body, chat)
+        if n_top:
+            opts.params.n_probs = max(opts.params.n_probs, n_top)
+        opts.extra["n_top"] = n_top
+    mix = _resolve_mix(eng, opts, oai)
+    if chat:
+        msgs = R.parse_messages(body)
+        text = eng.chat_template.render(msgs, add_generation_prompt=True)
+        prompt = await _encode_prompt(eng, text)
+        _verbose(request, "prompt", text)
+    else:
+        if "prompt" not in body:
+            raise HttpError("\"prompt\" is required")
+        prompt = await _encode_prompt(eng, body["prompt"])
+        _verbose(request, "prompt", eng.tokenizer.decode(prompt))
+    gen = _Generation(request, eng, prompt, opts.params, mix, opts.cache_prompt)
+    return eng, opts, prompt, gen
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    """llama-server's POST /completion (also /completions)."""
+    eng, opts, prompt, gen = await _start(request, "prompt", oai=False)
+    mid = _model_id(request, eng)
+    tok = eng.tokenizer
+    n_probs = opts.params.n_probs
+    all_ids = [a["id"] for a in eng.adapters()]
+
+    def settings_for(done):
+        return R.generation_settings(opts.params, eng.ctx_size, mid, opts.stream,
+                                     R.mix_to_lora(done.mix, all_ids))
+
+    if not opts.stream:
+        done, toks = await gen.collect()
+        _raise_for_done(done)
+        _verbose(request, "content", done.content)
+        probs = [R.completion_probability(tok, t.token, t.logprob, t.top) for t in toks] \
+            if n_probs else None
+        return web.json_response(R.completion_final(
+            done, prompt_n=len(prompt), model=mid, all_ids=all_ids,
+            return_tokens=opts.return_tokens, probs=probs, settings=settings_for(done)))
+
+    resp = await _open_sse(request)
+    try:
+        while True:
+            ev = await gen.next()
+            if isinstance(ev, DoneEvent):
+                if ev.stop_type in ("error", "cancel"):
+                    await resp.write(R.sse(_stream_error(ev)))
+                else:
+                    _verbose(request, "content", ev.content)
+                    await resp.write(R.sse(R.completion_final(
+                        ev, prompt_n=len(prompt), model=mid, all_ids=all_ids,
+                        return_tokens=opts.return_tokens, probs=None,
+                        settings=settings_for(ev), streaming=True)))
+                break
+            if ev.kind == "token":
+                probs = [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] \
+                    if n_probs else None
+                await resp.write(R.sse(R.completion_chunk(ev.text, [ev.token], probs)))
+            elif ev.text:
+                await resp.write(R.sse(R.completion_chunk(ev.text, [], [] if n_probs else None)))
+    except ConnectionError:           # the client went away: free its slot
+        request["disconnected"] = True
+    finally:
+        gen.cancel()
+    return resp
+
+
+async def oai_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI's POST /v1/completions."""
+    eng, opts, prompt, gen = await _start(request, "prompt", oai=True)
+    mid = opts.model or _model_id(request, eng)
+    all_ids = [a["id"] for a in eng.adapters()]
+    cid, created = R.new_id("cmpl"), int(time.time())
+    n_top = opts.extra["n_top"]
+    tok = eng.tokenizer
+
+    if not opts.stream:
+        done, toks = await gen.collect()
+        _raise_for_done(done)
+        lp = R.oai_completion_logprobs(tok, [(t.token, t.logprob, t.top) for t in toks], n_top) \
+            if n_top else None
+        return web.json_response(R.oai_completion(done, cid=cid, created=created, model=mid,
+                                                  prompt_n=len(prompt), all_ids=all_ids,
+                                                  logprobs=lp))
+    resp = await _open_sse(request)
+    try:
+        while True:
+            ev = await gen.next()
+            if isinstance(ev, DoneEvent):
+                if ev.stop_type in ("error", "cancel"):
+                    await resp.write(R.sse(_stream_error(ev)))
+                else:
+                    last = R.oai_completion_chunk("", cid=cid, created=created, model=mid,
+                                                  finish=R.finish_reason(ev.stop_type))
+                    last["usage"] = R.usage(len(prompt), ev)
+                    last["timings"] = ev.timings.as_dict()
+                    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
+                    await resp.write(R.sse(last))
+                    await resp.write(R.SSE_DONE)
+                break
+            lp = R.oai_completion_logprobs(tok, [(ev.token, ev.logprob, ev.top)], n_top) \
+                if n_top and ev.kind == "token" else None
+            if ev.text or lp:
+                await resp.write(R.sse(R.oai_completion_chunk(
+                    ev.text, cid=cid, created=created, model=mid, logprobs=lp)))
+    except ConnectionError:           # the client went away: free its slot
+        request["disconnected"] = True
+    finally:
+        gen.cancel()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI's POST /v1/chat/completions, with llama-server's timings and lora extras."""
+    eng, opts, prompt, gen = await _start(request, "messages", oai=True, chat=True)
+    mid = opts.model or _model_id(request, eng)
+    all_ids = [a["id"] for a in eng.adapters()]
+    cid, created = R.new_id("chatcmpl"), int(time.time())
+    n_top = opts.extra["n_top"]
+    tok = eng.tokenizer
+
+    if not opts.stream:
+        done, toks = await gen.collect()
+        _raise_for_done(done)
+        _verbose(request, "content", done.content)
+        lp = [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks] \
+            if n_top else None
+        return web.json_response(R.oai_chat(done, cid=cid, created=created, model=mid,
+                                            prompt_n=len(prompt), all_ids=all_ids, logprobs=lp))
+    resp = await _open_sse(request)
+    try:
+        await resp.write(R.sse(R.oai_chat_chunk({"role": "assistant", "content": ""}, cid=cid,
+                                                created=created, model=mid)))
+        while True:
+            ev = await gen.next()
+            if isinstance(ev, DoneEvent):
+                if ev.stop_type in ("error", "cancel"):
+                    await resp.write(R.sse(_stream_error(ev)))
+                else:
+                    _verbose(request, "content", ev.content)
+                    last = R.oai_chat_chunk({}, cid=cid, created=created, model=mid,
+                                            finish=R.finish_reason(ev.stop_type))
+                    last["usage"] = R.usage(len(prompt), ev)
+                    last["timings"] = ev.timings.as_dict()
+                    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
+                    await resp.write(R.sse(last))
+                    await resp.write(R.SSE_DONE)
+                break
+            lp = [R.oai_chat_logprob(tok, ev.token, ev.logprob, ev.top, n_top)] \
+                if n_top and ev.kind == "token" else None
+            if ev.text or lp:
+                await resp.write(R.sse(R.oai_chat_chunk({"content": ev.text}, cid=cid,
+                                                        created=created, model=mid, logprobs=lp)))
+    except ConnectionError:           # the client went away: free its slot
+        request["disconnected"] = True
+    finally:
+        gen.cancel()
+    return resp

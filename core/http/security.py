@@ -1,0 +1,205 @@
+"""aiohttp middlewares: the request log, JSON errors, and the browser-facing defences.
+
+A local inference server is attacked through the user's browser: any web page
+can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
+
+* Host check (403): only ``localhost``, loopback addresses and the configured
+  host are accepted, which defeats DNS rebinding (the attacker's page reaches
+  us under the attacker's domain name, so the Host header names that domain).
+* Origin check (403): a request carrying an ``Origin`` header must come from a
+  ``--cors-origins`` origin or from this server itself. Browsers send Origin on
+  every cross-site POST, so a page cannot trigger generations or change the
+  mix with a "simple" (preflight-less) request either.
+* CORS: no CORS headers at all unless ``--cors-origins`` lists origins; then
+  preflight OPTIONS is answered and only listed origins are echoed back.
+* Body size (413) before anything reads the body; the app's client_max_size
+  enforces the same limit for chunked bodies.
+* API key (401) with ``hmac.compare_digest`` on every endpoint but /health.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import time
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from .responses import HttpError, error_body
+
+log = logging.getLogger("mixdesk.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+def split_host(host_header: str) -> str:
+    """The host part of a Host header (``[::1]:8080`` -> ``::1``), lower-cased."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end] if end != -1 else h
+    if h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_allowed(host_header: str | None, bind_host: str) -> bool:
+    """localhost, any loopback address, or the host we were told to bind. When bound
+    to every interface (0.0.0.0 / ::), any IP-literal Host is fine as well: DNS
+    rebinding needs a domain name, never an IP literal."""
+    if not host_header:
+        return False
+    host = split_host(host_header)
+    if is_loopback(host):
+        return True
+    bind = split_host(bind_host) if bind_host else ""
+    if bind and host == bind:
+        return True
+    if bind in WILDCARD_HOSTS:
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            return False
+    return False
+
+
+def api_key_ok(request: web.Request, keys: list[str]) -> bool:
+    given = ""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    elif "x-api-key" in request.headers:
+        given = request.headers["x-api-key"].strip()
+    ok = False
+    g = given.encode("utf-8")
+    for k in keys:    # compare against every key so timing says nothing about which matched
+        ok |= hmac.compare_digest(g, k.encode("utf-8"))
+    return ok and bool(given)
+
+
+def same_origin(origin: str, host_header: str | None) -> bool:
+    try:
+        netloc = urlsplit(origin).netloc.lower()
+    except ValueError:
+        return False
+    return bool(host_header) and netloc == host_header.strip().lower()
+
+
+def json_error(message: str, code: int, type: str, **extra) -> web.Response:
+    return web.json_response(error_body(message, code, type, **extra), status=code)
+
+
+def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
+    """The middleware chain for ``settings`` (a ServerSettings)."""
+    allowed_origins = set(settings.cors_origins)
+    allow_any_origin = "*" in allowed_origins
+
+    def origin_listed(origin: str) -> bool:
+        return allow_any_origin or origin in allowed_origins
+
+    @web.middleware
+    async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """One line per request: method, path, status, milliseconds. Never the body."""
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (ConnectionError, asyncio.CancelledError):
+            request["disconnected"] = True
+            raise
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            status_s = "499 (client disconnected)" if request.get("disconnected") else str(status)
+            on_line(f"{request.method} {request.path} {status_s} {ms:.1f} ms")
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure becomes llama-server's {"error": {...}} JSON; the server lives on."""
+        from ..engine import EngineError
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return web.json_response(e.body(), status=e.code)
+        except EngineError as e:
+            return json_error(str(e), e.code, e.type)
+        except web.HTTPRequestEntityTooLarge:
+            return json_error(f"request body too large (limit {settings.max_body} bytes)", 413,
+                              "invalid_request_error")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status,
+                                                                            "invalid_request_error")
+            msg = "no such endpoint" if e.status == 404 else e.reason
+            return json_error(f"{msg}: {request.method} {request.path}", e.status, kind)
+        except ValueError as e:   # AdapterError, SamplingError, ChatTemplateError, TokenizerError
+            return json_error(str(e), 400, "invalid_request_error")
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as e:
+            log.exception("internal error on %s %s", request.method, request.path)
+            return json_error(f"internal server error: {type(e).__name__}", 500, "server_error")
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if not host_allowed(host, settings.host):
+            return json_error("Host header not allowed (DNS rebinding protection); use "
+                              "localhost or 127.0.0.1", 403, "permission_error")
+        origin = request.headers.get("Origin")
+        if (request.method == "OPTIONS" and origin is not None
+                and "Access-Control-Request-Method" in request.headers):
+            if not allowed_origins or not origin_listed(origin):
+                return json_error("CORS origin not allowed", 403, "permission_error")
+            return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+        if origin is not None and not origin_listed(origin) and not same_origin(origin, host):
+            return json_error(f"Origin {origin} not allowed (see --cors-origins)", 403,
+                              "permission_error")
+        if origin is not None and allowed_origins and origin_listed(origin):
+            request["cors_origin"] = origin
+        length = request.content_length
+        if length is not None and length > settings.max_body:
+            return json_error(f"request body too large ({length} bytes, limit "
+                              f"{settings.max_body})", 413, "invalid_request_error")
+        if settings.api_keys and request.path not in PUBLIC_PATHS \
+                and not api_key_ok(request, settings.api_keys):
+            return json_error("Invalid API Key", 401, "authentication_error")
+        return await handler(request)
+
+    return [request_log, errors, guard]
+
+
+def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
+    h = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+    if preflight:
+        h.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                  "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Api-Key",
+                  "Access-Control-Max-Age": "600"})
+    return h
+
+
+async def add_cors_on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare hook: CORS headers for listed origins, streams included."""
+    origin = request.get("cors_origin")
+    if origin and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers.update(cors_headers(origin))

@@ -1,0 +1,172 @@
+"""Running the app: ``python main.py --headless`` and a background-thread server.
+
+* :func:`run_headless` serves on the asyncio loop of the main thread. It binds
+  first and loads the model afterwards, so /health answers 503 while loading.
+* :func:`start_site` starts the app on an already running loop (the GUI's qasync
+  loop) and returns the runner to clean up.
+* :class:`ServerThread` runs the app on its own loop in a daemon thread (tests,
+  scripts, notebooks).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+
+from aiohttp import web
+
+from .app import ServerSettings, create_app, set_engine
+from .security import WILDCARD_HOSTS, is_loopback, split_host
+
+log = logging.getLogger("mixdesk.http")
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving ``app``; returns (runner, the bound port). port 0 picks a free one.
+    A client that disconnects cancels its handler (which frees its engine slot)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=2.0)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = port
+    for s in runner.addresses:
+        if isinstance(s, tuple):
+            bound = s[1]
+            break
+    return runner, bound
+
+
+def exposure_warnings(settings: ServerSettings) -> list[str]:
+    """Warnings for binding beyond loopback (and doing so without an API key)."""
+    out: list[str] = []
+    host = split_host(settings.host) if settings.host not in WILDCARD_HOSTS else settings.host
+    if not is_loopback(host):
+        where = "every network interface" if settings.host in WILDCARD_HOSTS else settings.host
+        out.append(f"WARNING: listening on {where}: other machines on the network can use "
+                   f"this server")
+        if not settings.api_keys:
+            out.append("WARNING: no --api-key set: anyone who can reach this address can "
+                       "generate text and load or change adapters")
+    return out
+
+
+def run_headless(args) -> int:
+    """``main.py --headless``: serve the HTTP API until SIGINT/SIGTERM."""
+    settings = ServerSettings.from_args(args)
+    for w in exposure_warnings(settings):
+        print(f"mixdesk: {w}", file=sys.stderr)
+    try:
+        return asyncio.run(_serve_headless(args, settings))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve_headless(args, settings: ServerSettings) -> int:
+    from ..startup import engine_from_args
+
+    app = create_app(None, settings)
+    runner, port = await start_site(app, settings.host, settings.port)
+    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+    log.info("listening on http://%s:%d (loading the model...)", shown, port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):   # Windows: KeyboardInterrupt instead
+            pass
+    eng = None
+    try:
+        load = loop.run_in_executor(None, lambda: engine_from_args(
+            args, say=lambda m: log.info("%s", m)))
+        waiter = asyncio.ensure_future(stop.wait())
+        finished, _ = await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if load not in finished:
+            log.info("interrupted while loading the model")
+            return 0
+        eng = load.result()                 # raises the load error (a ValueError) as is
+        eng.start()
+        set_engine(app, eng)
+        info = eng.model_info()
+        log.info("model %s loaded: n_ctx %d, %d slots, %d adapter(s); ready",
+                 info.get("name"), eng.ctx_size, eng.n_parallel, len(eng.adapters()))
+        await waiter
+        log.info("shutting down")
+        return 0
+    finally:
+        await runner.cleanup()
+        if eng is not None:
+            eng.stop()
+
+
+class ServerThread:
+    """The app served from a daemon thread with its own event loop.
+
+        srv = ServerThread(engine, ServerSettings(port=0)).start()
+        ... srv.url ...
+        srv.stop()
+    """
+
+    def __init__(self, engine, settings: ServerSettings | None = None):
+        self.engine = engine
+        self.settings = settings or ServerSettings(port=0)
+        self.port: int | None = None
+        self.app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host if self.settings.host not in WILDCARD_HOSTS else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread = threading.Thread(target=self._run, name="mixdesk-http", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("HTTP server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+
+        async def boot():
+            self.app = create_app(self.engine, self.settings)
+            self._runner, self.port = await start_site(self.app, self.settings.host,
+                                                       self.settings.port)
+        try:
+            loop.run_until_complete(boot())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    def set_engine(self, engine) -> None:
+        self.engine = engine
+        if self._loop is not None and self.app is not None:
+            self._loop.call_soon_threadsafe(set_engine, self.app, engine)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
