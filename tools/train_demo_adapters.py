@@ -251,6 +251,85 @@ def load_adapter(path: Path) -> dict:
             "factor": alpha / rank if alpha else 1.0}
 
 
+# --------------------------------------------------------------------------- llama.cpp format
+
+MAX_BYTES = 5_000_000
+
+
+def verify_llamacpp_adapter(path: Path, base_path: Path, demo: bool = True) -> list[str]:
+    """Check a LoRA GGUF against the rules llama.cpp applies when ``llama-server --lora`` loads it
+    (src/llama-adapter.cpp, llama_adapter_lora_init_impl), plus our own (alpha, task name, size).
+    Returns a list of problems (empty = OK). ``demo=False`` skips our own extra rules (alpha and
+    task name present, size <= 5 MB), e.g. for the reference adapters llama-server loaded.
+
+    llama.cpp rules: general.type == "adapter"; general.architecture == the base model's;
+    adapter.type == "lora"; adapter.lora.alpha read as f32; every tensor ends in .lora_a or
+    .lora_b (or _norm.weight, ignored); each pair is complete; the base tensor exists; in ggml
+    order ne(base) = [in, out] must satisfy base.ne[0] == a.ne[0], base.ne[1] == b.ne[1] and
+    a.ne[1] == b.ne[0] (A is (rank, in), B is (out, rank) in numpy order)."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.constants import GGMLQuantizationType as Q
+    problems = []
+    r = GGUFReader(str(path))
+    base = GGUFFile(base_path)
+
+    def kv(key, vtype):
+        f = r.fields.get(key)
+        if f is None:
+            problems.append(f"missing {key}")
+            return None
+        if f.types[:1] != [vtype]:
+            problems.append(f"{key} has type {f.types}, expected {vtype.name}")
+            return None
+        return f.contents()
+
+    if kv("general.type", GGUFValueType.STRING) != "adapter":
+        problems.append("general.type != 'adapter'")
+    if kv("general.architecture", GGUFValueType.STRING) != base.metadata["general.architecture"]:
+        problems.append("general.architecture differs from the base model's")
+    if kv("adapter.type", GGUFValueType.STRING) != "lora":
+        problems.append("adapter.type != 'lora'")
+    if demo or "adapter.lora.alpha" in r.fields:  # llama.cpp reads it as f32 when present
+        alpha = kv("adapter.lora.alpha", GGUFValueType.FLOAT32)
+        if alpha is not None and not alpha > 0:
+            problems.append(f"adapter.lora.alpha = {alpha}")
+    if demo and not kv("adapter.lora.task_name", GGUFValueType.STRING):
+        problems.append("adapter.lora.task_name is missing or empty")
+    pairs: dict[str, dict] = {}
+    for t in r.tensors:
+        ne = [int(x) for x in t.shape]  # GGUFReader gives ggml order (ne[0] first)
+        if t.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.Q8_0):
+            problems.append(f"{t.name}: type {t.tensor_type.name}")
+        for suf in (".lora_a", ".lora_b"):
+            if t.name.endswith(suf):
+                pairs.setdefault(t.name[: -len(suf)], {})[suf[-1]] = ne
+                break
+        else:
+            if not t.name.endswith("_norm.weight"):
+                problems.append(f"{t.name}: unexpected suffix")
+    for name, ab in pairs.items():
+        if set(ab) != {"a", "b"}:
+            problems.append(f"{name}: pair is missing one component")
+            continue
+        info = base.tensors.get(name)
+        if info is None:
+            problems.append(f"{name}: not in the base model")
+            continue
+        base_ne = list(reversed(info.shape))  # numpy (out, in) -> ggml [in, out]
+        a, b = ab["a"], ab["b"]
+        if base_ne[0] != a[0] or base_ne[1] != b[1]:
+            problems.append(f"{name}: incorrect shape a={a} b={b} base={base_ne}")
+        if a[1] != b[0]:
+            problems.append(f"{name}: lora_a is not transposed (a={a}, b={b})")
+    if not pairs:
+        problems.append("no LoRA tensors")
+    size = path.stat().st_size
+    if demo and size > MAX_BYTES:
+        problems.append(f"file is {size} bytes > {MAX_BYTES}")
+    base.close()
+    return problems
+
+
 # --------------------------------------------------------------------------- check
 
 def check(model: Llama, tol: float = 0.05, with_adapters: bool = True) -> bool:
@@ -403,6 +482,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="base GGUF (default: Mixdesk's default model)")
     ap.add_argument("--check", action="store_true", help="only verify the torch forward against llama.cpp")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--verify", action="store_true",
+                    help="only check the adapters in --out (and the reference ones) against "
+                         "llama.cpp's LoRA loader rules")
     ap.add_argument("--only", choices=sorted(STYLES), action="append")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     ap.add_argument("--out", type=Path, default=OUT_DIR)
@@ -413,6 +495,16 @@ def main(argv=None) -> int:
     if args.model is None:
         from core.default_model import default_model_path
         args.model = default_model_path()
+    if args.verify:
+        ok = True
+        ref = sorted((REFERENCE.parent / "adapters").glob("*.gguf"))
+        for path in ref + [args.out / f"{s}.gguf" for s in STYLES]:
+            demo = path not in ref
+            probs = verify_llamacpp_adapter(path, args.model, demo=demo) if path.exists() else ["missing"]
+            print(f"verify {path.name}: {'OK' if not probs else probs}"
+                  f"{'' if demo else ' (reference adapter, llama.cpp rules only)'}")
+            ok = ok and not probs
+        return 0 if ok else 1
     t0 = time.time()
     model = Llama(args.model)
     print(f"torch threads: {torch.get_num_threads()}")
@@ -430,6 +522,10 @@ def main(argv=None) -> int:
         out = args.out / f"{style}.gguf"
         save_adapter(model, style, out)
         info["bytes"] = out.stat().st_size
+        problems = verify_llamacpp_adapter(out, args.model)
+        if problems:
+            print(f"[{style}] {out} breaks llama.cpp's LoRA rules: {problems}", file=sys.stderr)
+            return 1
         summary[style] = info
         print(f"[{style}] wrote {out} ({info['bytes'] / 1e6:.2f} MB) in {info['seconds']:.0f}s")
     print(json.dumps(summary, indent=1))
