@@ -27,7 +27,8 @@ class FakeTok:
         return self.token_bytes(tid).decode("utf-8", errors="replace")
 
 
-@pytest.mark.parametrize("raw", [b"", b"  ", b"{bad", b"\xff\xfe", b"[1, 2]", b"\"x\"", b"null"])
+@pytest.mark.parametrize("raw", [b"", b"  ", b"{bad", b"\xff\xfe", b"[1, 2]", b"\"x\"", b"null",
+                                 b"[" * 100000])
 def test_json_body_rejects_non_objects(raw):
     with pytest.raises(HttpError) as e:
         R.parse_json_body(raw)

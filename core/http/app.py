@@ -24,7 +24,7 @@ from ..scheduler import DoneEvent, TokenEvent
 from ..sampling import SamplingParams
 from . import responses as R
 from .responses import HttpError
-from .security import add_cors_on_prepare, make_middlewares
+from .security import DISCONNECTED, add_cors_on_prepare, make_middlewares
 
 log = logging.getLogger("mixdesk.http")
 
@@ -50,7 +50,14 @@ class ServerSettings:
                    lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)))
 
 
-ENGINE = web.AppKey("engine", object)
+class _EngineBox:
+    """Mutable holder: the app's state must not change once it runs, the engine may."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+
+ENGINE = web.AppKey("engine", _EngineBox)
 SETTINGS = web.AppKey("settings", ServerSettings)
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 
@@ -71,7 +78,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
 
     app = web.Application(middlewares=make_middlewares(settings, on_line),
                           client_max_size=settings.max_body)
-    app[ENGINE] = engine
+    app[ENGINE] = _EngineBox(engine)
     app[SETTINGS] = settings
     app[LOAD_LOCK] = asyncio.Lock() if _has_loop() else None  # created lazily otherwise
     app.on_response_prepare.append(add_cors_on_prepare)
@@ -100,7 +107,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
 
 def set_engine(app: web.Application, engine) -> None:
     """Hand the app its engine once the model is loaded (until then: 503)."""
-    app[ENGINE] = engine
+    app[ENGINE].engine = engine
 
 
 def _has_loop() -> bool:
@@ -114,7 +121,7 @@ def _has_loop() -> bool:
 # ---- helpers -------------------------------------------------------------------------
 
 def _engine(request: web.Request):
-    eng = request.app[ENGINE]
+    eng = request.app[ENGINE].engine
     if eng is None or not eng.ready:
         loading = eng is None or eng.loading
         raise HttpError("Loading model" if loading else "no model loaded", 503, "unavailable_error")
@@ -209,7 +216,7 @@ class _Generation:
 
     def cancel(self) -> None:
         if self.done is None:
-            self.request["disconnected"] = True
+            self.request[DISCONNECTED] = True
             self.req.cancel()
 
     async def collect(self) -> tuple[DoneEvent, list[TokenEvent]]:
@@ -473,7 +480,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
             elif ev.text:
                 await resp.write(R.sse(R.completion_chunk(ev.text, [], [] if n_probs else None)))
     except ConnectionError:           # the client went away: free its slot
-        request["disconnected"] = True
+        request[DISCONNECTED] = True
     finally:
         gen.cancel()
     return resp
@@ -518,7 +525,7 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
                 await resp.write(R.sse(R.oai_completion_chunk(
                     ev.text, cid=cid, created=created, model=mid, logprobs=lp)))
     except ConnectionError:           # the client went away: free its slot
-        request["disconnected"] = True
+        request[DISCONNECTED] = True
     finally:
         gen.cancel()
     return resp
@@ -566,7 +573,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 await resp.write(R.sse(R.oai_chat_chunk({"content": ev.text}, cid=cid,
                                                         created=created, model=mid, logprobs=lp)))
     except ConnectionError:           # the client went away: free its slot
-        request["disconnected"] = True
+        request[DISCONNECTED] = True
     finally:
         gen.cancel()
     return resp

@@ -53,6 +53,8 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise HttpError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise HttpError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise HttpError("the request body must be a JSON object")
     return body
@@ -66,6 +68,8 @@ def parse_json_any(raw: bytes) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise HttpError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise HttpError("the request body is nested too deeply") from None
 
 
 _MISSING = object()

@@ -33,6 +33,8 @@ from .responses import HttpError, error_body
 log = logging.getLogger("mixdesk.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+DISCONNECTED = web.RequestKey("disconnected", bool)
+CORS_ORIGIN = web.RequestKey("cors_origin", str)
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
@@ -125,11 +127,11 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             status = e.status
             raise
         except (ConnectionError, asyncio.CancelledError):
-            request["disconnected"] = True
+            request[DISCONNECTED] = True
             raise
         finally:
             ms = (time.perf_counter() - t0) * 1e3
-            status_s = "499 (client disconnected)" if request.get("disconnected") else str(status)
+            status_s = "499 (client disconnected)" if request.get(DISCONNECTED) else str(status)
             on_line(f"{request.method} {request.path} {status_s} {ms:.1f} ms")
 
     @web.middleware
@@ -176,7 +178,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             return json_error(f"Origin {origin} not allowed (see --cors-origins)", 403,
                               "permission_error")
         if origin is not None and allowed_origins and origin_listed(origin):
-            request["cors_origin"] = origin
+            request[CORS_ORIGIN] = origin
         length = request.content_length
         if length is not None and length > settings.max_body:
             return json_error(f"request body too large ({length} bytes, limit "
@@ -200,6 +202,6 @@ def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
 
 async def add_cors_on_prepare(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare hook: CORS headers for listed origins, streams included."""
-    origin = request.get("cors_origin")
+    origin = request.get(CORS_ORIGIN)
     if origin and "Access-Control-Allow-Origin" not in response.headers:
         response.headers.update(cors_headers(origin))

@@ -26,9 +26,10 @@ log = logging.getLogger("mixdesk.http")
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving ``app``; returns (runner, the bound port). port 0 picks a free one.
     A client that disconnects cancels its handler (which frees its engine slot)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=2.0)
+    site = web.TCPSite(runner, host, port)
     try:
         await site.start()
     except BaseException:
