@@ -12,17 +12,19 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from PySide6.QtCore import QObject, QThread, Signal
+from PySide6.QtCore import QObject, QThread, QTimer, Signal
 
 from core.engine import Engine
 from core.sampling import SamplingParams
-from core.scheduler import DoneEvent
+from core.scheduler import DoneEvent, Timings
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_S = 0.001
 
 
 class EngineThread(QThread):
@@ -57,37 +59,62 @@ class EngineThread(QThread):
 
 
 class Generation(QObject):
-    """One request in flight. ``token(text)`` per released piece, then ``finished(done)``."""
+    """One request in flight. ``token(text)`` per released piece, then ``finished(done)``;
+    both are emitted on the GUI thread (the scheduler thread only emits the private
+    ``_raw_*`` signals, which Qt queues to this object's thread)."""
 
     token = Signal(str)
     finished = Signal(object)          # core.scheduler.DoneEvent
+    _raw_token = Signal(str)
+    _raw_done = Signal(object)
 
     def __init__(self, tag: Any = None, parent: QObject | None = None):
         super().__init__(parent)
         self.tag = tag
         self.request = None
+        self._cancel_early = False
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._flush_queued = False
         self.done: DoneEvent | None = None
         self.text = ""
-        self.token.connect(self._append)
-        self.finished.connect(self._store)
+        self._raw_token.connect(self._append)
+        self._raw_done.connect(self._store)
 
     def _on_event(self, ev) -> None:       # scheduler thread
         if isinstance(ev, DoneEvent):
-            self.finished.emit(ev)
+            self._raw_done.emit(ev)
         elif ev.text:
-            self.token.emit(ev.text)
+            # Coalesce: one queued signal per GUI wake-up, however many tokens arrive,
+            # so a fast stream costs the GUI thread one slot call per event-loop pass.
+            with self._lock:
+                self._pending.append(ev.text)
+                if self._flush_queued:
+                    return
+                self._flush_queued = True
+            self._raw_token.emit("")
 
-    def _append(self, text: str) -> None:
-        self.text += text
+    def _append(self, _: str = "") -> None:
+        with self._lock:
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._flush_queued = False
+        if text and self.done is None:
+            self.text += text
+            self.token.emit(text)
 
     def _store(self, done: DoneEvent) -> None:
-        self.done = done
+        self._append()                      # tokens still buffered come first
+        if self.done is None:
+            self.done = done
+            self.finished.emit(done)
 
     @property
     def running(self) -> bool:
-        return self.request is not None and self.done is None
+        return self.done is None
 
     def cancel(self) -> None:
+        self._cancel_early = True          # if the worker has not submitted it yet
         if self.request is not None:
             self.request.cancel()
 
@@ -106,6 +133,9 @@ class EngineBridge(QObject):
     def __init__(self, engine: Engine, parent: QObject | None = None):
         super().__init__(parent)
         self.engine = engine
+        # The engine thread holds the GIL between numpy calls; a short switch interval
+        # bounds how long the GUI thread waits each time it re-enters Python.
+        sys.setswitchinterval(GIL_SWITCH_S)
         self.thread = EngineThread(engine)
         self._cancel_load: threading.Event | None = None
         self._unsubscribe = engine.subscribe(self._on_engine_event)
@@ -200,13 +230,38 @@ class EngineBridge(QObject):
 
     # -- generation --------------------------------------------------------------------------
     def chat(self, messages: list[dict], params: SamplingParams,
-             mix: Mapping[int, float] | None = None, tag: Any = None) -> Generation | None:
-        """Submit a chat request; None (and an ``error`` signal) if the engine refuses."""
-        gen = Generation(tag)          # owned by the caller, not parented: no C++ early delete
-        try:
-            prompt = self.engine.chat_prompt(messages)
-            gen.request = self.engine.submit(prompt, params, gen._on_event, mix=mix, source="gui")
-        except Exception as e:
-            self.error.emit(str(e))
-            return None
-        return gen
+             mix: Mapping[int, float] | None = None, tag: Any = None) -> Generation:
+        return self.chat_many([(messages, params, mix, tag)])[0]
+
+    def chat_many(self, jobs: list[tuple[list[dict], SamplingParams, Mapping | None, Any]]
+                  ) -> list[Generation]:
+        """Submit chat requests together (A/B compare) from a worker thread: templating
+        and building a new mix's stacked weights can take tens of ms, which must not
+        stall the GUI. Each request snapshots the global mix at submission when its mix
+        is None. A refused request finishes at once with stop_type "error"."""
+        gens = [Generation(tag) for *_, tag in jobs]     # owned by the caller
+
+        def work() -> None:
+            prepared = []
+            for (messages, params, mix, _), gen in zip(jobs, gens):
+                try:
+                    prepared.append((gen, self.engine.chat_prompt(messages), params, mix))
+                except Exception as e:
+                    self._refuse(gen, e)
+            for gen, prompt, params, mix in prepared:     # back to back: batched together
+                try:
+                    gen.request = self.engine.submit(prompt, params, gen._on_event, mix=mix,
+                                                     source="gui")
+                except Exception as e:
+                    self._refuse(gen, e)
+                    continue
+                if gen._cancel_early:
+                    gen.request.cancel()
+
+        worker = threading.Thread(target=work, name="mixdesk-submit", daemon=True)
+        QTimer.singleShot(0, worker.start)     # after the caller has connected its slots
+        return gens
+
+    def _refuse(self, gen: Generation, e: Exception) -> None:
+        self.error.emit(str(e))
+        gen._raw_done.emit(DoneEvent("error", "", [], Timings(), (), error=str(e)))

@@ -207,16 +207,14 @@ class ChatPane(QWidget):
 
     # -- generation --------------------------------------------------------------------------
     def _generate(self) -> bool:
-        self.conversation["system_prompt"] = self.sampling.system_prompt.toPlainText()
         prompt_msgs = self.sampling.system_messages() + [
             {"role": m["role"], "content": m["content"]} for m in self.conversation["messages"]]
-        gen = self.bridge.chat(prompt_msgs, self.sampling.params())
-        if gen is None:
-            self.status.setText("The engine refused the request (see the message).")
-            self.render()
-            self._update_buttons()
+        try:
+            params = self.sampling.params()
+        except ValueError as e:
+            self.message.emit(str(e))
             return False
-        self.gen = gen
+        gen = self.gen = self.bridge.chat(prompt_msgs, params)
         reply = {"role": "assistant", "content": ""}
         self.conversation["messages"].append(reply)
         gen.token.connect(lambda t, r=reply: self._token(r, t))
@@ -243,6 +241,7 @@ class ChatPane(QWidget):
                          "stop": done.stop_type}
         if done.stop_type == "error":
             self.message.emit(f"Generation failed: {done.error}")
+            reply["content"] = reply["content"] or f"*Error: {done.error}*"
         self.status.setText(f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s"
                             + (" · stopped" if done.stop_type == "cancel" else ""))
         self._render_timer.stop()
@@ -255,6 +254,7 @@ class ChatPane(QWidget):
     def _save(self) -> None:
         if not self.conversation["messages"] and not self.store.load(self.conversation["id"]):
             return
+        self.conversation["system_prompt"] = self.sampling.system_prompt.toPlainText()
         try:
             self.store.save(self.conversation)
             self.settings.set("last_conversation", self.conversation["id"])

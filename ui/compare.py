@@ -134,15 +134,13 @@ class ComparePane(QWidget):
         mixes = [self.mix_of(s) for s in (self.a, self.b)]
         # Submit both before returning to the event loop: the scheduler admits them
         # together and runs them in one batch.
-        for side, mix in zip((self.a, self.b), mixes):
-            side.text, side.done = "", None
+        gens = self.bridge.chat_many([(messages, params, mix, side.title.text())
+                                      for side, mix in zip((self.a, self.b), mixes)])
+        for side, gen in zip((self.a, self.b), gens):
+            side.text, side.done, side.gen = "", None, gen
             side.meta.setText("generating…")
-            side.gen = self.bridge.chat(messages, params, mix=mix, tag=side.title.text())
-            if side.gen is not None:
-                side.gen.token.connect(lambda t, s=side: self._token(s, t))
-                side.gen.finished.connect(lambda d, s=side: self._done(s, d))
-            else:
-                side.meta.setText("refused (see message)")
+            gen.token.connect(lambda t, s=side: self._token(s, t))
+            gen.finished.connect(lambda d, s=side: self._done(s, d))
         self._preview()
         self._render()
         self.run_btn.setEnabled(not self.running)

@@ -1,0 +1,73 @@
+"""GUI test fixtures: offscreen Qt, one real SmolLM2 engine for the session, the
+reference adapters, and a fresh MainWindow per test (settings isolated by the
+autouse MIXDESK_HOME fixture in tests/conftest.py)."""
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"     # before anything imports Qt
+
+import pytest  # noqa: E402
+
+ADAPTERS = ("lora_all_q8", "lora_attn", "lora_ffn")
+
+
+@pytest.fixture(scope="session")
+def engine(smollm_path):
+    from core.engine import Engine
+    eng = Engine(ctx_size=1024, n_parallel=4)
+    eng.load_model(smollm_path)
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def clean_engine(engine):
+    """The session engine with no adapters and an empty mix."""
+    for a in engine.adapters():
+        engine.remove_adapter(a["id"])
+    return engine
+
+
+@pytest.fixture
+def make_window(qtbot, clean_engine):
+    from core.settings import Settings
+    from ui.main_window import MainWindow
+    made = []
+
+    def make():
+        win = MainWindow(clean_engine, Settings())
+        qtbot.addWidget(win)
+        win.show()
+        made.append(win)
+        return win
+
+    yield make
+    for win in made:
+        win.close()
+
+
+@pytest.fixture
+def window(make_window):
+    return make_window()
+
+
+@pytest.fixture
+def loaded(window, qtbot, ref_dir):
+    """The window with the three reference adapters loaded (ids in ADAPTERS order)."""
+    window.adapters.add_paths([ref_dir / "adapters" / f"{n}.gguf" for n in ADAPTERS])
+    qtbot.waitUntil(lambda: len(window.mixer.strips) == 3, timeout=10000)
+    ids = {a["name"]: a["id"] for a in window.engine.adapters()}
+    window.ids = ids
+    return window
+
+
+def _greedy(window, n_predict: int = 6) -> None:
+    window.sampling.set_values({"temperature": 0.0, "n_predict": n_predict, "seed": 0,
+                                "repeat_penalty": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0})
+
+
+@pytest.fixture
+def greedy():
+    """greedy(window, n_predict): temperature 0 and a small token budget."""
+    return _greedy

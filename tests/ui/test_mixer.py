@@ -1,0 +1,98 @@
+"""The mixing desk drives the engine mix, and mixes set elsewhere move the desk."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+
+def test_slider_and_spin_set_engine_mix_immediately(loaded):
+    w, ids = loaded, loaded.ids
+    attn, ffn, allq = ids["lora_attn"], ids["lora_ffn"], ids["lora_all_q8"]
+    w.mixer.strips[attn].slider.setValue(75)                 # slider: 0.75, no reload, no wait
+    assert w.engine.get_mix()[attn] == pytest.approx(0.75)
+    w.mixer.strips[ffn].spin.setValue(-1.234)                # precise box
+    assert w.engine.get_mix()[ffn] == pytest.approx(-1.234)
+    assert w.mixer.strips[ffn].slider.value() == -123
+    info = {a["id"]: a for a in w.engine.adapters()}         # what GET /lora-adapters serves
+    assert info[attn]["scale"] == pytest.approx(0.75)
+    # effective scale shown with alpha/rank: lora_attn has alpha 16, rank 8
+    assert w.mixer.strips[attn].eff.text().startswith("+1.500")
+
+    w.mixer.strips[attn].on.setChecked(False)                # mute
+    assert w.engine.get_mix()[attn] == 0.0
+    w.mixer.strips[attn].on.setChecked(True)
+    assert w.engine.get_mix()[attn] == pytest.approx(0.75)
+
+    w.mixer.strips[allq].spin.setValue(0.5)
+    w.mixer.strips[allq].solo.setChecked(True)               # solo: only soloed strips sound
+    assert w.engine.get_mix() == {allq: 0.5, attn: 0.0, ffn: 0.0}
+    w.mixer.strips[allq].solo.setChecked(False)
+
+    w.mixer.bypass.setChecked(True)                          # master bypass
+    assert set(w.engine.get_mix().values()) == {0.0}
+    w.mixer.bypass.setChecked(False)
+    assert w.engine.get_mix()[ffn] == pytest.approx(-1.234)
+
+
+def test_mix_set_from_another_thread_moves_sliders_within_100ms(loaded, qtbot):
+    w, ids = loaded, loaded.ids
+    attn = ids["lora_attn"]
+    w.mixer.strips[attn].on.setChecked(False)                # muted, then the API sets it
+    t = threading.Thread(target=w.engine.set_mix, args=({attn: 1.5},), kwargs={"source": "api"})
+    t0 = time.perf_counter()
+    t.start()
+    qtbot.waitUntil(lambda: w.mixer.strips[attn].spin.value() == pytest.approx(1.5), timeout=1000)
+    assert time.perf_counter() - t0 < 0.1
+    assert not w.mixer.strips[attn].muted                    # the desk now implies that mix
+    assert w.mixer.desk_mix() == w.engine.get_mix()
+
+
+def test_presets_save_load_rename_delete(loaded, make_window):
+    w, ids = loaded, loaded.ids
+    attn, ffn = ids["lora_attn"], ids["lora_ffn"]
+    w.mixer.strips[attn].spin.setValue(0.6)
+    w.mixer.strips[ffn].spin.setValue(-0.4)
+    w.mixer.strips[ffn].on.setChecked(False)
+    w.mixer.save_preset("warm")
+    w.mixer.zero_all()
+    w.mixer.strips[ffn].on.setChecked(True)
+    assert set(w.engine.get_mix().values()) == {0.0}
+
+    assert w.mixer.load_preset("warm")
+    assert w.mixer.strips[attn].value == pytest.approx(0.6)
+    assert w.mixer.strips[ffn].value == pytest.approx(-0.4) and w.mixer.strips[ffn].muted
+    assert w.engine.get_mix()[attn] == pytest.approx(0.6) and w.engine.get_mix()[ffn] == 0.0
+
+    w.mixer.rename_preset("warm", "cosy")
+    assert w.settings.presets.names() == ["cosy"]
+    assert w.mixer.mix_for_preset("cosy")[attn] == pytest.approx(0.6)
+    w.mixer.save_preset("other")
+    w.mixer.delete_preset("other")
+    assert w.settings.presets.names() == ["cosy"]
+    assert [w.mixer.preset_box.itemText(i) for i in range(w.mixer.preset_box.count())] == ["cosy"]
+
+
+def test_bad_adapter_shows_inline_error_and_the_rest_keep_working(loaded, qtbot, tmp_path):
+    w, ids = loaded, loaded.ids
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    notgguf = tmp_path / "notes.gguf"
+    notgguf.write_text("this is not a model")
+    w.adapters.add_paths([bad, notgguf])
+    qtbot.waitUntil(lambda: len(w.adapters.errors) == 2, timeout=5000)
+    assert all(m for m in w.adapters.errors.values())
+    assert w.banner.isVisible() and "Adapter not loaded" in w.banner.label.text()
+    assert len(w.engine.adapters()) == 3 and len(w.mixer.strips) == 3
+    w.mixer.strips[ids["lora_attn"]].spin.setValue(0.9)       # the desk keeps working
+    assert w.engine.get_mix()[ids["lora_attn"]] == pytest.approx(0.9)
+    red = [w.adapters.tree.topLevelItem(i).text(6) for i in range(w.adapters.tree.topLevelItemCount())]
+    assert sum(t.startswith("✗") for t in red) == 2
+
+
+def test_remove_adapter_removes_its_strip(loaded, qtbot):
+    w, ids = loaded, loaded.ids
+    w.bridge.remove_adapter(ids["lora_ffn"])
+    qtbot.waitUntil(lambda: len(w.mixer.strips) == 2, timeout=2000)
+    assert ids["lora_ffn"] not in w.mixer.strips
