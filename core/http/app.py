@@ -55,6 +55,15 @@ class _EngineBox:
 
     def __init__(self, engine):
         self.engine = engine
+        self._info: tuple[Any, dict] | None = None
+
+    def model_info(self) -> dict:
+        """engine.model_info(), cached per loaded model (it re-reads the file's header)."""
+        eng = self.engine
+        key = (id(eng), str(eng.path), eng.load_ms)
+        if self._info is None or self._info[0] != key:
+            self._info = (key, eng.model_info())
+        return self._info[1]
 
 
 ENGINE = web.AppKey("engine", _EngineBox)
@@ -289,8 +298,8 @@ async def props(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     eng = _engine(request)
-    return web.json_response(R.models_list(_model_id(request, eng), eng.model_info(),
-                                           eng.adapters()))
+    return web.json_response(R.models_list(_model_id(request, eng),
+                                           request.app[ENGINE].model_info(), eng.adapters()))
 
 
 async def tokenize(request: web.Request) -> web.Response:
