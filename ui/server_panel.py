@@ -24,21 +24,6 @@ log = logging.getLogger(__name__)
 MAX_LOG_LINES = 2000
 
 
-def _access_logger_class(sink):
-    from aiohttp.abc import AbstractAccessLogger
-
-    class PanelAccessLogger(AbstractAccessLogger):
-        def log(self, request, response, time_s):     # noqa: A003 (aiohttp's name)
-            sink(f"{request.remote or '-'}  {request.method} {request.path_qs}  "
-                 f"→ {response.status}  {time_s * 1000:.0f} ms")
-
-        @property
-        def enabled(self) -> bool:
-            return True
-
-    return PanelAccessLogger
-
-
 class ServerPanel(QWidget):
     state_changed = Signal(bool)
     log_line = Signal(str)
@@ -52,6 +37,7 @@ class ServerPanel(QWidget):
         self.cors_origins = list(cors_origins or [])
         self.runner = None
         self.site = None
+        self.bound_port: int | None = None
         self._busy = False
         cfg = settings.get("server") or {}
 
@@ -119,7 +105,9 @@ class ServerPanel(QWidget):
     def base_url(self) -> str:
         host = self.host.text().strip() or "127.0.0.1"
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        return f"http://{shown}:{self.port.value()}"
+        if ":" in shown and not shown.startswith("["):
+            shown = f"[{shown}]"
+        return f"http://{shown}:{self.bound_port or self.port.value()}"
 
     def _update_texts(self) -> None:
         url = self.base_url()
@@ -161,36 +149,39 @@ class ServerPanel(QWidget):
         self._save()
         host, port = self.host.text().strip() or "127.0.0.1", self.port.value()
         try:
-            from aiohttp import web
-
             from core.http.app import ServerSettings, create_app
+            from core.http.server import exposure_warnings, start_site
             keys = [self.api_key.text()] if self.api_key.text() else []
-            app = create_app(self.bridge.engine, _server_settings(ServerSettings, host, port, keys,
-                                                                  self.cors_origins))
-            runner = web.AppRunner(app, access_log_class=_access_logger_class(self.log_line.emit))
-            await runner.setup()
-            site = web.TCPSite(runner, host, port)
-            await site.start()
+            settings = _server_settings(ServerSettings, host, port, keys, self.cors_origins,
+                                        on_log=self.log_line.emit)
+            app = create_app(self.bridge.engine, settings)
+            runner, bound = await start_site(app, host, port)
         except Exception as e:            # port in use, bad host, missing module...
             log.warning("server did not start: %s", e)
             self.state.setText(f"Not running: {e}")
             self.message.emit(f"The API server did not start: {e}")
             self._set_toggle(False)
-            if "runner" in locals():
-                await runner.cleanup()
             return False
+        for w in exposure_warnings(settings):
+            self.log_line.emit(w)
+            self.message.emit(w)
+        site = True
+        self.bound_port = bound
+        self._update_texts()
         self.runner, self.site = runner, site
         self.state.setText(f"Listening on {self.base_url()}")
         self.state.setProperty("on", True)
         self._repolish(self.state)
         self._set_toggle(True)
         self.settings.update("server", enabled=True)
-        self.log_line.emit(f"server started on {host}:{port}")
+        self.log_line.emit(f"server started on {host}:{bound}")
         self.state_changed.emit(True)
         return True
 
     async def stop(self, remember: bool = True) -> None:
         runner, self.runner, self.site = self.runner, None, None
+        self.bound_port = None
+        self._update_texts()
         if runner is not None:
             await runner.cleanup()
             self.log_line.emit("server stopped")
@@ -208,10 +199,10 @@ class ServerPanel(QWidget):
         w.style().polish(w)
 
 
-def _server_settings(cls, host: str, port: int, keys: list[str], cors: list[str]):
+def _server_settings(cls, host: str, port: int, keys: list[str], cors: list[str], **extra):
     """Build core.http's ServerSettings with the fields it has (it is still evolving)."""
     import dataclasses
-    wanted = {"host": host, "port": port, "api_keys": keys, "cors_origins": cors}
+    wanted = {"host": host, "port": port, "api_keys": keys, "cors_origins": cors, **extra}
     try:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in wanted.items() if k in names})

@@ -1,0 +1,126 @@
+"""Live sync between the HTTP API (served from the GUI's qasync loop) and the desk."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("core.http.app")
+
+
+@pytest.fixture
+def qloop(qapp):
+    """A qasync loop driven by the Qt event loop that qtbot spins (as in the app)."""
+    import qasync
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
+    loop._QEventLoop__is_running = False       # we never ran it ourselves: let close() proceed
+    loop.close()                               # joins the loop's executor threads
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body=None) -> tuple[float, object]:
+    """Runs in a worker thread (the server lives on the GUI thread's loop)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        payload = json.loads(r.read())
+    return time.perf_counter(), payload
+
+
+def in_thread(qtbot, fn, *args, timeout=60000):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except Exception as e:           # surfaced in the main thread below
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    qtbot.waitUntil(lambda: not t.is_alive(), timeout=timeout)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.fixture
+def served(loaded, qloop, qtbot):
+    w = loaded
+    w.server.port.setValue(free_port())
+    w.server.toggle.setChecked(True)
+    qtbot.waitUntil(lambda: w.server.running, timeout=10000)
+    runner = w.server.runner
+    yield w, w.server.base_url()
+    # pytest-qt may already have closed the window (which schedules the cleanup too)
+    fut = asyncio.ensure_future(runner.cleanup())
+    qtbot.waitUntil(fut.done, timeout=10000)
+
+
+def test_post_lora_adapters_moves_the_slider_within_100ms(served, qtbot):
+    w, url = served
+    attn = w.ids["lora_attn"]
+    slider_moved = {}
+
+    def watch(v):
+        slider_moved.setdefault("t", time.perf_counter())
+    w.mixer.strips[attn].slider.valueChanged.connect(watch)
+    w.mixer.strips[attn].spin.valueChanged.connect(watch)
+    body = [{"id": attn, "scale": 1.25}]
+    t_resp, payload = in_thread(qtbot, http, "POST", url + "/lora-adapters", body)
+    assert payload == {"success": True}
+    qtbot.waitUntil(lambda: w.mixer.strips[attn].spin.value() == pytest.approx(1.25), timeout=1000)
+    assert time.perf_counter() - t_resp < 0.1
+    assert w.mixer.strips[attn].slider.value() == 125
+    assert w.engine.get_mix()[attn] == pytest.approx(1.25)
+    assert any("POST /lora-adapters" in line for line in w.server.log_view.toPlainText().splitlines())
+
+
+def test_slider_shows_in_get_lora_adapters_immediately(served, qtbot):
+    w, url = served
+    ffn = w.ids["lora_ffn"]
+    w.mixer.strips[ffn].spin.setValue(-0.75)
+    _, entries = in_thread(qtbot, http, "GET", url + "/lora-adapters")
+    scales = {e["id"]: e["scale"] for e in entries}
+    assert scales[ffn] == pytest.approx(-0.75)
+    w.mixer.bypass.setChecked(True)
+    _, entries = in_thread(qtbot, http, "GET", url + "/lora-adapters")
+    assert all(e["scale"] == 0.0 for e in entries)
+
+
+def test_adapter_loaded_over_http_appears_in_the_desk(served, qtbot, ref_dir):
+    w, url = served
+    path = str(ref_dir / "adapters" / "lora_attn.gguf")
+    _, entry = in_thread(qtbot, http, "POST", url + "/lora-adapters/load",
+                         {"path": path, "scale": 0.5})
+    qtbot.waitUntil(lambda: entry["id"] in w.mixer.strips, timeout=2000)
+    assert w.mixer.strips[entry["id"]].spin.value() == pytest.approx(0.5)
+    assert w.adapters.tree.topLevelItemCount() == 4
+
+
+def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):
+    w, url = served
+    greedy(w, n_predict=4)
+    sources = []
+    w.bridge.request_started.connect(lambda info: sources.append(info.get("source")))
+    with qtbot.waitSignal(w.chat.reply_finished, timeout=120000):
+        w.chat.send("Hi")
+        _, out = in_thread(qtbot, http, "POST", url + "/completion",
+                           {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+    assert out["tokens_predicted"] == 4 if "tokens_predicted" in out else out["content"]
+    assert "gui" in sources and any(s != "gui" for s in sources)
+    assert "generation" in w.server.log_view.toPlainText()
