@@ -35,7 +35,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .config import ModelConfig
 from .gguf_file import GGUFError, GGUFFile, _Cursor
-from .lora import _HF_TO_GGUF, Adapter, AdapterError, base_tensor_shapes, load_adapter
+from .lora import _HF_TO_GGUF, Adapter, AdapterError, base_tensor_shapes, fused_slot, load_adapter
 from .weights import open_model_file
 
 Progress = Callable[[float, str], None]
@@ -273,6 +273,32 @@ def _planned_type(shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
     return GGMLQuantizationType.F16
 
 
+def _engine_weights(base: Any, mix: _Mix) -> Callable[[str], np.ndarray | None] | None:
+    """With an engine, base tensors come from its already dequantized float32
+    weights (the same values, without dequantizing the file again)."""
+    model = getattr(base, "model", None)
+    if model is None or getattr(base, "path", None) != mix.base_path:
+        return None
+    cfg, wts = mix.cfg, model.w
+
+    def view(name: str) -> np.ndarray | None:
+        if name == "token_embd.weight":
+            return wts.tok_embd
+        if name == "output.weight":
+            return None if wts.tied else wts.output
+        if name == "output_norm.weight":
+            return wts.output_norm
+        slot = fused_slot(cfg, name)
+        if slot is not None:
+            layer, target, row0, rows = slot
+            return getattr(wts.layers[layer], target)[row0:row0 + rows]
+        m = re.fullmatch(r"blk\.(\d+)\.(attn_norm|ffn_norm)\.weight", name)
+        if m:
+            return getattr(wts.layers[int(m.group(1))], m.group(2))
+        return None
+    return view
+
+
 def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.PathLike, *,
                   outtype: str = "f16", progress: Progress | None = None) -> ExportResult:
     """Write base + mix as a normal model GGUF: W' = W + Σ s_i B_i A_i per tensor,
@@ -304,6 +330,7 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
     if missing:
         raise ExportError(f"export-merged: the base {mix.base_path.name} has no tensor {missing[0]!r}")
 
+    engine_view = _engine_weights(base, mix)
     tmp = _partial(out)
     report(0.0, "reading base metadata")
     w = None
@@ -340,11 +367,13 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
         for name, shape in plan:
             src = "token_embd.weight" if (name == "output.weight" and extra_output) else name
             info = gf.tensors[src]
-            try:
-                arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
-            except NotImplementedError:
-                raise ExportError(f"export-merged: tensor {src!r} of the base uses "
-                                  f"{info.qtype.name}, which cannot be dequantized") from None
+            arr = engine_view(src) if engine_view else None
+            if arr is None or arr.shape != info.shape:
+                try:
+                    arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
+                except NotImplementedError:
+                    raise ExportError(f"export-merged: tensor {src!r} of the base uses "
+                                      f"{info.qtype.name}, which cannot be dequantized") from None
             arr = np.array(arr, dtype=np.float32)     # a private, writable float32 copy
             d = mix.delta(name)
             if d is not None:
