@@ -191,7 +191,9 @@ class _Generation:
             try:
                 loop.call_soon_threadsafe(self.queue.put_nowait, ev)
             except RuntimeError:           # the loop is gone: stop generating
-                self.req.cancel()
+                r = getattr(self, "req", None)
+                if r is not None:
+                    r.cancel()
 
         self.done: DoneEvent | None = None
         try:
