@@ -81,6 +81,7 @@ CONFIGS = [
 
 class EngineBackend:
     name = "Mixdesk numpy engine (core.engine)"
+    parallel = 4
 
     def __init__(self, model_path: Path):
         from core.engine import Engine
@@ -95,9 +96,13 @@ class EngineBackend:
         return self.eng.chat([{"role": "user", "content": prompt}], mix=m,
                              max_tokens=MAX_TOKENS, temperature=0.0)
 
+    def close(self) -> None:
+        self.eng.stop()
+
 
 class TorchBackend:
     name = "float32 torch model of tools/train_demo_adapters.py"
+    parallel = 1
 
     def __init__(self, model_path: Path):
         import torch
@@ -123,6 +128,9 @@ class TorchBackend:
         if out and out[-1] == T.IM_END:
             out = out[:-1]
         return self.tok.decode(out)
+
+    def close(self) -> None:
+        pass
 
 
 def main(argv=None) -> int:
@@ -156,15 +164,19 @@ def main(argv=None) -> int:
     results = []
     t0 = time.time()
     for label, mix in CONFIGS:
-        replies = []
-        for p in prompts:
-            replies.append(backend.reply(p, mix))
+        if backend.parallel > 1:  # the engine batches concurrent requests
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(backend.parallel) as ex:
+                replies = list(ex.map(lambda p: backend.reply(p, mix), prompts))
+        else:
+            replies = [backend.reply(p, mix) for p in prompts]
         rates = {m: sum(f(r) for r in replies) / len(replies) for m, f in MARKERS.items()}
         words = sum(len(r.split()) for r in replies) / len(replies)
         results.append({"config": label, "mix": mix, "rates": rates, "mean_words": words,
                         "replies": dict(zip(prompts, replies))})
         print(f"{label}: {rates} words={words:.1f} ({time.time() - t0:.0f}s)", file=sys.stderr)
 
+    backend.close()
     args.out.write_text(json.dumps({"backend": backend.name, "max_tokens": MAX_TOKENS,
                                     "results": results}, indent=1, ensure_ascii=False) + "\n",
                         encoding="utf-8")
