@@ -62,7 +62,7 @@ class AdapterPanel(QWidget):
         lay.addLayout(top)
         lay.addWidget(self.tree, 1)
 
-        bridge.adapters_changed.connect(self.set_adapters)
+        bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.adapter_error.connect(self.show_error)
         bridge.adapter_added.connect(self._added)
         bridge.model_loaded.connect(self._model_loaded)

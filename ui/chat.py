@@ -4,7 +4,7 @@ tokens, tok/s and the mix it was generated with."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
                                QTextBrowser, QVBoxLayout, QWidget)
 
@@ -114,7 +114,8 @@ class ChatPane(QWidget):
         QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
 
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
-        self._render_timer.timeout.connect(self.render)
+        self._render_timer.timeout.connect(self._flush_stream)
+        self._streamed = 0
         self.refresh_history()
         last = settings.get("last_conversation")
         if last:
@@ -136,10 +137,36 @@ class ChatPane(QWidget):
         self.clear_btn.setEnabled(not busy and bool(msgs))
 
     def render(self) -> None:
+        """Full Markdown render (on send, finish, open). While a reply streams, its tokens
+        are appended as plain text (cheap); it is rendered as Markdown when it ends."""
         sb = self.view.verticalScrollBar()
         at_end = sb.value() >= sb.maximum() - 4
-        self.view.setMarkdown(render_markdown(self.conversation, streaming=self.generating))
+        msgs = self.conversation["messages"]
+        streaming = self.generating and msgs and msgs[-1]["role"] == "assistant"
+        if streaming:
+            done_part = dict(self.conversation, messages=msgs[:-1])
+            self.view.setMarkdown(render_markdown(done_part) + "\n#### Assistant\n")
+            cur = QTextCursor(self.view.document())
+            cur.movePosition(QTextCursor.End)
+            cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            self._streamed = 0
+            self._flush_stream()
+        else:
+            self.view.setMarkdown(render_markdown(self.conversation))
         if at_end or self.generating:
+            sb.setValue(sb.maximum())
+
+    def _flush_stream(self) -> None:
+        msgs = self.conversation["messages"]
+        if not self.generating or not msgs or msgs[-1]["role"] != "assistant":
+            return
+        text = msgs[-1]["content"]
+        new, self._streamed = text[self._streamed:], len(text)
+        if new:
+            cur = QTextCursor(self.view.document())
+            cur.movePosition(QTextCursor.End)
+            cur.insertText(new, QTextCharFormat())
+            sb = self.view.verticalScrollBar()
             sb.setValue(sb.maximum())
 
     # -- actions ---------------------------------------------------------------------------

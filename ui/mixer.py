@@ -176,7 +176,9 @@ class MixerPanel(QWidget):
         lay.addLayout(presets)
         lay.addWidget(scroll, 1)
 
-        bridge.adapters_changed.connect(self.set_adapters)
+        # Events from several threads can arrive out of order: always read the engine's
+        # current state rather than the (possibly stale) payload.
+        bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
         self.refresh_presets()
         self.set_adapters(bridge.engine.adapters())
@@ -233,7 +235,7 @@ class MixerPanel(QWidget):
 
     def _engine_mix_changed(self, mix: dict, source: str) -> None:
         if source != "gui":
-            self._reconcile(mix)
+            self._reconcile(self.bridge.engine.get_mix())
 
     def _reconcile(self, mix: dict[int, float]) -> None:
         """Move the desk so that it implies ``mix`` (set from outside), keeping mute,
