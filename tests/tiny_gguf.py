@@ -1,0 +1,86 @@
+"""Write tiny random llama GGUF models with gguf.GGUFWriter, for shape/edge-case tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType, quants
+
+BYTE_VOCAB = [f"<0x{i:02X}>" for i in range(256)]
+
+
+def quantize_or_random(a: np.ndarray, qtype, rng) -> np.ndarray:
+    """Quantized bytes of ``a``; for types gguf-py cannot quantize (the K-quants),
+    random blocks whose bytes stay below 0x3C so every f16 scale is finite."""
+    try:
+        return quants.quantize(a, qtype)
+    except NotImplementedError:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = a.shape[-1] // block * type_size
+        return rng.integers(0, 0x3C, size=(*a.shape[:-1], n_bytes), dtype=np.uint8)
+
+
+def write_tiny_llama(path: Path, *, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn=96,
+                     vocab=300, tied=True, rope_base=10000.0, rope_scale=None,
+                     rope_freqs=False, qtype=GGMLQuantizationType.F32, arch="llama",
+                     seed=0, ctx=256) -> Path:
+    rng = np.random.default_rng(seed)
+    hd = dim // n_heads
+    w = GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(ctx)
+    w.add_embedding_length(dim)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    if rope_scale:
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope_scale)
+    # a byte-level SPM vocab so the engine can build a tokenizer
+    toks = ["<unk>", "<s>", "</s>"] + BYTE_VOCAB
+    toks += [f"tok{i}" for i in range(vocab - len(toks))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(name, shape, scale=0.2, norm=False):
+        a = (1.0 + 0.1 * rng.standard_normal(shape) if norm
+             else scale * rng.standard_normal(shape)).astype(np.float32)
+        if not norm and qtype != GGMLQuantizationType.F32:
+            if qtype == GGMLQuantizationType.F16:
+                w.add_tensor(name, a.astype(np.float16))
+            else:
+                w.add_tensor(name, quantize_or_random(a, qtype, rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+
+    t("token_embd.weight", (vocab, dim), 1.0)
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        t(b + "attn_norm.weight", (dim,), norm=True)
+        t(b + "attn_q.weight", (n_heads * hd, dim))
+        t(b + "attn_k.weight", (n_kv_heads * hd, dim))
+        t(b + "attn_v.weight", (n_kv_heads * hd, dim))
+        t(b + "attn_output.weight", (dim, n_heads * hd))
+        t(b + "ffn_norm.weight", (dim,), norm=True)
+        t(b + "ffn_gate.weight", (ffn, dim))
+        t(b + "ffn_up.weight", (ffn, dim))
+        t(b + "ffn_down.weight", (dim, ffn))
+    t("output_norm.weight", (dim,), norm=True)
+    if not tied:
+        t("output.weight", (vocab, dim))
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
