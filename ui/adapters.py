@@ -16,8 +16,23 @@ from core.settings import Settings
 from .bridge import EngineBridge
 from .util import human_bytes, local_paths
 
-COLUMNS = ("Adapter", "Rank", "Alpha", "Targets", "Size", "Task", "Base check")
+COLUMNS = ("Adapter", "Rank", "Alpha", "Size", "Task", "Base check", "Targets")
+BASE_COL, TARGETS_COL = 5, 6
 ERROR_ROLE = Qt.UserRole + 1
+
+
+def compact_targets(targets: list[str]) -> str:
+    """['attn_k', 'attn_q', 'ffn_up'] -> 'attn q k · ffn up' (short enough for a column)."""
+    order = ["q", "k", "v", "output", "gate", "up", "down"]
+    groups: dict[str, list[str]] = {}
+    for t in targets:
+        head, _, tail = t.partition("_")
+        groups.setdefault(head if tail else t, []).append(tail)
+    parts = []
+    for head, tails in groups.items():
+        tails = sorted((x for x in tails if x), key=lambda x: order.index(x) if x in order else 99)
+        parts.append(" ".join([head] + [("o" if x == "output" else x) for x in tails]))
+    return " · ".join(parts)
 
 
 class AdapterPanel(QWidget):
@@ -123,20 +138,20 @@ class AdapterPanel(QWidget):
         self.tree.clear()
         for a in self._adapters:
             alpha = "—" if a.get("alpha") in (None, 0) else f"{a['alpha']:g}"
-            targets = ", ".join(a.get("targets") or [])
-            base = f"✓ fits {self._model_name}" if self._model_name else "✓ fits the model"
-            item = QTreeWidgetItem([a["name"], str(a.get("rank", "")), alpha, targets,
+            targets = compact_targets(a.get("targets") or [])
+            item = QTreeWidgetItem([a["name"], str(a.get("rank", "")), alpha,
                                     human_bytes(a.get("size_bytes", 0)), a.get("task_name") or "—",
-                                    base])
+                                    "✓ fits base", targets])
+            item.setToolTip(BASE_COL, f"shapes and targets match {self._model_name or 'the model'}")
             item.setData(0, Qt.UserRole, a["id"])
             item.setToolTip(0, f"{a.get('path', '')}\nformat: {a.get('format', '')}")
-            item.setToolTip(3, targets)
+            item.setToolTip(TARGETS_COL, ", ".join(a.get("targets") or []))
             if a.get("prompt_prefix"):
-                item.setToolTip(5, f"prompt prefix: {a['prompt_prefix']}")
-            item.setForeground(6, QBrush(QColor("#2e9d5b")))
+                item.setToolTip(4, f"prompt prefix: {a['prompt_prefix']}")
+            item.setForeground(BASE_COL, QBrush(QColor("#2e9d5b")))
             self.tree.addTopLevelItem(item)
         for path, msg in self.errors.items():
-            item = QTreeWidgetItem([Path(path).name, "", "", "", "", "", f"✗ {msg}"])
+            item = QTreeWidgetItem([Path(path).name, "", "", "", "", f"✗ {msg}", ""])
             item.setData(0, ERROR_ROLE, path)
             for c in range(len(COLUMNS)):
                 item.setForeground(c, QBrush(QColor("#d64545")))

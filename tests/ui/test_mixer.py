@@ -87,7 +87,7 @@ def test_bad_adapter_shows_inline_error_and_the_rest_keep_working(loaded, qtbot,
     assert len(w.engine.adapters()) == 3 and len(w.mixer.strips) == 3
     w.mixer.strips[ids["lora_attn"]].spin.setValue(0.9)       # the desk keeps working
     assert w.engine.get_mix()[ids["lora_attn"]] == pytest.approx(0.9)
-    red = [w.adapters.tree.topLevelItem(i).text(6) for i in range(w.adapters.tree.topLevelItemCount())]
+    red = [w.adapters.tree.topLevelItem(i).text(5) for i in range(w.adapters.tree.topLevelItemCount())]
     assert sum(t.startswith("✗") for t in red) == 2
 
 

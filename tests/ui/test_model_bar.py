@@ -1,0 +1,27 @@
+"""Opening models from the GUI: progress, info, recent list, and clean failures."""
+from __future__ import annotations
+
+
+def test_open_model_shows_progress_and_info(window, qtbot, smollm_path):
+    w = window
+    progress = []
+    w.bridge.model_loading.connect(lambda f, m: progress.append(f))
+    with qtbot.waitSignal(w.bridge.model_loaded, timeout=60000):
+        w.open_model(str(smollm_path))
+    assert progress and max(progress) <= 1.0
+    assert not w.model_bar.progress.isVisible()
+    info = w.model_bar.info.text()
+    assert "llama" in info and "params" in info and "Q4_1" in info and "RAM" in info
+    assert w.settings.recent_models()[0] == str(smollm_path)
+    assert w.engine.ready
+
+
+def test_bad_model_file_shows_error_and_keeps_the_old_model(window, qtbot, tmp_path):
+    w = window
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"nonsense" * 10)
+    with qtbot.waitSignal(w.bridge.model_error, timeout=10000):
+        w.open_model(str(bad))
+    assert w.banner.isVisible() and "Model not loaded" in w.banner.label.text()
+    assert w.engine.ready                       # the previous model stays in service
+    w.mixer.bypass.setChecked(True)             # and the window keeps working
