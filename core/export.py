@@ -35,7 +35,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .config import ModelConfig
 from .gguf_file import GGUFError, GGUFFile, _Cursor
-from .lora import _HF_TO_GGUF, Adapter, AdapterError, base_tensor_shapes, fused_slot, load_adapter
+from .lora import _HF_TO_GGUF, Adapter, base_tensor_shapes, fused_slot, load_adapter
 from .weights import open_model_file
 
 Progress = Callable[[float, str], None]

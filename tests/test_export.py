@@ -294,8 +294,8 @@ def test_merged_f32_reproduces_mix(full_ref, merged_f32, merged_cache, smollm_pa
 
     m = load_base(merged_f32, merged_cache)
     try:
-        assert greedy(m, {}, full_ref.prompt) == full_ref.tokens
-        full_ref.check(m, {}, atol=1e-3)
+        full_ref.check(m, {}, atol=1e-3)          # all 16 greedy choices, in one forward
+        assert greedy(m, {}, full_ref.prompt, n=4) == full_ref.tokens[:4]   # and via the scheduler
     finally:
         m.stop()
 
