@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
     e.add_argument("--export-lora", metavar="OUT.gguf", help="write the mix as one LoRA GGUF")
     e.add_argument("--export-merged", metavar="OUT.gguf", help="write base+mix merged as a model GGUF")
-    e.add_argument("--outtype", choices=["f32", "f16", "q8_0"], default="f16",
-                   help="tensor type for --export-merged (default f16)")
+    e.add_argument("--outtype", choices=["f32", "f16", "q8_0"], default=None,
+                   help="tensor type (default: f16 for --export-merged, f32 for LoRA/PEFT)")
     e.add_argument("--export-peft", metavar="DIR", help="write the mix as a PEFT folder")
 
     for names, takes_value in GPU_ONLY_FLAGS.items():

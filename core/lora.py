@@ -233,7 +233,8 @@ def _pattern_value(patterns: dict, module: str, default):
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Tensors as float32. numpy has no bfloat16, so BF16 is widened by hand."""
     from safetensors import safe_open
-    header_len = int.from_bytes(path.read_bytes()[:8], "little") if path.stat().st_size >= 8 else 0
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
     if header_len <= 0 or header_len > path.stat().st_size:
         raise AdapterError(f"adapter {path.parent.name}: {path.name} is not a safetensors file")
     with open(path, "rb") as f:
@@ -313,13 +314,20 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
         short = module.removeprefix("base_model.model.")
         rank = int(_pattern_value(pc.get("rank_pattern"), short, r_default))
         alpha = float(_pattern_value(pc.get("alpha_pattern"), short, alpha_default))
-        if "lora_embedding_A" in parts:
+        if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
+            if set(parts) != {"lora_embedding_A", "lora_embedding_B"}:
+                raise AdapterError(f"adapter {label}: module {module!r} needs both "
+                                   "lora_embedding_A and lora_embedding_B")
             # PEFT embedding LoRA: A (r, vocab), B (dim, r); llama.cpp wants a (vocab, r), b (dim, r)
             a, b = parts["lora_embedding_A"].T, parts["lora_embedding_B"]
         else:
             if "lora_A" not in parts or "lora_B" not in parts:
                 raise AdapterError(f"adapter {label}: module {module!r} lacks lora_A or lora_B")
             a, b = parts["lora_A"], parts["lora_B"]
+            want_out = base_tensor_shapes(cfg).get(gname, (None,))[0]
+            if b.ndim != 2 or b.shape[0] != want_out:
+                raise AdapterError(f"adapter {label}: tensor {gname!r} lora_B has shape "
+                                   f"{b.shape}, the base has {want_out} output rows")
             if gname.endswith("attn_q.weight"):
                 b = permute_qk_rows(b, cfg.n_heads)
             elif gname.endswith("attn_k.weight"):
