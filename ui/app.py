@@ -105,4 +105,19 @@ def run_gui(args: argparse.Namespace) -> int:
     app.aboutToQuit.connect(win.shutdown)
     with loop:
         code = loop.run_forever()
+    teardown(app, win)
     return int(code or 0)
+
+
+def teardown(app, win) -> None:
+    """Stop the engine thread and free Qt objects while the interpreter is whole.
+    Left to interpreter finalization, shiboken's objects can be collected in an order
+    that aborts the process (seen with PySide6 6.12), after everything was saved."""
+    import gc
+    win.shutdown()
+    win.deleteLater()
+    app.processEvents()
+    app.sendPostedEvents(None, 0)       # DeferredDelete
+    del win
+    gc.collect()
+    gc.freeze()                         # nothing left for the final collection to reorder
