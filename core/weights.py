@@ -106,6 +106,9 @@ def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
 
 
 def _views(buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]) -> dict[str, np.ndarray]:
+    # Plain ndarray views (the memmap stays alive as their base): np.memmap's
+    # subclass hooks would otherwise run on every slice in the forward pass.
+    buf = np.asarray(buf)
     out = {}
     for name, shape, off in layout:
         n = int(np.prod(shape))

@@ -1,0 +1,202 @@
+"""Engine benchmark: every speed is printed next to a ratio measured in the same run.
+
+    .venv/bin/python bench/engine.py [--quick] [-m MODEL]
+
+Roofline: one pass of ``x @ W.T`` over float32 matrices of the model's fused
+shapes (QKV, O, gate|up, down per layer, plus the output matrix), at batch 1
+(decode) and batch 512 (prefill). Nothing the engine does can beat pure BLAS on
+the same shapes, so "ratio" says how close to numpy's physical limit we are.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.default_model import ensure_default_model  # noqa: E402
+from core.engine import Engine  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
+from core.weights import load_weights, open_model_file  # noqa: E402
+
+REF_ADAPTERS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "adapters"
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def best_of(fn, n=3):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def roofline(model, batch: int, reps: int) -> float:
+    """tok/s of the pure matmuls at this batch size."""
+    w = model.w
+    mats = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
+    xs = {m.shape[1]: np.random.rand(batch, m.shape[1]).astype(np.float32) for m in mats}
+
+    def run():
+        for m in mats:
+            xs[m.shape[1]] @ m.T
+    run()
+    return batch / best_of(run, reps)
+
+
+def blas_header() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+        info = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')} "
+                f"threads={i['num_threads']}" for i in threadpool_info() if i["user_api"] == "blas"]
+    except Exception as e:  # pragma: no cover
+        info = [f"threadpoolctl unavailable: {e}"]
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    return "BLAS: " + "; ".join(info) + (f"  (OPENBLAS_CORETYPE={core})" if core else "")
+
+
+def timed_completion(eng, prompt, n, mix=None, cache_prompt=True):
+    t0 = time.perf_counter()
+    first = None
+    done = None
+    for ev in eng.generate(prompt, SamplingParams(n_predict=n, **GREEDY), mix=mix,
+                           cache_prompt=cache_prompt):
+        if first is None and ev.kind == "token":
+            first = time.perf_counter() - t0
+        if ev.kind == "done":
+            done = ev
+    return first, done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
+    args = ap.parse_args()
+    path = Path(args.model) if args.model else ensure_default_model(log=lambda m: None)
+    n_decode = 32 if args.quick else 128
+    n_prefill = 128 if args.quick else 512
+    print(blas_header())
+    print(f"model: {path.name}   cores: {os.cpu_count()}")
+
+    # -- load -------------------------------------------------------------------
+    gf, cfg = open_model_file(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = os.environ.get("MIXDESK_CACHE")
+        os.environ["MIXDESK_CACHE"] = tmp
+        t = time.perf_counter()
+        load_weights(gf, cfg)
+        cold = time.perf_counter() - t
+        t = time.perf_counter()
+        load_weights(open_model_file(path)[0], cfg)
+        warm_mapped = time.perf_counter() - t
+        if old is None:
+            del os.environ["MIXDESK_CACHE"]
+        else:
+            os.environ["MIXDESK_CACHE"] = old
+    eng = Engine(ctx_size=2048, n_parallel=8)
+    eng.load_model(path)                          # warm the real cache if needed
+    t = time.perf_counter()
+    eng = Engine(ctx_size=2048, n_parallel=8)
+    eng.load_model(path)
+    warm = time.perf_counter() - t
+    eng.start()
+    print(f"load: cold {cold:.2f} s (target <= 3)   warm {warm:.2f} s (target <= 1; "
+          f"weights map {warm_mapped * 1e3:.0f} ms)")
+
+    # -- rooflines ------------------------------------------------------------------
+    roof1 = roofline(eng.model, 1, 5)
+    roof512 = roofline(eng.model, 512, 2)
+    print(f"roofline (pure BLAS, fused shapes): batch 1 {roof1:.1f} tok/s, "
+          f"batch 512 {roof512:.0f} tok/s")
+
+    rng = np.random.default_rng(0)
+    prompt = [1] + list(rng.integers(100, 40000, size=n_prefill - 1))
+
+    # -- prefill ------------------------------------------------------------------------
+    _, done = timed_completion(eng, prompt, 1, cache_prompt=False)
+    pre = done.timings.prompt_n / (done.timings.prompt_ms / 1e3)
+    print(f"prefill {n_prefill} tok: {pre:.0f} tok/s   ratio to roofline {pre / roof512:.2f} "
+          f"(target >= 0.6)")
+
+    # -- decode, 0/1/3 adapters ------------------------------------------------------------
+    short = prompt[:16]
+    decode = {}
+    if REF_ADAPTERS.is_dir():
+        ids = [eng.add_adapter(REF_ADAPTERS / n) for n in
+               ("lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf")]
+    else:
+        ids = []
+    for label, mix in (("0 adapters", {}), ("1 adapter", {ids[0]: 1.0} if ids else None),
+                       ("3 adapters", {i: 0.5 for i in ids} if ids else None)):
+        if mix is None:
+            continue
+        _, done = timed_completion(eng, short, n_decode, mix=mix, cache_prompt=False)
+        decode[label] = done.timings.predicted_n / (done.timings.predicted_ms / 1e3)
+    base = decode["0 adapters"]
+    print(f"decode {n_decode} tok: {base:.1f} tok/s   ratio to roofline {base / roof1:.2f} "
+          f"(target >= 0.7)")
+    for label, v in decode.items():
+        if label != "0 adapters":
+            print(f"decode with {label}: {v:.1f} tok/s   slowdown {100 * (1 - v / base):.0f}% "
+                  f"(3 adapters target <= 15%)")
+
+    # -- mix switch ---------------------------------------------------------------------------
+    if ids:
+        n = 1000
+        t = time.perf_counter()
+        for i in range(n):
+            eng.set_mix({ids[0]: (i % 7) / 7, ids[1]: -0.5, ids[2]: 0.25})
+        sw = (time.perf_counter() - t) / n
+        print(f"mix switch: {sw * 1e6:.0f} us (target <= 1000 us)")
+
+        # A -> B -> A time to first token, with a 512-token prompt
+        mix_a, mix_b = {ids[0]: 1.0}, {ids[1]: 1.0}
+        eng.prefix.clear()
+        cold_ttft, _ = timed_completion(eng, prompt, 1, mix=mix_a)
+        timed_completion(eng, prompt, 1, mix=mix_b)
+        back_ttft, d = timed_completion(eng, prompt, 1, mix=mix_a)
+        print(f"A->B->A: switch-back TTFT {back_ttft * 1e3:.0f} ms = "
+              f"{100 * back_ttft / cold_ttft:.1f}% of cold {cold_ttft * 1e3:.0f} ms "
+              f"(target <= 5%; cache_n={d.timings.cache_n})")
+        eng.set_mix({})
+
+    # -- 8 concurrent streams, 8 different mixes ----------------------------------------------------
+    mixes = [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate((0.5, 1, -0.5, 1.5, 0.25, -1, 2))] \
+        if ids else [{}] * 8
+    one = decode["0 adapters"]
+    results = []
+    barrier = threading.Barrier(8)
+
+    def stream(mix, k):
+        barrier.wait()
+        _, d = timed_completion(eng, prompt[k:k + 16], n_decode, mix=mix, cache_prompt=False)
+        results.append(d)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=stream, args=(m, k)) for k, m in enumerate(mixes)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    agg = sum(d.timings.predicted_n for d in results) / wall
+    print(f"8 streams x 8 mixes: {agg:.1f} tok/s aggregate = {agg / one:.1f}x one stream "
+          f"(target >= 4x)")
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: {rss:.0f} MB (target <= 1536 MB with three adapters)")
+    eng.stop()
+
+
+if __name__ == "__main__":
+    main()
