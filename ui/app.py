@@ -17,6 +17,7 @@ from pathlib import Path
 from .util import RESOURCES
 
 log = logging.getLogger(__name__)
+CLI_DEFAULT_HOST, CLI_DEFAULT_PORT = "127.0.0.1", 8080
 
 
 def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
@@ -63,13 +64,16 @@ def create_window(args: argparse.Namespace):
     engine = Engine(ctx_size=getattr(args, "ctx_size", 4096) or 0,
                     n_parallel=getattr(args, "parallel", 4) or 4)
     win = MainWindow(engine, Settings(), cors_origins=list(getattr(args, "cors_origins", []) or []))
-    server = getattr(args, "host", None), getattr(args, "port", None), getattr(args, "api_key", None)
-    if server[0]:
-        win.server.host.setText(server[0])
-    if server[1]:
-        win.server.port.setValue(int(server[1]))
-    if server[2]:
-        win.server.api_key.setText(server[2][0])
+    # Flags override the saved server settings only when they differ from main.py's
+    # defaults (argparse cannot tell "--port 8080" from no flag at all).
+    host, port, keys = (getattr(args, "host", None), getattr(args, "port", None),
+                        getattr(args, "api_key", None))
+    if host and host != CLI_DEFAULT_HOST:
+        win.server.host.setText(host)
+    if port and int(port) != CLI_DEFAULT_PORT:
+        win.server.port.setValue(int(port))
+    if keys:
+        win.server.api_key.setText(keys[0])
     win.server._save()
     model = getattr(args, "model", None)
     target = Path(model) if model else (lambda: ensure_default_model(log=log.info))
@@ -103,10 +107,31 @@ def run_gui(args: argparse.Namespace) -> int:
 
     win.show()
     app.aboutToQuit.connect(win.shutdown)
+    _quit_on_signals(app)
     with loop:
         code = loop.run_forever()
     teardown(app, win)
     return int(code or 0)
+
+
+def _quit_on_signals(app) -> None:
+    """Ctrl+C / SIGTERM close the window cleanly (saving state) instead of killing it.
+    Python only runs signal handlers between bytecodes, so a timer wakes it up."""
+    import signal
+    from PySide6.QtCore import QTimer
+
+    def quit_(*_):          # closing the last window quits (after the server stops)
+        for w in app.topLevelWidgets():
+            if w.isVisible():
+                w.close()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, quit_)
+        except (ValueError, OSError):       # not the main thread
+            pass
+    timer = QTimer(app)
+    timer.timeout.connect(lambda: None)
+    timer.start(250)
 
 
 def teardown(app, win) -> None:

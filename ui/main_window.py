@@ -66,6 +66,7 @@ class MainWindow(QMainWindow):
         self.engine = engine
         self.settings = settings or Settings()
         self.bridge = EngineBridge(engine, self)
+        self._closing = False
 
         self.model_bar = ModelBar(self.bridge, self.settings)
         self.mixer = MixerPanel(self.bridge, self.settings)
@@ -195,23 +196,35 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.save_state()
+        if self.server.runner is not None and _loop_running():
+            # Stop the server on the loop first (it answers in-flight requests), then close.
+            event.ignore()
+            if not self._closing:
+                self._closing = True
+                asyncio.ensure_future(self._stop_server_then_close())
+            return
         self.shutdown()
         super().closeEvent(event)
 
+    async def _stop_server_then_close(self) -> None:
+        try:
+            await self.server.stop(remember=False)
+        finally:
+            self.close()
+
     def shutdown(self) -> None:
-        if self.server.runner is not None:
-            runner, self.server.runner, self.server.site = self.server.runner, None, None
-            try:
-                loop = asyncio.get_event_loop()
-                if loop.is_running():
-                    asyncio.ensure_future(runner.cleanup())
-                else:
-                    loop.run_until_complete(runner.cleanup())
-            except Exception:
-                pass
+        if self.server.runner is not None:          # no loop to stop it on: drop it
+            self.server.runner = self.server.site = None
         self.chat.stop()
         self.compare.stop()
         self.bridge.shutdown()
+
+
+def _loop_running() -> bool:
+    try:
+        return asyncio.get_event_loop().is_running()
+    except RuntimeError:
+        return False
 
 
 def _padded(w: QWidget, margin: int = 10) -> QWidget:

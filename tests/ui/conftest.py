@@ -3,6 +3,7 @@ reference adapters, and a fresh MainWindow per test (settings isolated by the
 autouse MIXDESK_HOME fixture in tests/conftest.py)."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 os.environ["QT_QPA_PLATFORM"] = "offscreen"     # before anything imports Qt
@@ -37,14 +38,20 @@ def make_window(qtbot, clean_engine):
 
     def make():
         win = MainWindow(clean_engine, Settings())
-        qtbot.addWidget(win)
         win.show()
         made.append(win)
         return win
 
     yield make
-    for win in made:
-        win.close()
+    for win in made:          # closed here, not by qtbot: the server must stop first
+        try:
+            if win.server.runner is not None:
+                fut = asyncio.ensure_future(win.server.stop(remember=False))
+                qtbot.waitUntil(fut.done, timeout=10000)
+            win.close()
+            win.deleteLater()
+        except RuntimeError:  # already deleted
+            pass
 
 
 @pytest.fixture

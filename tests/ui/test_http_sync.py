@@ -64,11 +64,10 @@ def served(loaded, qloop, qtbot):
     w.server.port.setValue(free_port())
     w.server.toggle.setChecked(True)
     qtbot.waitUntil(lambda: w.server.running, timeout=10000)
-    runner = w.server.runner
     yield w, w.server.base_url()
-    # pytest-qt may already have closed the window (which schedules the cleanup too)
-    fut = asyncio.ensure_future(runner.cleanup())
+    fut = asyncio.ensure_future(w.server.stop(remember=False))
     qtbot.waitUntil(fut.done, timeout=10000)
+    assert not w.server.running
 
 
 def test_post_lora_adapters_moves_the_slider_within_100ms(served, qtbot):
@@ -124,3 +123,12 @@ def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):
     assert out["tokens_predicted"] == 4 if "tokens_predicted" in out else out["content"]
     assert "gui" in sources and any(s != "gui" for s in sources)
     assert "generation" in w.server.log_view.toPlainText()
+
+
+def test_closing_the_window_stops_the_server_then_the_engine_thread(served, qtbot):
+    w, url = served
+    w.close()
+    qtbot.waitUntil(lambda: not w.server.running, timeout=5000)
+    qtbot.waitUntil(lambda: not w.bridge.thread.isRunning(), timeout=5000)
+    assert not w.isVisible()
+    assert (w.settings.get("server") or {}).get("enabled") is True   # restarts next time
