@@ -53,6 +53,7 @@ class Engine:
         self.n_parallel = n_parallel
         self.path: Path | None = None
         self.config: ModelConfig | None = None
+        self.n_params = 0
         self.model: LlamaModel | None = None
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None
@@ -112,6 +113,7 @@ class Engine:
 
         try:
             gf, cfg = open_model_file(path)
+            n_params = sum(t.n_elements for t in gf.tensors.values())
             try:
                 tok = Tokenizer.from_metadata(gf.metadata)
             except ValueError as e:
@@ -125,7 +127,7 @@ class Engine:
         was_running = self._thread is not None
         self.stop()
         with self._lock:
-            self.path, self.config = Path(path), cfg
+            self.path, self.config, self.n_params = Path(path), cfg, n_params
             self.ctx_size = self.requested_ctx or cfg.ctx_len
             self.model = LlamaModel(cfg, weights)
             self.tokenizer, self.chat_template = tok, template
@@ -148,9 +150,7 @@ class Engine:
         if self.config is None:
             return {}
         c = self.config
-        n_params = sum(int(math.prod(t.shape)) for t in
-                       open_model_file(self.path)[0].tensors.values()) if self.path else 0
-        return {"path": str(self.path), "name": c.name, "arch": c.arch, "n_params": n_params,
+        return {"path": str(self.path), "name": c.name, "arch": c.arch, "n_params": self.n_params,
                 "quant": c.file_type, "n_ctx_train": c.ctx_len, "n_ctx": self.ctx_size,
                 "n_layers": c.n_layers, "dim": c.dim, "n_vocab": c.vocab_size,
                 "memory_bytes": self.model.w.nbytes, "load_ms": self.load_ms,
@@ -162,12 +162,14 @@ class Engine:
                               type="unavailable_error", code=503)
 
     # -- adapters -------------------------------------------------------------------
-    def add_adapter(self, path: str | Path, scale: float = 0.0) -> int:
+    def add_adapter(self, path: str | Path, scale: float = 0.0, name: str | None = None) -> int:
         """Load and validate an adapter; returns its id (stable for the session).
         Raises AdapterError naming the adapter; nothing changes on failure."""
         self.require_ready()
         scale = _check_scale(scale, "scale")
         adapter = load_adapter(path, self.config)
+        if name:
+            adapter.name = name
         with self._lock:
             adapter.id = self._next_id
             self._next_id += 1
@@ -243,6 +245,14 @@ class Engine:
                 self._scales.update(checked)
             mix = dict(self._scales)
         self._notify("mix_changed", mix=mix, source=source)
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler load: running and queued sequences, forward steps so far, cache use."""
+        s = self.scheduler
+        return {"active": len(s.active) if s else 0, "queued": s.queue.qsize() if s else 0,
+                "steps": s.steps if s else 0, "n_parallel": self.n_parallel,
+                "prefix_cache_entries": self.prefix.n_entries,
+                "prefix_cache_hits": self.prefix.hits, "prefix_cache_misses": self.prefix.misses}
 
     # -- generation ---------------------------------------------------------------------
     def start(self) -> None:

@@ -190,6 +190,9 @@ class Scheduler:
                 s.timings.prompt_ms += dt
                 if s.pending:
                     continue        # more prompt to run before we can sample
+                if s.req.params.n_predict == 0:
+                    self._finish(s, "limit")     # prompt evaluation only (llama-server semantics)
+                    continue
             else:
                 s.timings.predicted_ms += dt
             self._sample(s, lg[-1])
