@@ -290,7 +290,7 @@ def test_concurrent_requests_with_different_mixes_are_batched_and_exact(server, 
     cases = [greedy[1], greedy[10], greedy[20], greedy[29]]   # 4 prompts, 4 different mixes
     assert len({json.dumps(c["lora"]) for c in cases}) == 4
     eng = server.engine
-    steps0 = eng.scheduler.steps
+    steps0 = eng.stats()["steps"]
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -304,7 +304,7 @@ def test_concurrent_requests_with_different_mixes_are_batched_and_exact(server, 
     for case, (st, out) in zip(cases, results):
         assert st == 200 and out["tokens"] == case["tokens"], case["lora"]
     # Alone, these would take 4 x 17 forward steps; batched they share steps.
-    assert eng.scheduler.steps - steps0 < 40
+    assert eng.stats()["steps"] - steps0 < 40
 
 
 def test_stream_disconnect_frees_the_slot(server, greedy):
@@ -317,14 +317,14 @@ def test_stream_disconnect_frees_the_slot(server, greedy):
                                    "ignore_eos": True, "stream": True})
             assert r.status == 200
             await r.content.readline()            # the first token arrived
-            assert len(eng.scheduler.active) == 1
+            assert eng.stats()["active"] == 1
             r.close()                             # hang up mid-stream
 
     run(go())
     deadline = time.time() + 20
-    while eng.scheduler.active and time.time() < deadline:
+    while eng.stats()["active"] and time.time() < deadline:
         time.sleep(0.05)
-    assert not eng.scheduler.active
+    assert not eng.stats()["active"]
     assert any("/completion 499" in line for line in server.lines)
     st, out = req(server, "POST", "/completion", greedy_body(greedy[0], 2))
     assert st == 200 and out["tokens"] == greedy[0]["tokens"][:2]
@@ -343,9 +343,9 @@ def test_non_streaming_disconnect_frees_the_slot(server):
 
     run(go())
     deadline = time.time() + 20
-    while eng.scheduler.active and time.time() < deadline:
+    while eng.stats()["active"] and time.time() < deadline:
         time.sleep(0.05)
-    assert not eng.scheduler.active
+    assert not eng.stats()["active"]
 
 
 # ---- OpenAI shapes ------------------------------------------------------------------

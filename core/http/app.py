@@ -55,15 +55,9 @@ class _EngineBox:
 
     def __init__(self, engine):
         self.engine = engine
-        self._info: tuple[Any, dict] | None = None
 
     def model_info(self) -> dict:
-        """engine.model_info(), cached per loaded model (it re-reads the file's header)."""
-        eng = self.engine
-        key = (id(eng), str(eng.path), eng.load_ms)
-        if self._info is None or self._info[0] != key:
-            self._info = (key, eng.model_info())
-        return self._info[1]
+        return self.engine.model_info()
 
 
 ENGINE = web.AppKey("engine", _EngineBox)
@@ -365,9 +359,7 @@ async def _load_adapter(request: web.Request, path: str, scale: float, name: str
     async with _load_lock(request.app):      # one load at a time: names stay unique
         if name is not None and any(a.get("name") == name for a in eng.adapters()):
             raise HttpError(f"an adapter named {name!r} is already loaded")
-        aid = await _run(eng.add_adapter, path, scale)
-        if name is not None:
-            eng.adapter(aid).name = name
+        aid = await _run(eng.add_adapter, path, scale, name)
     info = next(a for a in eng.adapters() if a["id"] == aid)
     return info
 
