@@ -196,10 +196,13 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = Non
                 pass
         if tmp is not None:
             buf.flush()
+            del views, buf
             os.replace(tmp, bin_path)
             _write_index(idx_path, gf.path, total)
             _drop_stale(cdir, gf.path, key)
             tmp = None
+            # serve from a read-only map, exactly as a warm load would
+            views = _views(np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,)), layout)
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()
