@@ -65,6 +65,16 @@ def softmax_inplace(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def causal_mask(p0: int, n: int) -> np.ndarray | None:
+    """Additive mask (n, p0+n): query i sits at position p0+i and sees keys 0..p0+i.
+    Built once per forward and shared by all layers; None for a single query."""
+    if n == 1:
+        return None
+    L = p0 + n
+    return np.where(np.arange(L)[None, :] > (p0 + np.arange(n))[:, None],
+                    np.float32(-np.inf), np.float32(0.0))              # (n, L)
+
+
 def lora_delta(x: np.ndarray, ab: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     # x: (n, in); A: (R, in); B: (out, R) with the scale folded in -> (n, out)
     a, b = ab
@@ -128,8 +138,9 @@ class LlamaModel:
                 x[s:e] += a[tokens[s:e]] @ b.T                         # (n, d)
 
         groups = _mix_groups(items, spans)
+        masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
         for li, lw in enumerate(self.w.layers):
-            x = self._block(li, lw, x, items, spans, groups, cos, sin)
+            x = self._block(li, lw, x, items, spans, groups, cos, sin, masks)
 
         for it, tok in zip(items, (it.tokens for it in items)):
             it.cache.tokens.extend(int(t) for t in tok)
@@ -147,7 +158,7 @@ class LlamaModel:
             k += len(r)
         return out
 
-    def _block(self, li: int, lw: LayerWeights, x, items, spans, groups, cos, sin):
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, groups, cos, sin, masks):
         cfg = self.cfg
         T = x.shape[0]
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -155,15 +166,13 @@ class LlamaModel:
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)                    # (T, d)
         qkv = h @ lw.wqkv.T                                            # (T, q+2kv)
         _add_lora(qkv, h, li, "wqkv", groups)
-        q = qkv[:, :cfg.q_dim].reshape(T, H, hd)                       # (T, H, hd)
-        k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(T, KV, hd)  # (T, KV, hd)
+        qk = rope(qkv[:, :cfg.q_dim + cfg.kv_dim].reshape(T, H + KV, hd), cos, sin)  # (T, H+KV, hd)
+        q, k = qk[:, :H], qk[:, H:]                                    # (T, H, hd), (T, KV, hd)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(T, KV, hd)         # (T, KV, hd)
-        q = rope(q, cos, sin)
-        k = rope(k, cos, sin)
 
         attn = np.empty((T, cfg.q_dim), dtype=np.float32)              # (T, H*hd)
-        for it, (s, e) in zip(items, spans):
-            attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e])
+        for it, (s, e), mask in zip(items, spans, masks):
+            attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e], mask)
 
         o = attn @ lw.wo.T                                             # (T, d)
         _add_lora(o, attn, li, "wo", groups)
@@ -177,7 +186,7 @@ class LlamaModel:
         _add_lora(d, act, li, "w_down", groups)
         return x + d
 
-    def _attend(self, li: int, cache: KVCache, q, k, v) -> np.ndarray:
+    def _attend(self, li: int, cache: KVCache, q, k, v, mask) -> np.ndarray:
         """Causal GQA attention of n new queries over this sequence's cache."""
         cfg = self.cfg
         n = q.shape[0]
@@ -193,10 +202,8 @@ class LlamaModel:
         qg = q.reshape(n, KV, g, hd).transpose(1, 2, 0, 3).reshape(KV, g * n, hd)  # (KV, g*n, hd)
         s = qg @ K.transpose(0, 2, 1)                                  # (KV, g*n, L)
         s *= self.scale
-        if n > 1:
-            # query i sits at position p0+i and may see keys 0..p0+i
-            mask = np.arange(L)[None, :] > (p0 + np.arange(n))[:, None]   # (n, L)
-            s.reshape(KV, g, n, L)[:, :, mask] = -np.inf
+        if mask is not None:
+            s.reshape(KV, g, n, L)[...] += mask                        # (n, L) broadcast
         softmax_inplace(s)
         o = s @ V                                                      # (KV, g*n, hd)
         return o.reshape(KV, g, n, hd).transpose(2, 0, 1, 3).reshape(n, cfg.q_dim)  # (n, H*hd)
