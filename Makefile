@@ -35,3 +35,20 @@ bench: model
 
 clean:
 	rm -rf $(VENV) build dist
+
+# make package: a one-folder app in dist/mixdesk/ (PyInstaller, packaging/mixdesk.spec),
+# built in its own venv (build/pkgvenv), then smoke-tested: headless /health + a
+# completion, and the window offscreen with the demo adapters (packaging/smoke.py).
+PKGVENV  := build/pkgvenv
+PKGSTAMP := $(PKGVENV)/.installed
+
+$(PKGSTAMP): requirements.txt requirements-package.txt
+	test -x $(PKGVENV)/bin/python || $(PY) -m venv $(PKGVENV)
+	$(PKGVENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-package.txt
+	touch $@
+
+package: $(PKGSTAMP) model
+	$(PKGVENV)/bin/python -m PyInstaller --noconfirm --log-level WARN \
+		--distpath dist --workpath build/pyinstaller packaging/mixdesk.spec
+	$(PYBIN) packaging/smoke.py dist/mixdesk/mixdesk
+	@du -sh dist/mixdesk
