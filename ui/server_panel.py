@@ -122,7 +122,9 @@ class ServerPanel(QWidget):
         self.log_view.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
 
     def _request_started(self, info: dict) -> None:
-        mix = ", ".join(f"#{a}×{s:g}" for a, s in (info.get("mix") or {}).items()) or "no adapters"
+        names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
+        mix = ", ".join(f"{names.get(a, f'#{a}')}×{s:g}"
+                        for a, s in (info.get("mix") or {}).items()) or "no adapters"
         self.log_line.emit(f"generation #{info.get('id')} from {info.get('source') or '?'}: "
                            f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}")
 
