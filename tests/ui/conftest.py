@@ -78,3 +78,16 @@ def _greedy(window, n_predict: int = 6) -> None:
 def greedy():
     """greedy(window, n_predict): temperature 0 and a small token budget."""
     return _greedy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tidy_qt_at_exit(qapp):
+    """As ui.app.teardown: free Qt objects before interpreter finalization, where
+    shiboken can abort while collecting them (PySide6 6.12, seen intermittently)."""
+    yield
+    import gc
+    from PySide6.QtCore import QCoreApplication, QEvent
+    qapp.processEvents()
+    QCoreApplication.sendPostedEvents(None, QEvent.DeferredDelete)
+    gc.collect()
+    gc.freeze()
