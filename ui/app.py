@@ -139,10 +139,12 @@ def teardown(app, win) -> None:
     Left to interpreter finalization, shiboken's objects can be collected in an order
     that aborts the process (seen with PySide6 6.12), after everything was saved."""
     import gc
+
+    from PySide6.QtCore import QEvent
     win.shutdown()
     win.deleteLater()
     app.processEvents()
-    app.sendPostedEvents(None, 0)       # DeferredDelete
+    app.sendPostedEvents(None, QEvent.DeferredDelete)
     del win
     gc.collect()
     gc.freeze()                         # nothing left for the final collection to reorder
