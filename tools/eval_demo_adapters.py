@@ -81,11 +81,11 @@ CONFIGS = [
 
 class EngineBackend:
     name = "Mixdesk numpy engine (core.engine)"
-    parallel = 4
+    parallel = 8
 
     def __init__(self, model_path: Path):
         from core.engine import Engine
-        self.eng = Engine.from_path(model_path)
+        self.eng = Engine.from_path(model_path, n_parallel=self.parallel)
         self.ids: dict[str, int] = {}
 
     def add(self, style: str, path: Path) -> None:
