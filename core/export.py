@@ -185,6 +185,7 @@ def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.Pa
     np_dtype = np.float32 if dtype == "f32" else np.float16
     tmp = _partial(out)
     report(0.0, "collecting tensors")
+    w = None
     try:
         w = GGUFWriter(tmp, mix.cfg.arch)
         w.add_type("adapter")
@@ -205,6 +206,8 @@ def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.Pa
     except OSError as e:
         raise _os_error("export-lora", out, e) from None
     finally:
+        if w is not None:
+            w.close()           # before the unlink (an open file cannot be removed on Windows)
         if tmp.exists():
             tmp.unlink()
     report(1.0, f"wrote {out.name}")
@@ -503,7 +506,7 @@ def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | o
         cfg_tmp.write_text(json.dumps(config, indent=2) + "\n")
         os.replace(st_tmp, st_path)
         os.replace(cfg_tmp, cfg_path)
-    except OSError as e:
+    except BaseException as e:      # also a progress callback that raises (GUI cancel)
         if created:
             for p in (st_tmp, cfg_tmp):
                 if p is not None and p.exists():
@@ -512,7 +515,9 @@ def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | o
                 out_dir.rmdir()
             except OSError:
                 pass
-        raise _os_error("export-peft", out_dir, e) from None
+        if isinstance(e, OSError):
+            raise _os_error("export-peft", out_dir, e) from None
+        raise
     finally:
         for p in (st_tmp, cfg_tmp):
             if p is not None and p.exists():

@@ -19,6 +19,7 @@ from .adapters import AdapterPanel
 from .bridge import EngineBridge
 from .chat import ChatPane
 from .compare import ComparePane
+from .export import MixExporter
 from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
@@ -76,6 +77,7 @@ class MainWindow(QMainWindow):
         self.compare = ComparePane(self.bridge, self.mixer, self.sampling)
         self.server = ServerPanel(self.bridge, self.settings, cors_origins)
         self.banner = ErrorBanner()
+        self.exporter = MixExporter(self.bridge, self.settings, self)
 
         left = QSplitter(Qt.Vertical)
         left.addWidget(_padded(self.mixer))
@@ -109,8 +111,9 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
         self._menus()
 
-        for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server):
+        for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server, self.exporter):
             w.message.connect(self.status)
+        self.exporter.error.connect(self.show_error)
         self.model_bar.open_requested.connect(self.open_model)
         self.bridge.error.connect(self.show_error)
         self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
@@ -129,6 +132,8 @@ class MainWindow(QMainWindow):
         act = QAction("&Add adapter…", self, shortcut=QKeySequence("Ctrl+Shift+O"))
         act.triggered.connect(self.adapters._add_files)
         m.addAction(act)
+        m.addSeparator()
+        m.addMenu(self.exporter.menu)
         m.addSeparator()
         act = QAction("&Quit", self, shortcut=QKeySequence.Quit)
         act.triggered.connect(self.close)
@@ -217,6 +222,7 @@ class MainWindow(QMainWindow):
             self.server.runner = self.server.site = None
         self.chat.stop()
         self.compare.stop()
+        self.exporter.shutdown()
         self.bridge.shutdown()
 
 
