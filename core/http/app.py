@@ -440,6 +440,42 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     return eng, opts, prompt, gen
 
 
+def _oai_final(last: dict, prompt_n: int, ev: DoneEvent, all_ids) -> list[bytes]:
+    """The closing OpenAI chunk (usage, llama-server timings, the mix used) and [DONE]."""
+    last["usage"] = R.usage(prompt_n, ev)
+    last["timings"] = ev.timings.as_dict()
+    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
+    return [R.sse(last), R.SSE_DONE]
+
+
+async def _stream(request: web.Request, gen, token_chunk, final_chunks,
+                  first: dict | None = None) -> web.StreamResponse:
+    """Write one SSE chunk per event until the request is done. A client that goes
+    away cancels the request, which frees its slot in the batch."""
+    resp = await _open_sse(request)
+    try:
+        if first is not None:
+            await resp.write(R.sse(first))
+        while True:
+            ev = await gen.next()
+            if isinstance(ev, DoneEvent):
+                if ev.stop_type in ("error", "cancel"):
+                    await resp.write(R.sse(_stream_error(ev)))
+                else:
+                    _verbose(request, "content", ev.content)
+                    for chunk in final_chunks(ev):
+                        await resp.write(chunk)
+                break
+            chunk = token_chunk(ev)
+            if chunk is not None:
+                await resp.write(R.sse(chunk))
+    except ConnectionError:
+        request[DISCONNECTED] = True
+    finally:
+        gen.cancel()
+    return resp
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     """llama-server's POST /completion (also /completions)."""
     eng, opts, prompt, gen = await _start(request, "prompt", oai=False)
@@ -462,31 +498,20 @@ async def completion(request: web.Request) -> web.StreamResponse:
             done, prompt_n=len(prompt), model=mid, all_ids=all_ids,
             return_tokens=opts.return_tokens, probs=probs, settings=settings_for(done)))
 
-    resp = await _open_sse(request)
-    try:
-        while True:
-            ev = await gen.next()
-            if isinstance(ev, DoneEvent):
-                if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse(_stream_error(ev)))
-                else:
-                    _verbose(request, "content", ev.content)
-                    await resp.write(R.sse(R.completion_final(
-                        ev, prompt_n=len(prompt), model=mid, all_ids=all_ids,
-                        return_tokens=opts.return_tokens, probs=None,
-                        settings=settings_for(ev), streaming=True)))
-                break
-            if ev.kind == "token":
-                probs = [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] \
-                    if n_probs else None
-                await resp.write(R.sse(R.completion_chunk(ev.text, [ev.token], probs)))
-            elif ev.text:
-                await resp.write(R.sse(R.completion_chunk(ev.text, [], [] if n_probs else None)))
-    except ConnectionError:           # the client went away: free its slot
-        request[DISCONNECTED] = True
-    finally:
-        gen.cancel()
-    return resp
+    def token_chunk(ev):
+        if ev.kind == "token":
+            probs = [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] \
+                if n_probs else None
+            return R.completion_chunk(ev.text, [ev.token], probs)
+        return R.completion_chunk(ev.text, [], [] if n_probs else None) if ev.text else None
+
+    def final_chunks(ev):
+        return [R.sse(R.completion_final(
+            ev, prompt_n=len(prompt), model=mid, all_ids=all_ids,
+            return_tokens=opts.return_tokens, probs=None,
+            settings=settings_for(ev), streaming=True))]
+
+    return await _stream(request, gen, token_chunk, final_chunks)
 
 
 async def oai_completions(request: web.Request) -> web.StreamResponse:
@@ -506,32 +531,18 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
         return web.json_response(R.oai_completion(done, cid=cid, created=created, model=mid,
                                                   prompt_n=len(prompt), all_ids=all_ids,
                                                   logprobs=lp))
-    resp = await _open_sse(request)
-    try:
-        while True:
-            ev = await gen.next()
-            if isinstance(ev, DoneEvent):
-                if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse(_stream_error(ev)))
-                else:
-                    last = R.oai_completion_chunk("", cid=cid, created=created, model=mid,
-                                                  finish=R.finish_reason(ev.stop_type))
-                    last["usage"] = R.usage(len(prompt), ev)
-                    last["timings"] = ev.timings.as_dict()
-                    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
-                    await resp.write(R.sse(last))
-                    await resp.write(R.SSE_DONE)
-                break
-            lp = R.oai_completion_logprobs(tok, [(ev.token, ev.logprob, ev.top)], n_top) \
-                if n_top and ev.kind == "token" else None
-            if ev.text or lp:
-                await resp.write(R.sse(R.oai_completion_chunk(
-                    ev.text, cid=cid, created=created, model=mid, logprobs=lp)))
-    except ConnectionError:           # the client went away: free its slot
-        request[DISCONNECTED] = True
-    finally:
-        gen.cancel()
-    return resp
+    def token_chunk(ev):
+        lp = R.oai_completion_logprobs(tok, [(ev.token, ev.logprob, ev.top)], n_top) \
+            if n_top and ev.kind == "token" else None
+        return R.oai_completion_chunk(ev.text, cid=cid, created=created, model=mid,
+                                      logprobs=lp) if ev.text or lp else None
+
+    def final_chunks(ev):
+        last = R.oai_completion_chunk("", cid=cid, created=created, model=mid,
+                                      finish=R.finish_reason(ev.stop_type))
+        return _oai_final(last, len(prompt), ev, all_ids)
+
+    return await _stream(request, gen, token_chunk, final_chunks)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -551,32 +562,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if n_top else None
         return web.json_response(R.oai_chat(done, cid=cid, created=created, model=mid,
                                             prompt_n=len(prompt), all_ids=all_ids, logprobs=lp))
-    resp = await _open_sse(request)
-    try:
-        await resp.write(R.sse(R.oai_chat_chunk({"role": "assistant", "content": ""}, cid=cid,
-                                                created=created, model=mid)))
-        while True:
-            ev = await gen.next()
-            if isinstance(ev, DoneEvent):
-                if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse(_stream_error(ev)))
-                else:
-                    _verbose(request, "content", ev.content)
-                    last = R.oai_chat_chunk({}, cid=cid, created=created, model=mid,
-                                            finish=R.finish_reason(ev.stop_type))
-                    last["usage"] = R.usage(len(prompt), ev)
-                    last["timings"] = ev.timings.as_dict()
-                    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
-                    await resp.write(R.sse(last))
-                    await resp.write(R.SSE_DONE)
-                break
-            lp = [R.oai_chat_logprob(tok, ev.token, ev.logprob, ev.top, n_top)] \
-                if n_top and ev.kind == "token" else None
-            if ev.text or lp:
-                await resp.write(R.sse(R.oai_chat_chunk({"content": ev.text}, cid=cid,
-                                                        created=created, model=mid, logprobs=lp)))
-    except ConnectionError:           # the client went away: free its slot
-        request[DISCONNECTED] = True
-    finally:
-        gen.cancel()
-    return resp
+    def token_chunk(ev):
+        lp = [R.oai_chat_logprob(tok, ev.token, ev.logprob, ev.top, n_top)] \
+            if n_top and ev.kind == "token" else None
+        return R.oai_chat_chunk({"content": ev.text}, cid=cid, created=created, model=mid,
+                                logprobs=lp) if ev.text or lp else None
+
+    def final_chunks(ev):
+        last = R.oai_chat_chunk({}, cid=cid, created=created, model=mid,
+                                finish=R.finish_reason(ev.stop_type))
+        return _oai_final(last, len(prompt), ev, all_ids)
+
+    first = R.oai_chat_chunk({"role": "assistant", "content": ""}, cid=cid, created=created,
+                             model=mid)
+    return await _stream(request, gen, token_chunk, final_chunks, first=first)
