@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingError, SamplingParams, validate
 
 
 class HttpError(Exception):
@@ -170,13 +170,10 @@ def parse_sampling(body: Mapping, n_predict_default: int = -1, oai: bool = False
         ignore_eos=get_bool(body, "ignore_eos", False),
         n_probs=get_int(body, "n_probs", 0, lo=0, hi=100),
     )
-    if not 0.0 <= p.top_p <= 1.0:
-        raise HttpError(f"top_p must be in [0, 1], got {p.top_p}")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise HttpError(f"min_p must be in [0, 1], got {p.min_p}")
-    if p.repeat_penalty <= 0:
-        raise HttpError(f"repeat_penalty must be > 0, got {p.repeat_penalty}")
-    return p
+    try:
+        return validate(p)        # the engine's range rules, reported as a 400
+    except SamplingError as e:
+        raise HttpError(str(e)) from None
 
 
 def parse_generation(body: Mapping, n_predict_default: int = -1, oai: bool = False) -> GenOptions:
