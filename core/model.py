@@ -117,7 +117,7 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.rope = RopeTable(cfg, weights.rope_freqs)
-        self.scale = 1.0 / np.sqrt(cfg.head_dim)
+        self.scale = float(1.0 / np.sqrt(cfg.head_dim))   # a Python float: an np.float64 would upcast q to float64
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)
