@@ -9,7 +9,7 @@
    until the three demo adapters from the bundle's resources/ are loaded.
 
 The bundle has no pip, so it cannot fetch the default model itself (see
-docs/packaging.md): the model cache is pre-seeded from the checkout's cache
+README, "Installing Mixdesk"): the model cache is pre-seeded from the checkout's cache
 (`python -m core.default_model`) through MIXDESK_CACHE, and settings go to a
 throw-away MIXDESK_HOME so the user's own are never touched.
 Run with the project venv's Python from the repo root (it imports core.default_model).

@@ -3,7 +3,7 @@
     from core.http import create_app, ServerSettings
     app = create_app(engine, ServerSettings(port=8080, on_log=print))
 
-See docs/api.md for the endpoints and the differences from llama-server.
+See the README section "HTTP API" for the endpoints and the differences from llama-server.
 """
 from .app import ServerSettings, create_app, set_engine
 from .server import ServerThread, exposure_warnings, run_headless, start_site
