@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size per sequence (default 4096; 0 = the model's)")
     m.add_argument("--chat-template-file", help="Jinja chat template overriding the model's")
     m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
+    m.add_argument("--draft-max", "--draft", type=int, default=8, metavar="N",
+                   help="prompt-lookup speculative tokens per step for greedy requests "
+                        "(default 8; 0 turns it off; outputs are identical either way)")
 
     s = p.add_argument_group("server")
     s.add_argument("--headless", action="store_true", help="serve the HTTP API without the GUI")
@@ -129,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cors_origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     if args.parallel < 1:
         parser.error("--parallel must be at least 1")
+    if not 0 <= args.draft_max <= 64:
+        parser.error("--draft-max must be in 0..64")
     if args.ctx_size < 0:
         parser.error("--ctx-size must be >= 0")
     if not 0 < args.port < 65536:

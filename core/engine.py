@@ -35,6 +35,7 @@ from .weights import ModelLoadError, load_weights, open_model_file
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]
+DEFAULT_DRAFT_MAX = 8       # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
 
 
 class EngineError(ValueError):
@@ -47,10 +48,11 @@ class EngineError(ValueError):
 
 class Engine:
     def __init__(self, ctx_size: int = 4096, n_parallel: int = 4,
-                 prefix_cache_bytes: int = 512 << 20):
+                 prefix_cache_bytes: int = 512 << 20, draft_max: int = DEFAULT_DRAFT_MAX):
         self.requested_ctx = ctx_size     # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
+        self.draft_max = draft_max        # prompt-lookup speculative decoding (0: off)
         self.path: Path | None = None
         self.config: ModelConfig | None = None
         self.n_params = 0
@@ -136,7 +138,8 @@ class Engine:
             dropped = list(self._adapters.values())
             self._adapters.clear()
             self._scales.clear()
-            self.scheduler = Scheduler(self.model, tok, self.prefix, self.ctx_size, self.n_parallel)
+            self.scheduler = Scheduler(self.model, tok, self.prefix, self.ctx_size, self.n_parallel,
+                                       draft_max=self.draft_max)
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.loading = False
         if dropped:
@@ -252,7 +255,8 @@ class Engine:
         return {"active": len(s.active) if s else 0, "queued": s.queue.qsize() if s else 0,
                 "steps": s.steps if s else 0, "n_parallel": self.n_parallel,
                 "prefix_cache_entries": self.prefix.n_entries,
-                "prefix_cache_hits": self.prefix.hits, "prefix_cache_misses": self.prefix.misses}
+                "prefix_cache_hits": self.prefix.hits, "prefix_cache_misses": self.prefix.misses,
+                "draft_tokens": s.drafted if s else 0, "draft_accepted": s.accepted if s else 0}
 
     # -- generation ---------------------------------------------------------------------
     def start(self) -> None:

@@ -30,6 +30,9 @@ from .sampling import SamplingParams, StopMatcher, log_softmax, make_sampler, to
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512       # prompt tokens per sequence per step: bounds memory, keeps decode moving
+SPEC_NGRAM = (4, 3)       # n-gram sizes tried for prompt lookup, longest first
+SPEC_COOLDOWN = 4         # plain steps after a draft that paid off poorly
+SPEC_MIN_GAIN = 3         # accepted tokens a draft must yield to keep drafting
 CAPACITY_ROUND = 64
 
 
@@ -95,6 +98,21 @@ class Request:
         self.cancelled.set()
 
 
+def prompt_lookup(history: list[int], k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the last
+    n-gram of ``history`` (n = 4, then 3), or [] when there is none."""
+    h = np.asarray(history, dtype=np.int64)
+    for n in SPEC_NGRAM:
+        if len(h) <= n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)   # (len-n, n)
+        hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return [int(t) for t in h[start:start + k]]
+    return []
+
+
 class _Seq:
     """One running request: its cache, sampler and the text it has released."""
 
@@ -112,21 +130,29 @@ class _Seq:
         self.t_first: float | None = None
         self.content: list[str] = []
         self.next_token: int | None = None               # sampled, not yet run through the model
+        self.draft: list[int] = []                       # speculative tokens after next_token
+        self.spec_cooldown = 0                           # steps to wait after a rejected draft
 
     def inputs(self) -> np.ndarray:
         if self.pending:
             return np.asarray(self.pending[:PREFILL_CHUNK], dtype=np.int64)
-        return np.asarray([self.next_token], dtype=np.int64)
+        return np.asarray([self.next_token] + self.draft, dtype=np.int64)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.req.params.temperature <= 0
 
 
 class Scheduler:
     def __init__(self, model: LlamaModel, tokenizer, prefix_cache: PrefixCache,
-                 ctx_size: int, n_parallel: int):
+                 ctx_size: int, n_parallel: int, draft_max: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix = prefix_cache
         self.ctx_size = ctx_size
         self.n_parallel = max(1, n_parallel)
+        self.draft_max = draft_max          # prompt-lookup speculative tokens per step (0: off)
+        self.drafted = self.accepted = 0    # speculation statistics
         self.queue: queue.Queue[Request] = queue.Queue()
         self.active: list[_Seq] = []
         self._wake = threading.Event()
@@ -171,7 +197,10 @@ class Scheduler:
         self.busy = True
         # Order by mix so equal mixes are adjacent and share their LoRA matmuls.
         seqs = sorted(self.active, key=lambda s: s.req.mix)
-        items = [BatchItem(s.inputs(), s.cache, s.req.mix_weights) for s in seqs]
+        if self.draft_max and len(seqs) == 1:
+            self._propose(seqs[0])
+        items = [BatchItem(s.inputs(), s.cache, s.req.mix_weights, all_logits=bool(s.draft))
+                 for s in seqs]
         t0 = time.perf_counter()
         try:
             logits = self.model(items)
@@ -195,8 +224,49 @@ class Scheduler:
                     continue
             else:
                 s.timings.predicted_ms += dt
+                if s.draft:
+                    self._verify(s, lg)
+                    continue
             self._sample(s, lg[-1])
         return True
+
+    # -- prompt-lookup speculative decoding ---------------------------------------------
+    def _propose(self, s: _Seq) -> None:
+        """Draft the tokens that followed the latest earlier occurrence of the sequence's
+        last n-gram. Only for deterministic (greedy) sampling, where verification can
+        reproduce plain decoding exactly, and only for a lone sequence: in a batch the
+        matmuls already run at batch > 1, so extra rows would cost real time."""
+        if s.pending or not s.deterministic:
+            return
+        if s.spec_cooldown:
+            s.spec_cooldown -= 1
+            return
+        p = s.req.params
+        room = s.cache.capacity - s.cache.length - 2
+        if p.n_predict >= 0:
+            room = min(room, p.n_predict - len(s.generated) - 1)
+        k = min(self.draft_max, room)
+        if k > 0:
+            s.draft = prompt_lookup(s.history, k)
+
+    def _verify(self, s: _Seq, logits: np.ndarray) -> None:
+        """Accept draft tokens while the sampler would have chosen them anyway; the first
+        disagreement becomes the next token, so output equals plain greedy decoding."""
+        draft, s.draft = s.draft, []
+        full = list(s.cache.tokens)                  # base + [next_token] + draft
+        base = len(full) - len(draft) - 1
+        self.drafted += len(draft)
+        for i in range(len(draft) + 1):
+            # KV up to inputs[i] is valid for predicting the token after it
+            s.cache.tokens = full[:base + 1 + i]
+            if not self._sample(s, logits[i]):
+                return
+            if i == len(draft) or s.next_token != draft[i]:
+                # A step with drafts costs ~3 plain steps here (OpenBLAS gemm vs gemv), so
+                # after a draft that paid off poorly, decode plainly for a while.
+                s.spec_cooldown = SPEC_COOLDOWN if i < SPEC_MIN_GAIN else 0
+                self.accepted += i
+                return
 
     # -- internals ------------------------------------------------------------
     def _admit(self) -> None:
@@ -222,7 +292,8 @@ class Scheduler:
                 cache = self.model.new_cache(cap)
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
 
-    def _sample(self, s: _Seq, logits: np.ndarray) -> None:
+    def _sample(self, s: _Seq, logits: np.ndarray) -> bool:
+        """Choose and emit the next token; False when the sequence finished."""
         p = s.req.params
         tok = s.sampler(logits, s.history)
         now = time.perf_counter()
@@ -244,7 +315,7 @@ class Scheduler:
             s.content.append(ev.text)
             self._emit(s, ev)
             self._finish(s, "eos")
-            return
+            return False
         ev.text = s.stops.feed(s.decoder.push(tok))
         s.content.append(ev.text)
         self._emit(s, ev)
@@ -256,6 +327,8 @@ class Scheduler:
             self._finish(s, "limit")
         else:
             s.next_token = tok
+            return True
+        return False
 
     def _emit(self, s: _Seq, ev: Event) -> None:
         try:

@@ -26,7 +26,8 @@ def engine_from_args(args: argparse.Namespace, progress: Callable[[float, str], 
     """Load the model and the adapters named on the command line. Raises ValueError
     subclasses (ModelLoadError, AdapterError, ...) with a clear message."""
     path = Path(args.model) if args.model else ensure_default_model(log=say)
-    eng = Engine(ctx_size=args.ctx_size or 0, n_parallel=args.parallel)
+    eng = Engine(ctx_size=args.ctx_size or 0, n_parallel=args.parallel,
+                 draft_max=getattr(args, "draft_max", 8))
     eng.load_model(path, progress=progress)
     if getattr(args, "chat_template_file", None):
         src = Path(args.chat_template_file).read_text(encoding="utf-8")
