@@ -298,9 +298,22 @@ class Engine:
             for aid in scales:
                 if aid not in self._adapters:
                     raise EngineError(f"no adapter with id {aid}")
-            key = mix_key(scales)
-            weights = self.mixes.get(key, self._adapters)
-        req = Request(list(prompt), params, key, weights, on_event, cache_prompt, source)
+            adapters = dict(self._adapters)
+        key = mix_key(scales)
+        # built outside the lock: a first build takes tens of ms, and set_mix (the GUI
+        # thread) must never wait for it
+        weights = self.mixes.get(key, adapters)
+        ids: list[int] = []
+
+        def relay(ev: Event) -> None:
+            on_event(ev)
+            if isinstance(ev, DoneEvent):
+                self._notify("request_finished", id=ids[0] if ids else -1, source=source,
+                             stop_type=ev.stop_type, predicted_n=ev.timings.predicted_n,
+                             timings=ev.timings.as_dict(), error=ev.error)
+
+        req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
+        ids.append(req.id)
         try:
             self.scheduler.submit(req)
         except ContextOverflow as e:

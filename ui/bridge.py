@@ -126,6 +126,7 @@ class EngineBridge(QObject):
     adapters_changed = Signal(object)
     mix_changed = Signal(object, str)          # {id: scale}, source
     request_started = Signal(object)
+    request_finished = Signal(object)
     adapter_added = Signal(int, str)         # id, path
     adapter_error = Signal(str, str)         # path, message
     error = Signal(str)                      # anything else worth a message
@@ -154,6 +155,8 @@ class EngineBridge(QObject):
             self.mix_changed.emit(dict(payload.get("mix") or {}), str(payload.get("source", "")))
         elif name == "request_started":
             self.request_started.emit(dict(payload))
+        elif name == "request_finished":
+            self.request_finished.emit(dict(payload))
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:

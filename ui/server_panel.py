@@ -94,6 +94,7 @@ class ServerPanel(QWidget):
 
         self.log_line.connect(self._append)
         bridge.request_started.connect(self._request_started)
+        bridge.request_finished.connect(self._request_finished)
         self._update_texts()
 
     # -- settings ------------------------------------------------------------------------
@@ -127,6 +128,12 @@ class ServerPanel(QWidget):
                         for a, s in (info.get("mix") or {}).items()) or "no adapters"
         self.log_line.emit(f"generation #{info.get('id')} from {info.get('source') or '?'}: "
                            f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}")
+
+    def _request_finished(self, info: dict) -> None:
+        t = info.get("timings") or {}
+        self.log_line.emit(f"generation #{info.get('id')} done: {info.get('predicted_n', 0)} tokens, "
+                           f"{t.get('predicted_per_second', 0.0):.1f} tok/s, "
+                           f"stop {info.get('stop_type')}")
 
     # -- on / off ---------------------------------------------------------------------------------
     @property

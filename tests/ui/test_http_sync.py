@@ -123,6 +123,9 @@ def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):
     assert out["tokens_predicted"] == 4 if "tokens_predicted" in out else out["content"]
     assert "gui" in sources and any(s != "gui" for s in sources)
     assert "generation" in w.server.log_view.toPlainText()
+    # each generation also logs how it finished, from the engine's request_finished event
+    qtbot.waitUntil(lambda: w.server.log_view.toPlainText().count(" done: 4 tokens") >= 2,
+                    timeout=5000)
 
 
 def test_closing_the_window_stops_the_server_then_the_engine_thread(served, qtbot):
