@@ -151,8 +151,8 @@ class LlamaModel:
         for li, lw in enumerate(self.w.layers):
             x = self._block(li, lw, x, items, spans, groups, cos, sin, masks)
 
-        for it, tok in zip(items, (it.tokens for it in items)):
-            it.cache.tokens.extend(int(t) for t in tok)
+        for it in items:
+            it.cache.tokens.extend(int(t) for t in it.tokens)
 
         rows = [np.arange(s, e) if it.all_logits else np.array([e - 1])
                 for it, (s, e) in zip(items, spans)]
