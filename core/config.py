@@ -77,6 +77,10 @@ class ModelConfig:
             ft_name = LlamaFileType(int(ft)).name if ft is not None else "unknown"
         except ValueError:
             ft_name = f"type {ft}"
+        rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ModelConfigError(f"{source}: partial rotary embeddings ({rope_dim} of "
+                                   f"{head_dim} dims) are not supported")
         return cls(
             arch=arch,
             name=str(meta.get("general.name", source)),
@@ -90,7 +94,7 @@ class ModelConfig:
             ctx_len=int(meta.get(f"{arch}.context_length", 2048)),
             norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
+            rope_dim=rope_dim,
             rope_scale=rope_scale,
             file_type=ft_name.removeprefix("MOSTLY_"),
         )
