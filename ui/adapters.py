@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .util import human_bytes, local_paths
+from .util import FileDropMixin, human_bytes
 
 COLUMNS = ("Adapter", "Rank", "Alpha", "Size", "Task", "Base check", "Targets")
 BASE_COL, TARGETS_COL = 5, 6
@@ -35,7 +35,7 @@ def compact_targets(targets: list[str]) -> str:
     return " · ".join(parts)
 
 
-class AdapterPanel(QWidget):
+class AdapterPanel(FileDropMixin, QWidget):
     message = Signal(str)
 
     def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget | None = None):
@@ -162,12 +162,5 @@ class AdapterPanel(QWidget):
         return list(self.errors.values())
 
     # -- drag and drop ----------------------------------------------------------------------
-    def dragEnterEvent(self, event) -> None:
-        if local_paths(event.mimeData()):
-            event.acceptProposedAction()
-
-    def dropEvent(self, event) -> None:
-        paths = local_paths(event.mimeData())
-        if paths:
-            self.add_paths(paths)
-            event.acceptProposedAction()
+    def files_dropped(self, paths: list[str]) -> None:
+        self.add_paths(paths)

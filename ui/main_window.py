@@ -24,7 +24,7 @@ from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
 from .server_panel import ServerPanel
-from .util import RESOURCES, is_adapter_path, local_paths
+from .util import RESOURCES, FileDropMixin, is_adapter_path
 
 TITLE = "Mixdesk — LoRA mixing desk"
 
@@ -55,7 +55,7 @@ class ErrorBanner(QWidget):
         self.show()
 
 
-class MainWindow(QMainWindow):
+class MainWindow(FileDropMixin, QMainWindow):
     def __init__(self, engine: Engine, settings: Settings | None = None,
                  conversations: Conversations | None = None, cors_origins: list[str] | None = None):
         super().__init__()
@@ -164,19 +164,13 @@ class MainWindow(QMainWindow):
         self.status(f"Loaded {info.get('name', '')}")
 
     # -- drag and drop ------------------------------------------------------------------------
-    def dragEnterEvent(self, event) -> None:
-        if local_paths(event.mimeData()):
-            event.acceptProposedAction()
-
-    def dropEvent(self, event) -> None:
-        paths = local_paths(event.mimeData())
+    def files_dropped(self, paths: list[str]) -> None:
         adapters = [p for p in paths if is_adapter_path(p)]
         models = [p for p in paths if p not in adapters]
         if adapters:
             self.adapters.add_paths(adapters)
         if models:
             self.open_model(models[0])
-        event.acceptProposedAction()
 
     # -- persistence --------------------------------------------------------------------------------
     def _restore(self) -> None:

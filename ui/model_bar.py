@@ -11,10 +11,10 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QMenu, QProgres
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .util import human_bytes, human_count, local_paths
+from .util import FileDropMixin, human_bytes, human_count
 
 
-class ModelBar(QWidget):
+class ModelBar(FileDropMixin, QWidget):
     message = Signal(str)
     open_requested = Signal(str)        # a path chosen by the user (main window loads it)
 
@@ -107,12 +107,5 @@ class ModelBar(QWidget):
                  f"loaded in {info.get('load_ms', 0) / 1000:.2f} s"]
         self.info.setText("  ·  ".join(parts))
 
-    def dragEnterEvent(self, event) -> None:
-        if local_paths(event.mimeData()):
-            event.acceptProposedAction()
-
-    def dropEvent(self, event) -> None:
-        paths = local_paths(event.mimeData())
-        if paths:
-            self.open_requested.emit(paths[0])
-            event.acceptProposedAction()
+    def files_dropped(self, paths: list[str]) -> None:
+        self.open_requested.emit(paths[0])

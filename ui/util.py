@@ -31,6 +31,24 @@ def local_paths(mime: QMimeData) -> list[str]:
     return [u.toLocalFile() for u in mime.urls() if u.isLocalFile()]
 
 
+class FileDropMixin:
+    """Accept dropped local files/folders and hand them to ``files_dropped(paths)``.
+    Mix into a QWidget (before QWidget in the bases) and call setAcceptDrops(True)."""
+
+    def files_dropped(self, paths: list[str]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def dragEnterEvent(self, event) -> None:
+        if local_paths(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = local_paths(event.mimeData())
+        if paths:
+            self.files_dropped(paths)
+            event.acceptProposedAction()
+
+
 def is_adapter_path(path: str | Path) -> bool:
     """A folder or a GGUF whose general.type is "adapter" is a LoRA; other GGUFs are models."""
     p = Path(path)
