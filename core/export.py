@@ -18,6 +18,7 @@ Errors a user can cause are :class:`ExportError` (a ValueError) with one line.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -158,6 +159,26 @@ def _partial(out: Path) -> Path:
     return out.with_name(f".{out.name}.{os.getpid()}.partial")
 
 
+@contextlib.contextmanager
+def _atomic_gguf(out: Path, arch: str, what: str):
+    """A GGUFWriter on a temp file next to ``out``: moved over ``out`` when the block
+    completes, removed when it raises (an OSError, or a cancel from a progress callback)."""
+    tmp = _partial(out)
+    w = None
+    try:
+        w = GGUFWriter(tmp, arch)
+        yield w
+        w.close()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise _os_error(what, out, e) from None
+    finally:
+        if w is not None:
+            w.close()           # before the unlink (an open file cannot be removed on Windows)
+        if tmp.exists():
+            tmp.unlink()
+
+
 def _os_error(what: str, out: Path, e: OSError) -> ExportError:
     return ExportError(f"{what}: cannot write {out}: {e.strerror or e}")
 
@@ -183,11 +204,8 @@ def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.Pa
     mix = _resolve(base, adapters)
     _check_target(out, mix, "export-lora")
     np_dtype = np.float32 if dtype == "f32" else np.float16
-    tmp = _partial(out)
     report(0.0, "collecting tensors")
-    w = None
-    try:
-        w = GGUFWriter(tmp, mix.cfg.arch)
+    with _atomic_gguf(out, mix.cfg.arch, "export-lora") as w:
         w.add_type("adapter")
         w.add_string("adapter.type", "lora")
         w.add_name(f"{mix.cfg.name} mix: " + ", ".join(mix.names))
@@ -201,15 +219,6 @@ def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.Pa
         w.write_kv_data_to_file()
         report(0.6, "writing tensors")
         w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except OSError as e:
-        raise _os_error("export-lora", out, e) from None
-    finally:
-        if w is not None:
-            w.close()           # before the unlink (an open file cannot be removed on Windows)
-        if tmp.exists():
-            tmp.unlink()
     report(1.0, f"wrote {out.name}")
     return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
                         out.stat().st_size)
@@ -334,69 +343,59 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
         raise ExportError(f"export-merged: the base {mix.base_path.name} has no tensor {missing[0]!r}")
 
     engine_view = _engine_weights(base, mix)
-    tmp = _partial(out)
     report(0.0, "reading base metadata")
-    w = None
     try:
-        w = GGUFWriter(tmp, cfg.arch)
-        for key, vtype, sub, val in _typed_kvs(mix.base_path):
-            if key in ("general.architecture", "general.file_type", "general.alignment"):
-                continue
-            if vtype == GGUFValueType.ARRAY and len(val) == 0:
-                continue        # the writer cannot write an empty array; nothing reads one
-            w.add_key_value(key, _kv_value(vtype, sub, val), GGUFValueType(vtype),
-                            GGUFValueType(sub) if sub is not None else None)
-        if "general.alignment" in gf.metadata:
-            w.add_custom_alignment(int(gf.metadata["general.alignment"]))
-        w.add_file_type(int(FILE_TYPES[outtype]))
-        if outtype == "q8_0" and "general.quantization_version" not in gf.metadata:
-            w.add_quantization_version(2)
+        with _atomic_gguf(out, cfg.arch, "export-merged") as w:
+            for key, vtype, sub, val in _typed_kvs(mix.base_path):
+                if key in ("general.architecture", "general.file_type", "general.alignment"):
+                    continue
+                if vtype == GGUFValueType.ARRAY and len(val) == 0:
+                    continue        # the writer cannot write an empty array; nothing reads one
+                w.add_key_value(key, _kv_value(vtype, sub, val), GGUFValueType(vtype),
+                                GGUFValueType(sub) if sub is not None else None)
+            if "general.alignment" in gf.metadata:
+                w.add_custom_alignment(int(gf.metadata["general.alignment"]))
+            w.add_file_type(int(FILE_TYPES[outtype]))
+            if outtype == "q8_0" and "general.quantization_version" not in gf.metadata:
+                w.add_quantization_version(2)
 
-        total = 0
-        for name, shape in plan:
-            qt = _planned_type(shape, outtype)
-            nbytes = _encoded_nbytes(shape, qt)
-            if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                w.add_tensor_info(name, shape, np.dtype(np.float32 if qt == GGMLQuantizationType.F32
-                                                        else np.float16), nbytes)
-            else:
-                w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
-            total += int(np.prod(shape))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
+            total = 0
+            for name, shape in plan:
+                qt = _planned_type(shape, outtype)
+                nbytes = _encoded_nbytes(shape, qt)
+                if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    w.add_tensor_info(name, shape, np.dtype(np.float32 if qt == GGMLQuantizationType.F32
+                                                            else np.float16), nbytes)
+                else:
+                    w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
+                total += int(np.prod(shape))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
 
-        done = 0
-        for name, shape in plan:
-            src = "token_embd.weight" if (name == "output.weight" and extra_output) else name
-            info = gf.tensors[src]
-            arr = engine_view(src) if engine_view else None
-            if arr is None or arr.shape != info.shape:
-                try:
-                    arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
-                except NotImplementedError:
-                    raise ExportError(f"export-merged: tensor {src!r} of the base uses "
-                                      f"{info.qtype.name}, which cannot be dequantized") from None
-            arr = np.array(arr, dtype=np.float32)     # a private, writable float32 copy
-            d = mix.delta(name)
-            if d is not None:
-                arr += d
-                del d
-            data, _ = _encode(arr, outtype, name)
-            del arr
-            w.write_tensor_data(data)
-            del data
-            done += int(np.prod(shape))
-            report(0.02 + 0.97 * done / total, f"wrote {name}")
-        w.close()
-        os.replace(tmp, out)
-    except OSError as e:
-        raise _os_error("export-merged", out, e) from None
+            done = 0
+            for name, shape in plan:
+                src = "token_embd.weight" if (name == "output.weight" and extra_output) else name
+                info = gf.tensors[src]
+                arr = engine_view(src) if engine_view else None
+                if arr is None or arr.shape != info.shape:
+                    try:
+                        arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
+                    except NotImplementedError:
+                        raise ExportError(f"export-merged: tensor {src!r} of the base uses "
+                                          f"{info.qtype.name}, which cannot be dequantized") from None
+                arr = np.array(arr, dtype=np.float32)     # a private, writable float32 copy
+                d = mix.delta(name)
+                if d is not None:
+                    arr += d
+                    del d
+                data, _ = _encode(arr, outtype, name)
+                del arr
+                w.write_tensor_data(data)
+                del data
+                done += int(np.prod(shape))
+                report(0.02 + 0.97 * done / total, f"wrote {name}")
     finally:
-        if w is not None:
-            w.close()
-        if tmp.exists():
-            tmp.unlink()
         gf.close()
     report(1.0, f"wrote {out.name}")
     return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
