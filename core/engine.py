@@ -48,11 +48,13 @@ class EngineError(ValueError):
 
 class Engine:
     def __init__(self, ctx_size: int = 4096, n_parallel: int = 4,
-                 prefix_cache_bytes: int = 512 << 20, draft_max: int = DEFAULT_DRAFT_MAX):
+                 prefix_cache_bytes: int = 512 << 20, draft_max: int = DEFAULT_DRAFT_MAX,
+                 threads: int | None = None):
         self.requested_ctx = ctx_size     # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
         self.draft_max = draft_max        # prompt-lookup speculative decoding (0: off)
+        self.threads = threads            # compute threads (None: the BLAS thread count)
         self.path: Path | None = None
         self.config: ModelConfig | None = None
         self.n_params = 0
@@ -131,7 +133,9 @@ class Engine:
         with self._lock:
             self.path, self.config, self.n_params = Path(path), cfg, n_params
             self.ctx_size = self.requested_ctx or cfg.ctx_len
-            self.model = LlamaModel(cfg, weights)
+            if self.model is not None:
+                self.model.lin.close()
+            self.model = LlamaModel(cfg, weights, threads=self.threads)
             self.tokenizer, self.chat_template = tok, template
             self.mixes = MixCache(cfg)
             self.prefix.clear()

@@ -27,7 +27,7 @@ def engine_from_args(args: argparse.Namespace, progress: Callable[[float, str], 
     subclasses (ModelLoadError, AdapterError, ...) with a clear message."""
     path = Path(args.model) if args.model else ensure_default_model(log=say)
     eng = Engine(ctx_size=args.ctx_size or 0, n_parallel=args.parallel,
-                 draft_max=getattr(args, "draft_max", 8))
+                 draft_max=getattr(args, "draft_max", 8), threads=getattr(args, "threads", None))
     eng.load_model(path, progress=progress)
     if getattr(args, "chat_template_file", None):
         src = Path(args.chat_template_file).read_text(encoding="utf-8")

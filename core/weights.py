@@ -28,7 +28,7 @@ from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3          # bump when the fused layout changes
+CACHE_FORMAT = 4          # bump when the fused layout changes
 Progress = Callable[[float, str], None]
 
 
@@ -106,18 +106,17 @@ def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
 
 
 def _views(buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]) -> dict[str, np.ndarray]:
-    """Views of the flat buffer. Matrices are *stored* as (in, out), contiguous, and
-    exposed as their transpose with the usual (out, in) shape: then ``x @ W.T`` in
-    the forward pass is a product with a contiguous matrix, which OpenBLAS runs 2-4x
-    faster than with a transposed one at decode batch sizes (measured in bench/)."""
+    """Views of the flat buffer. Matrices are stored (out, in) C-contiguous, as in
+    the GGUF file: a gemv ``W @ x`` streams them at memory speed, and any run of
+    rows is one contiguous block, which the small-batch products in core/linear.py
+    depend on."""
     # Plain ndarray views (the memmap stays alive as their base): np.memmap's
     # subclass hooks would otherwise run on every slice in the forward pass.
     buf = np.asarray(buf)
     out = {}
     for name, shape, off in layout:
         n = int(np.prod(shape))
-        flat = buf[off:off + n]
-        out[name] = flat.reshape(shape[::-1]).T if len(shape) == 2 else flat.reshape(shape)
+        out[name] = buf[off:off + n].reshape(shape)
     return out
 
 

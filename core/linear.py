@@ -1,0 +1,110 @@
+"""``y = x @ W.T`` for every weight matrix, picking the fastest BLAS call per batch size.
+
+Weights are stored (out, in) C-contiguous, as GGUF has them. Three regimes, all
+measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
+
+* one row (single-stream decode): ``W @ x`` is a gemv that streams W once at
+  memory speed, on OpenBLAS's own threads.
+* 2..SMALL_ROWS rows (several streams decoding, speculative verification):
+  OpenBLAS's packed gemm copies all of W into panels before it computes, so 8
+  rows cost ~3x one row although they read the same bytes. Instead we cut W into
+  contiguous blocks of CHUNK rows and multiply each block by xᵀ (one stacked
+  ``np.matmul``, so the loop over blocks runs in C). Such small row-major products
+  go to OpenBLAS's "direct" sgemm kernel, which reads the block in place; a block
+  is small enough to stay in L2 while the rows of x reuse it. That kernel is
+  single-threaded and OpenBLAS only picks it while it runs on one thread, so the
+  caller holds ``single_blas()`` and we split the blocks over our own threads
+  (numpy releases the GIL). 8 rows then cost ~1.6x one row instead of ~3x.
+* more rows (prefill): the packed gemm is the right tool; ``x @ W.T``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+SMALL_ROWS = 32      # up to here the blocked products beat packed gemm (bench/engine.py)
+CHUNK = 64           # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
+
+
+def blas_threads() -> int:
+    """The BLAS thread count in force (honours -t/--threads, set with threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+        n = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        return max(n) if n else (os.cpu_count() or 1)
+    except Exception:  # pragma: no cover - threadpoolctl is a pinned dependency
+        return os.cpu_count() or 1
+
+
+class Linear:
+    """Callable ``lin(x, w) -> x @ w.T`` with the regime picked from ``len(x)``.
+
+    Owns ``threads - 1`` helper threads for the blocked regime; the calling thread
+    does one share of the blocks itself.
+    """
+
+    def __init__(self, threads: int | None = None):
+        self.threads = max(1, threads or blas_threads())
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mixdesk-linear") \
+            if self.threads > 1 else None
+        if self._pool is not None:
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._blas = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    @contextlib.contextmanager
+    def single_blas(self):
+        """Hold OpenBLAS at one thread, so small products take the direct kernel."""
+        if self._blas is None:
+            from threadpoolctl import ThreadpoolController
+            self._blas = ThreadpoolController().select(user_api="blas")
+        with self._blas.limit(limits=1):
+            yield
+
+    def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        # x: (T, in) float32; w: (out, in) C-contiguous -> (T, out)
+        T = x.shape[0]
+        if T == 1:
+            return (w @ x[0])[None]                                    # (1, out) gemv
+        if T > SMALL_ROWS or not w.flags.c_contiguous:
+            return x @ w.T                                             # (T, out) packed gemm
+        return self.blocked(x, w)
+
+    def blocked(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        n_out, n_in = w.shape
+        xt = np.ascontiguousarray(x.T)                                 # (in, T)
+        yt = np.empty((n_out, x.shape[0]), dtype=np.float32)           # (out, T)
+        # whole blocks are split between threads; the last share takes any ragged tail
+        self.split(n_out // CHUNK, lambda i, j, last: _rows(
+            w, xt, yt, i * CHUNK, n_out if last else j * CHUNK))
+        return np.ascontiguousarray(yt.T)                              # (T, out)
+
+    def split(self, n: int, fn) -> None:
+        """Run ``fn(i, j, last)`` over ``threads`` ranges covering [0, n): the first on
+        this thread, the others on the helpers; return when all are done."""
+        parts = self.threads if self._pool is not None and n > 1 else 1
+        cuts = [n * k // parts for k in range(parts + 1)]
+        futures = [self._pool.submit(fn, cuts[k], cuts[k + 1], k == parts - 1)
+                   for k in range(1, parts)]
+        fn(cuts[0], cuts[1], parts == 1)
+        for f in futures:
+            f.result()
+
+
+def _rows(w: np.ndarray, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
+    """yt[a:b] = w[a:b] @ xt, as stacked CHUNK-row blocks plus a ragged tail."""
+    n_in, T = xt.shape
+    full = a + (b - a) // CHUNK * CHUNK
+    if full > a:
+        np.matmul(w[a:full].reshape(-1, CHUNK, n_in), xt,
+                  out=yt[a:full].reshape(-1, CHUNK, T))                # (blocks, CHUNK, T)
+    if b > full:
+        np.matmul(w[full:b], xt, out=yt[full:b])                       # (tail, T)

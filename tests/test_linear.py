@@ -1,0 +1,64 @@
+"""core/linear.py: every regime computes x @ W.T (gemv, blocked on our threads,
+packed gemm), on awkward shapes and on the real model's matrices."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from core.linear import CHUNK, SMALL_ROWS, Linear
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"threads={n}")
+def lin(request):
+    lin = Linear(request.param)
+    yield lin
+    lin.close()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, SMALL_ROWS, SMALL_ROWS + 1, 70])
+@pytest.mark.parametrize("n_out", [1, CHUNK - 1, CHUNK, 3 * CHUNK + 5, 200])
+def test_every_regime_equals_plain_matmul(lin, rows, n_out):
+    rng = np.random.default_rng(rows * 1000 + n_out)
+    w = rng.standard_normal((n_out, 48)).astype(np.float32)
+    x = rng.standard_normal((rows, 48)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    for ctx in (lin.single_blas(), contextlib.nullcontext()):
+        with ctx:
+            got = lin(x, w)
+        assert got.shape == (rows, n_out) and got.dtype == np.float32
+        assert got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_non_contiguous_weights_fall_back_to_plain_matmul(lin):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((40, 130)).astype(np.float32)[:, ::2]   # (40, 65) strided view
+    x = rng.standard_normal((4, 65)).astype(np.float32)
+    np.testing.assert_allclose(lin(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_real_matrices_blocked_equals_gemm(smollm_path):
+    from core.weights import load_weights, open_model_file
+    gf, cfg = open_model_file(smollm_path)
+    w = load_weights(gf, cfg)
+    lin = Linear(2)
+    rng = np.random.default_rng(0)
+    for m in (w.layers[0].wqkv, w.layers[3].w_down, w.output):
+        x = rng.standard_normal((8, m.shape[1])).astype(np.float32)
+        with lin.single_blas():
+            got = lin(x, m)
+        np.testing.assert_allclose(got, x @ m.T, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(lin(x[:1], m), x[:1] @ m.T, rtol=1e-4, atol=1e-3)
+    lin.close()
+
+
+def test_single_blas_restores_the_thread_count():
+    from threadpoolctl import threadpool_info
+    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    lin = Linear(2)
+    with lin.single_blas():
+        inside = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    assert inside == [1] * len(before) and after == before
