@@ -1,5 +1,13 @@
-"""Per-sequence KV cache, preallocated once and owned by the caller (not the model)."""
+"""KV caches, preallocated once and owned by the caller (not the model).
+
+A standalone KVCache holds one sequence (the prefix cache keeps these). The
+scheduler's running sequences live in a KVPool: one pair of arrays with a slot
+per sequence, so the model can attend for every decoding sequence with one
+batched matmul instead of a Python loop over sequences.
+"""
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -13,16 +21,20 @@ class ContextOverflow(ValueError):
 class KVCache:
     """Keys/values of one sequence for every layer.
 
-    ``k``/``v`` are (n_layers, n_kv_heads, capacity, head_dim) float32, allocated
-    with np.empty so untouched capacity costs no RSS. ``tokens`` lists the token
-    ids whose keys are stored, which is what the prefix cache matches on.
+    ``k``/``v`` are (n_layers, n_kv_heads, capacity, head_dim) float32 (own arrays,
+    or views of a pool slot). ``tokens`` lists the token ids whose keys are stored,
+    which is what the prefix cache matches on.
     """
 
-    def __init__(self, cfg: ModelConfig, capacity: int):
-        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k = np.empty(shape, dtype=np.float32)   # (L, n_kv, cap, hd)
-        self.v = np.empty(shape, dtype=np.float32)   # (L, n_kv, cap, hd)
+    def __init__(self, cfg: ModelConfig, capacity: int, _kv: tuple | None = None,
+                 pool: "KVPool | None" = None, slot: int = -1):
+        if _kv is None:
+            # np.empty: untouched capacity costs no RSS
+            shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
+            _kv = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+        self.k, self.v = _kv                         # (L, n_kv, cap, hd) each
         self.capacity = capacity
+        self.pool, self.slot = pool, slot
         self.tokens: list[int] = []
 
     @property
@@ -47,3 +59,49 @@ class KVCache:
         self.k[:, :, :n] = other.k[:, :, :n]
         self.v[:, :, :n] = other.v[:, :, :n]
         self.tokens = list(other.tokens[:n])
+
+
+class KVPool:
+    """``n_slots`` caches of one capacity in one pair of (L, slots, n_kv, cap, hd) arrays.
+
+    Zero-filled: batched attention reads every slot up to the longest sequence
+    and masks what lies past each one's length, so those positions must hold
+    finite numbers. The arrays live in anonymous mmaps with transparent huge
+    pages refused: the OS then zero-fills 4 KB pages on first touch, so RSS
+    follows the positions actually used. (numpy's own allocator asks for huge
+    pages, and 2 MB pages would make the whole pool resident at once: each
+    (layer, slot, head) run of positions starts on one.)
+    """
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, capacity: int):
+        shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k, self.v = _zero_pages(shape), _zero_pages(shape)
+        self.capacity = capacity
+        self._caches = [KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i)
+                        for i in range(n_slots)]
+        self._free = list(range(n_slots))[::-1]
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> KVCache:
+        if not self._free:
+            raise RuntimeError("no free KV slot")      # the scheduler admits at most n_slots
+        cache = self._caches[self._free.pop()]
+        cache.tokens = []
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        assert cache.pool is self and cache.slot not in self._free
+        cache.tokens = []
+        self._free.append(cache.slot)
+
+
+def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of zeros whose memory is committed page by page on first touch."""
+    n = int(np.prod(shape)) * 4
+    buf = mmap.mmap(-1, max(n, 1))
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=np.float32, count=n // 4).reshape(shape)

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVPool
 from .linear import SMALL_ROWS, Linear
 from .mix import AdapterStack, stack_adapters
 from .weights import LayerWeights, Weights
@@ -127,6 +127,9 @@ class LlamaModel:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)
 
+    def new_pool(self, n_slots: int, capacity: int) -> KVPool:
+        return KVPool(self.cfg, n_slots, capacity)
+
     def __call__(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         return self.forward(items)
 
@@ -158,9 +161,10 @@ class LlamaModel:
                 x[s:e] += a[tokens[s:e]] @ b.T                         # (n, d)
 
         lora = LoraDeltas(_mix_groups(items, spans), len(tokens), self._stacks, self.cfg)
+        pooled = PooledDecode.plan(items, spans)
         masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
         for li, lw in enumerate(self.w.layers):
-            x = self._block(li, lw, x, items, spans, lora, cis, masks)
+            x = self._block(li, lw, x, items, spans, lora, cis, masks, pooled)
 
         for it in items:
             it.cache.tokens.extend(int(t) for t in it.tokens)
@@ -178,7 +182,7 @@ class LlamaModel:
             k += len(r)
         return out
 
-    def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks):
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks, pooled):
         cfg = self.cfg
         T = x.shape[0]
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -191,8 +195,12 @@ class LlamaModel:
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(T, KV, hd)         # (T, KV, hd)
 
         attn = np.empty((T, cfg.q_dim), dtype=np.float32)              # (T, H*hd)
-        for it, (s, e), mask in zip(items, spans, masks):
-            attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e], mask)
+        if pooled is not None:
+            r = pooled.rows
+            attn[r] = self._attend_pooled(li, pooled, q[r], k[r], v[r])
+        for i, (it, (s, e), mask) in enumerate(zip(items, spans, masks)):
+            if pooled is None or i not in pooled.items:
+                attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e], mask)
 
         o = self.lin(attn, lw.wo)                                      # (T, d)
         lora.add(o, attn, li, "wo")
@@ -205,6 +213,26 @@ class LlamaModel:
         d = self.lin(act, lw.w_down)                                   # (T, d)
         lora.add(d, act, li, "w_down")
         return x + d
+
+    def _attend_pooled(self, li: int, p: "PooledDecode", q, k, v) -> np.ndarray:
+        """One new query for each of n decoding sequences of one KV pool, batched:
+        the slots s0..s1 are attended in one matmul up to the longest length, and
+        positions past each sequence's own length are masked."""
+        cfg = self.cfg
+        n = q.shape[0]
+        KV, hd = cfg.n_kv_heads, cfg.head_dim
+        g = cfg.n_heads // KV
+        kc, vc = p.pool.k[li], p.pool.v[li]                            # (S, KV, cap, hd)
+        kc[p.slots, :, p.pos] = k                                      # (n, KV, hd)
+        vc[p.slots, :, p.pos] = v
+        q4 = np.zeros((p.s1 - p.s0, KV, g, hd), dtype=np.float32)      # (S', KV, g, hd)
+        q4[p.at] = (q * self.scale).reshape(n, KV, g, hd)
+        s = q4 @ kc[p.s0:p.s1, :, :p.L].transpose(0, 1, 3, 2)          # (S', KV, g, L)
+        np.copyto(s, np.float32(-np.inf), where=p.hidden)              # (S', 1, 1, L) mask
+        z = exp_normalized_inplace(s)                                  # (S', KV, g, 1)
+        o = s @ vc[p.s0:p.s1, :, :p.L]                                 # (S', KV, g, hd)
+        o /= z
+        return o[p.at].reshape(n, cfg.q_dim)                           # (n, H*hd)
 
     def _attend(self, li: int, cache: KVCache, q, k, v, mask) -> np.ndarray:
         """Causal GQA attention of n new queries over this sequence's cache."""
@@ -248,6 +276,38 @@ class LlamaModel:
             o /= z
             out[:, :, i0:i1] = o.reshape(KV, g, nb, hd)
         return out.transpose(2, 0, 1, 3).reshape(n, cfg.q_dim)         # (n, H*hd)
+
+
+@dataclass
+class PooledDecode:
+    """Which items of a forward decode one token each in slots of one KVPool."""
+    pool: KVPool
+    items: frozenset[int]     # item indices
+    rows: np.ndarray          # (n,) their rows in the batch
+    slots: np.ndarray         # (n,) their pool slots
+    pos: np.ndarray           # (n,) the position each one writes
+    s0: int                   # slots s0..s1 are attended together
+    s1: int
+    L: int                    # keys attended: 0..L-1 (the longest sequence)
+    at: np.ndarray            # (n,) slot - s0
+    hidden: np.ndarray        # (s1-s0, 1, 1, L) True where a key lies past a slot's length
+
+    @staticmethod
+    def plan(items, spans) -> "PooledDecode | None":
+        idx = [i for i, it in enumerate(items) if len(it.tokens) == 1 and it.cache.pool is not None]
+        pools = {id(items[i].cache.pool) for i in idx}
+        if len(idx) < 2 or len(pools) != 1:
+            return None
+        slots = np.array([items[i].cache.slot for i in idx])
+        pos = np.array([items[i].cache.length for i in idx])
+        s0, s1, L = int(slots.min()), int(slots.max()) + 1, int(pos.max()) + 1
+        # slots in range but not in this batch keep nothing hidden: their query is 0,
+        # their result is dropped, and an all-hidden row would give 0/0
+        hidden = np.zeros((s1 - s0, 1, 1, L), dtype=bool)
+        hidden[slots - s0, 0, 0, :] = np.arange(L)[None, :] > pos[:, None]
+        return PooledDecode(items[idx[0]].cache.pool, frozenset(idx),
+                            np.array([spans[i][0] for i in idx]), slots, pos, s0, s1, L,
+                            slots - s0, hidden)
 
 
 def _mix_groups(items, spans) -> list[tuple[int, int, MixWeights]]:

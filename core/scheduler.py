@@ -33,7 +33,7 @@ PREFILL_CHUNK = 512       # prompt tokens per sequence per step: bounds memory, 
 SPEC_NGRAM = (4, 3)       # n-gram sizes tried for prompt lookup, longest first
 SPEC_COOLDOWN = 4         # plain steps after a draft that paid off poorly
 SPEC_MIN_GAIN = 3         # accepted tokens a draft must yield to keep drafting
-CAPACITY_ROUND = 64
+CAPACITY_ROUND = 64        # prefix-cache entries are sized in steps of this many positions
 
 
 @dataclass
@@ -154,6 +154,8 @@ class Scheduler:
         self.draft_max = draft_max          # prompt-lookup speculative tokens per step (0: off)
         self.drafted = self.accepted = 0    # speculation statistics
         self.queue: queue.Queue[Request] = queue.Queue()
+        # running sequences' KV: one slot each (zero pages until used)
+        self.pool = model.new_pool(self.n_parallel, ctx_size)
         self.active: list[_Seq] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -278,18 +280,11 @@ class Scheduler:
             if req.cancelled.is_set():
                 self._emit_done(req, DoneEvent("cancel", "", [], Timings(), req.mix))
                 continue
-            p = req.params
-            want = len(req.prompt) + (p.n_predict if p.n_predict >= 0 else self.ctx_size)
-            cap = min(self.ctx_size, -(-want // CAPACITY_ROUND) * CAPACITY_ROUND)
-            cache, n_cached = (None, 0)
+            cache, n_cached = self.pool.acquire(), 0
             if req.cache_prompt:
-                cache, n_cached = self.prefix.take(req.mix, req.prompt)
-            if cache is not None and cache.capacity < cap:
-                fresh = self.model.new_cache(cap)
-                fresh.copy_prefix_from(cache, n_cached)
-                cache = fresh
-            if cache is None:
-                cache = self.model.new_cache(cap)
+                entry, n_cached = self.prefix.take(req.mix, req.prompt)
+                if entry is not None:
+                    cache.copy_prefix_from(entry, n_cached)
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
 
     def _sample(self, s: _Seq, logits: np.ndarray) -> bool:
@@ -345,8 +340,14 @@ class Scheduler:
         if tail:
             s.content.append(tail)
             self._emit(s, TokenEvent(-1, tail, kind="text"))
-        if s.req.cache_prompt and stop_type != "error":
-            self.prefix.put(s.req.mix, s.cache)
+        if s.req.cache_prompt and stop_type != "error" and s.cache.length:
+            # the slot goes back to the pool; the prefix cache keeps a compact copy
+            n = s.cache.length
+            entry = self.model.new_cache(-(-n // CAPACITY_ROUND) * CAPACITY_ROUND)
+            entry.copy_prefix_from(s.cache, n)
+            self.prefix.put(s.req.mix, entry)
+        if s.cache.pool is self.pool:
+            self.pool.release(s.cache)
         done = DoneEvent(stop_type, "".join(s.content), list(s.generated), s.timings, s.req.mix,
                          stopping_word=stopping_word, error=error)
         self._emit_done(s.req, done)

@@ -1,0 +1,100 @@
+"""The KV pool: running sequences share one pair of arrays, and decoding rows of
+a batch attend in one masked matmul. It must give exactly what standalone caches
+give, commit memory only as positions are used, and every slot must come back."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from core.engine import Engine
+from core.kv_cache import KVPool
+from core.model import BatchItem, PooledDecode
+from core.sampling import SamplingParams
+from tests.test_model_shapes import build
+
+
+@pytest.mark.parametrize("kw", [dict(n_heads=4, n_kv_heads=2), dict(n_heads=8, n_kv_heads=1)],
+                         ids=["gqa2", "mqa"])
+def test_pooled_decode_equals_standalone_caches(tmp_path, kw):
+    model, _ = build(tmp_path, **kw)
+    rng = np.random.default_rng(0)
+    pool = model.new_pool(6, 48)
+    lengths = [3, 11, 7, 1, 20]
+    pooled = [pool.acquire() for _ in lengths]
+    pool.release(pooled[2])          # a free slot inside the attended range
+    alone = [model.new_cache(48) for _ in lengths]
+    prompts = [rng.integers(0, 128, size=n) for n in lengths]
+    for i, p in enumerate(prompts):
+        if i != 2:
+            model([BatchItem(p, pooled[i])])
+        model([BatchItem(p, alone[i])])
+    for step in range(4):
+        nxt = [np.array([int(rng.integers(0, 128))]) for _ in lengths]
+        # slot 2 is free; the last item runs 3 tokens at once (per-sequence path)
+        nxt[-1] = rng.integers(0, 128, size=3)
+        live = [i for i in range(len(lengths)) if i != 2]
+        items = [BatchItem(nxt[i], pooled[i]) for i in live]
+        assert PooledDecode.plan(items, [(k, k + 1) for k in range(len(items))]) is not None
+        got = model(items)
+        want = [model([BatchItem(nxt[i], alone[i])])[0] for i in live]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    for i in live:
+        assert pooled[i].tokens == alone[i].tokens
+
+
+def test_pool_commits_memory_only_for_used_positions(smollm_path):
+    from core.weights import open_model_file
+    _, cfg = open_model_file(smollm_path)
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 1e6
+
+    r0 = rss_mb()
+    pool = KVPool(cfg, 8, 2048)                          # 755 MB of address space
+    assert pool.k.nbytes + pool.v.nbytes > 700e6
+    caches = [pool.acquire() for _ in range(8)]
+    for c in caches:
+        c.k[:, :, :16] = 1.0
+        c.v[:, :, :16] = 1.0
+    assert rss_mb() - r0 < 40                            # ~12 MB touched, not 755
+    assert not np.any(pool.k[:, :, :, 16:100])           # untouched positions read as zeros
+
+
+def test_scheduler_returns_every_slot(smollm_path):
+    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=3, draft_max=0)
+    try:
+        pool = eng.scheduler.pool
+        assert pool.n_free == 3
+        results = []
+
+        def run(i):
+            prompt = eng.tokenizer.encode(f"Count to {i}:")
+            results.append(eng.complete(prompt, SamplingParams(n_predict=4 + i, temperature=0,
+                                                               ignore_eos=True)))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 5 and all(r.stop_type == "limit" for r in results)
+        # a cancelled request gives its slot back too
+        gen = eng.generate(eng.tokenizer.encode("Tell me a long story."),
+                           SamplingParams(n_predict=200, ignore_eos=True))
+        next(gen)                   # running: it holds a slot
+        assert pool.n_free == 2
+        gen.close()                 # cancels
+        deadline = time.time() + 30
+        while pool.n_free != 3 and time.time() < deadline:
+            time.sleep(0.01)
+        assert pool.n_free == 3
+        # and the prefix cache kept a compact copy that a later request reuses
+        done = eng.complete(eng.tokenizer.encode("Count to 1:"),
+                            SamplingParams(n_predict=2, temperature=0))
+        assert done.timings.cache_n > 0
+    finally:
+        eng.stop()
