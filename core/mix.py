@@ -28,9 +28,40 @@ def mix_key(scales: Mapping[int, float] | Iterable[tuple[int, float]]) -> MixKey
 
 
 @dataclass
+class Delta:
+    """One fused target's low-rank delta, ``y += (x Aᵀ) Bᵀ``, without B's zeros.
+
+    A fused matrix stacks parts (Q|K|V, gate|up) and an adapter's pieces each
+    feed one part, so a fused B (out, R) would be block-diagonal: mostly zeros.
+    A's rank rows are ordered by the part they feed, and each part keeps only
+    its dense block: ``(row0, row1, col0, col1, B (row1-row0, col1-col0))``.
+    """
+    a: np.ndarray                                              # (R, in)
+    parts: tuple[tuple[int, int, int, int, np.ndarray], ...]
+    n_out: int
+
+    def apply(self, y: np.ndarray, x: np.ndarray) -> None:
+        # y: (n, out) += ((x: (n, in)) Aᵀ) Bᵀ, part by part
+        u = x @ self.a.T                                           # (n, R)
+        for r0, r1, c0, c1, b in self.parts:
+            y[:, r0:r1] += u[:, c0:c1] @ b.T                       # (n, rows)
+
+    def dense_b(self) -> np.ndarray:
+        """The fused (out, R) B, zeros included (for inspection and tests)."""
+        b = np.zeros((self.n_out, self.a.shape[0]), dtype=np.float32)
+        for r0, r1, c0, c1, bp in self.parts:
+            b[r0:r1, c0:c1] = bp
+        return b
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + sum(p[4].nbytes for p in self.parts)
+
+
+@dataclass
 class MixWeights:
     key: MixKey
-    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
+    layers: list[dict[str, Delta]]
     embd: tuple[np.ndarray, np.ndarray] | None = None
     output: tuple[np.ndarray, np.ndarray] | None = None
     nbytes: int = 0
@@ -60,19 +91,28 @@ def _out_rows(cfg: ModelConfig) -> dict[str, int]:
             "w_gate_up": 2 * cfg.ffn_dim, "w_down": cfg.dim}
 
 
-def _fuse(cfg: ModelConfig, parts: dict[tuple[int, str], list]):
-    """(layer, target) -> (A (R, in), B (out, R)) with the placed pieces side by side."""
+def _by_part(pieces: list) -> list[tuple[int, int, list]]:
+    """[(row0, rows, a, b)] -> [(row0, row1, [(a, b), ...])] in row order, one per part."""
+    parts: dict[tuple[int, int], list] = {}
+    for row0, rows, a, b in pieces:
+        parts.setdefault((row0, row0 + rows), []).append((a, b))
+    return [(r0, r1, ab) for (r0, r1), ab in sorted(parts.items())]
+
+
+def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[int, str], Delta]:
+    """(layer, target) -> Delta with every piece's rank rows grouped by part."""
     out_rows = _out_rows(cfg)
     fused = {}
-    for (layer, target), plist in parts.items():
-        a = np.concatenate([p[2] for p in plist], axis=0)                  # (R, in)
-        b = np.zeros((out_rows[target], a.shape[0]), dtype=np.float32)    # (out, R)
-        col = 0
-        for row0, rows, pa, pb in plist:
-            r = pa.shape[0]
-            b[row0:row0 + rows, col:col + r] = pb
+    for (layer, target), plist in pieces.items():
+        a_rows, parts, col = [], [], 0
+        for r0, r1, abs_ in _by_part(plist):
+            r = sum(a.shape[0] for a, _ in abs_)
+            a_rows += [a for a, _ in abs_]
+            parts.append((r0, r1, col, col + r,
+                          np.ascontiguousarray(np.concatenate([b for _, b in abs_], axis=1))))
             col += r
-        fused[layer, target] = (a, b)
+        fused[layer, target] = Delta(np.concatenate(a_rows, axis=0), tuple(parts),
+                                     out_rows[target])
     return fused
 
 
@@ -87,11 +127,11 @@ def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) ->
         embd += [e] if e else []
         outp += [o] if o else []
 
-    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(cfg.n_layers)]
+    layers: list[dict[str, Delta]] = [{} for _ in range(cfg.n_layers)]
     nbytes = 0
-    for (layer, target), (a, b) in _fuse(cfg, parts).items():
-        layers[layer][target] = (a, b)
-        nbytes += a.nbytes + b.nbytes
+    for (layer, target), delta in _fuse(cfg, parts).items():
+        layers[layer][target] = delta
+        nbytes += delta.nbytes
 
     def stack(pairs, flipped):
         if not pairs:
@@ -113,34 +153,38 @@ def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) ->
 class AdapterStack:
     """The distinct adapters of a batch side by side along the rank axis, at unit scale.
 
-    Per layer and target: Aᵀ (in, ΣR), Bᵀ (ΣR, out) with each adapter's
-    ``effective_scale(1)`` folded in, and (adapter index, first column, end column)
-    per adapter that has the target. Since the effective scale is linear in the
-    user's scale, a row's delta under any mix of these adapters is
+    Per layer and target: Aᵀ (in, ΣR); per output part (Q|K|V, gate|up) its rows,
+    its rank columns and a dense Bᵀ block (cols, rows) with each adapter's
+    ``effective_scale(1)`` folded in; and (adapter index, first column, end column)
+    for every run of one adapter's columns. Since the effective scale is linear in
+    the user's scale, a row's delta under any mix of these adapters is
     ``((x Aᵀ) ⊙ s) Bᵀ`` with s the row's scale per adapter, spread over its
     columns. Eight streams on eight mixes of three adapters thus read three
     adapters' weights once per step, not eight mixes' worth.
     """
     adapters: tuple[Adapter, ...]
-    layers: list[dict[str, tuple[np.ndarray, np.ndarray, tuple[tuple[int, int, int], ...]]]]
+    layers: list[dict[str, tuple[np.ndarray, tuple, tuple[tuple[int, int, int], ...]]]]
 
 
 def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStack:
     adapters = tuple(adapters)
-    per_ad = [_fuse(cfg, _placed(cfg, ad, 1.0)[0]) for ad in adapters]
+    placed = [_placed(cfg, ad, 1.0)[0] for ad in adapters]
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
-    for layer, target in sorted({k for f in per_ad for k in f}):
-        segs, at, bt, col = [], [], [], 0
-        for i, f in enumerate(per_ad):
-            if (layer, target) in f:
-                a, b = f[layer, target]
+    for layer, target in sorted({k for p in placed for k in p}):
+        # columns ordered by part, then by adapter: each part's Bᵀ is one dense block
+        tagged = [(row0, rows, (i, a), b) for i, p in enumerate(placed)
+                  for row0, rows, a, b in p.get((layer, target), [])]
+        a_rows, parts, segs, col = [], [], [], 0
+        for r0, r1, iab in _by_part(tagged):
+            c_part = col
+            for (i, a), _ in iab:
                 segs.append((i, col, col + a.shape[0]))
+                a_rows.append(a)
                 col += a.shape[0]
-                at.append(a)
-                bt.append(b)
-        layers[layer][target] = (np.ascontiguousarray(np.concatenate(at, axis=0).T),  # (in, ΣR)
-                                 np.ascontiguousarray(np.concatenate(bt, axis=1).T),  # (ΣR, out)
-                                 tuple(segs))
+            bt = np.concatenate([b for _, b in iab], axis=1).T                 # (cols, rows)
+            parts.append((r0, r1, c_part, col, np.ascontiguousarray(bt)))
+        layers[layer][target] = (np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
+                                 tuple(parts), tuple(segs))
     return AdapterStack(adapters, layers)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
 from .linear import SMALL_ROWS, Linear
-from .mix import AdapterStack, stack_adapters
+from .mix import AdapterStack, Delta, stack_adapters
 from .weights import LayerWeights, Weights
 
 # Fused projections that LoRA deltas attach to, in the order a block uses them.
@@ -29,7 +29,7 @@ STACKS_KEPT = 2        # adapter sets whose stacked LoRA weights stay built
 
 class MixWeights(Protocol):
     """What the forward pass needs from a mix (see core/mix.py)."""
-    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]  # per layer: target -> (A (R,in), B (out,R)·scale)
+    layers: list[dict[str, Delta]]                          # per layer: target -> low-rank delta
     embd: tuple[np.ndarray, np.ndarray] | None              # (A (vocab,R), B (dim,R)·scale)
     output: tuple[np.ndarray, np.ndarray] | None            # (A (R,d), B (vocab,R)·scale)
 
@@ -367,18 +367,19 @@ class LoraDeltas:
     def add(self, y: np.ndarray, x: np.ndarray, li: int, target: str) -> None:
         if self.stack is None:
             for s, e, mix in self.groups:
-                ab = mix.layers[li].get(target)
-                if ab is not None:
-                    y[s:e] += lora_delta(x[s:e], ab)
+                delta = mix.layers[li].get(target)
+                if delta is not None:
+                    delta.apply(y[s:e], x[s:e])
             return
         entry = self.stack.layers[li].get(target)
         if entry is None:
             return
-        at, bt, segs = entry                                           # (in, ΣR), (ΣR, out)
+        at, parts, segs = entry                                        # (in, ΣR), dense Bᵀ blocks
         sc = self._spread.get(segs)
         if sc is None:
             sc = self._spread[segs] = np.repeat(
                 self.scale[:, [i for i, _, _ in segs]], [c1 - c0 for _, c0, c1 in segs], axis=1)  # (T, ΣR)
         u = x @ at                                                     # (T, ΣR)
         u *= sc
-        y += u @ bt                                                    # (T, out)
+        for r0, r1, c0, c1, bt in parts:
+            y[:, r0:r1] += u[:, c0:c1] @ bt                            # (T, rows)

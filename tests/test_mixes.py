@@ -47,8 +47,8 @@ def test_mix_weights_equal_sum_of_adapter_deltas(engine):
     key = mix_key({0: 0.7, 1: -0.3, 2: 1.5})
     mw = build_mix(engine.config, key, ads)
     cfg = engine.config
-    a, b = mw.layers[0]["wqkv"]
-    got = b @ a                                                     # (q+2kv, d)
+    delta = mw.layers[0]["wqkv"]
+    got = delta.dense_b() @ delta.a                                                     # (q+2kv, d)
     want = np.zeros_like(got)
     for aid, s in key:
         for part, off in (("attn_q", 0), ("attn_k", cfg.q_dim), ("attn_v", cfg.q_dim + cfg.kv_dim)):
@@ -58,9 +58,13 @@ def test_mix_weights_equal_sum_of_adapter_deltas(engine):
                 want[off:off + d.shape[0]] += d
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # lora_all_q8 (rank 32) only covers layers 0,1,2,10,20,29: ranks stack per layer
-    assert mw.layers[0]["wqkv"][0].shape[0] == 3 * 8 + 3 * 32
-    assert mw.layers[5]["wqkv"][0].shape[0] == 3 * 8
-    assert mw.layers[5]["w_gate_up"][0].shape[0] == 2 * 16
+    assert mw.layers[0]["wqkv"].a.shape[0] == 3 * 8 + 3 * 32
+    assert mw.layers[5]["wqkv"].a.shape[0] == 3 * 8
+    assert mw.layers[5]["w_gate_up"].a.shape[0] == 2 * 16
+    # B keeps one dense block per part (Q, K, V), never the fused matrix's zeros
+    assert [(r0, r1) for r0, r1, *_ in mw.layers[0]["wqkv"].parts] == \
+        [(0, cfg.q_dim), (cfg.q_dim, cfg.q_dim + cfg.kv_dim),
+         (cfg.q_dim + cfg.kv_dim, cfg.q_dim + 2 * cfg.kv_dim)]
 
 
 def test_different_mixes_in_one_batch_equal_each_alone(engine, reference):
