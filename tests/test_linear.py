@@ -62,3 +62,31 @@ def test_single_blas_restores_the_thread_count():
         inside = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     assert inside == [1] * len(before) and after == before
+
+
+def test_split_balances_by_measured_speed_and_covers_every_block_once():
+    lin = Linear(3)
+    try:
+        lin._rel = [3.0, 1.0, 0.2]          # as if this thread were much faster than the helpers
+        seen = []
+        lin.split(50, lambda i, j, last: seen.append((i, j, last)))
+        seen.sort()
+        assert seen[0][0] == 0 and seen[-1][1] == 50 and seen[-1][2]
+        assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))        # contiguous, no overlap
+        assert seen[0][1] - seen[0][0] > seen[1][1] - seen[1][0]        # the fast thread got more
+        # products stay exact whatever the shares, ragged tail included
+        rng = np.random.default_rng(3)
+        w = rng.standard_normal((5 * CHUNK + 7, 40)).astype(np.float32)
+        x = rng.standard_normal((8, 40)).astype(np.float32)
+        for rel in ([1.0, 1.0, 1.0], [5.0, 0.1, 0.1], [0.1, 0.1, 5.0]):
+            lin._rel = rel
+            np.testing.assert_allclose(lin.blocked(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+        # measured speeds move the shares but keep them summing to the thread count
+        lin._rel = [1.0, 1.0, 1.0]
+        big = rng.standard_normal((64 * CHUNK, 256)).astype(np.float32)
+        xb = rng.standard_normal((8, 256)).astype(np.float32)
+        for _ in range(5):
+            lin.blocked(xb, big)
+        assert abs(sum(lin._rel) - 3.0) < 0.05 and all(r > 0 for r in lin._rel)
+    finally:
+        lin.close()
