@@ -24,6 +24,7 @@ import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
@@ -55,7 +56,8 @@ class Linear:
         if self._pool is not None:
             weakref.finalize(self, self._pool.shutdown, wait=False)
         self._blas = None
-        self._rel = [1.0] * self.threads     # relative speed of each thread (see split)
+        # relative speed of each thread, without and with side work (see split)
+        self._rel = {False: [1.0] * self.threads, True: [1.0] * self.threads}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -71,37 +73,51 @@ class Linear:
         with self._blas.limit(limits=1):
             yield
 
-    def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        # x: (T, in) float32; w: (out, in) C-contiguous -> (T, out)
+    def __call__(self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
+                 ) -> np.ndarray:
+        """x: (T, in) float32; w: (out, in) C-contiguous -> (T, out).
+
+        ``side`` is other work that needs only x (a LoRA delta): in the blocked
+        regime it runs on this thread while the helpers run their share of the
+        product, which then shrinks this thread's share; otherwise after it."""
         T = x.shape[0]
         if T == 1:
-            return (w @ x[0])[None]                                    # (1, out) gemv
-        if T > SMALL_ROWS or not w.flags.c_contiguous:
-            return x @ w.T                                             # (T, out) packed gemm
-        return self.blocked(x, w)
+            y = (w @ x[0])[None]                                       # (1, out) gemv
+        elif T > SMALL_ROWS or not w.flags.c_contiguous:
+            y = x @ w.T                                                # (T, out) packed gemm
+        else:
+            return self.blocked(x, w, side)
+        if side is not None:
+            side()
+        return y
 
-    def blocked(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def blocked(self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
+                ) -> np.ndarray:
         n_out, n_in = w.shape
         xt = np.ascontiguousarray(x.T)                                 # (in, T)
         yt = np.empty((n_out, x.shape[0]), dtype=np.float32)           # (out, T)
         # whole blocks are split between threads; the last share takes any ragged tail
         self.split(n_out // CHUNK, lambda i, j, last: _rows(
-            w, xt, yt, i * CHUNK, n_out if last else j * CHUNK))
+            w, xt, yt, i * CHUNK, n_out if last else j * CHUNK), side)
         return np.ascontiguousarray(yt.T)                              # (T, out)
 
-    def split(self, n: int, fn) -> None:
+    def split(self, n: int, fn, side: Callable[[], None] | None = None) -> None:
         """Run ``fn(i, j, last)`` over ``threads`` ranges covering [0, n): the first on
         this thread, the others on the helpers; return when all are done.
 
         The ranges are sized by each thread's measured speed, so all finish
         together: a helper starts ~50 us late (it has to wake up) and, on a
         shared VM, its core may run slower than ours (measured: 16% slower,
-        which left this thread waiting 16 ms per 8-stream step)."""
+        which left this thread waiting 16 ms per 8-stream step). ``side`` runs on
+        this thread after its range; splits with and without one keep separate
+        speed estimates."""
         parts = self.threads if self._pool is not None and n > 1 else 1
         if parts == 1:
             fn(0, n, True)
+            if side is not None:
+                side()
             return
-        rel = self._rel
+        rel = self._rel[side is not None]
         total = sum(rel)
         cuts = [0] + [round(n * sum(rel[:k + 1]) / total) for k in range(parts - 1)] + [n]
         done = [0.0] * parts
@@ -109,6 +125,8 @@ class Linear:
 
         def run(k: int) -> None:
             fn(cuts[k], cuts[k + 1], k == parts - 1)
+            if k == 0 and side is not None:
+                side()
             done[k] = time.perf_counter() - t0
 
         futures = [self._pool.submit(run, k) for k in range(1, parts)]
@@ -119,7 +137,7 @@ class Linear:
         speed = [(cuts[k + 1] - cuts[k]) / done[k] if done[k] > 0 else 0.0 for k in range(parts)]
         if all(speed):
             mean = sum(speed) / parts
-            self._rel = [0.9 * r + 0.1 * s / mean for r, s in zip(rel, speed)]
+            self._rel[side is not None] = [0.9 * r + 0.1 * s / mean for r, s in zip(rel, speed)]
 
 
 def _rows(w: np.ndarray, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:

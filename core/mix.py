@@ -153,22 +153,23 @@ def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) ->
 class AdapterStack:
     """The distinct adapters of a batch side by side along the rank axis, at unit scale.
 
-    Per layer and target: Aᵀ (in, ΣR); per output part (Q|K|V, gate|up) its rows,
-    its rank columns and a dense Bᵀ block (cols, rows) with each adapter's
+    Per layer and target: Aᵀ (in, ΣR); per output part (Q|K|V, gate|up) its
+    rows, its rank columns and a dense Bᵀ block (cols, rows) with each adapter's
     ``effective_scale(1)`` folded in; and (adapter index, first column, end column)
-    for every run of one adapter's columns. Since the effective scale is linear in
+    for every run of one adapter's columns; and the fused output size. Since the effective scale is linear in
     the user's scale, a row's delta under any mix of these adapters is
     ``((x Aᵀ) ⊙ s) Bᵀ`` with s the row's scale per adapter, spread over its
     columns. Eight streams on eight mixes of three adapters thus read three
     adapters' weights once per step, not eight mixes' worth.
     """
     adapters: tuple[Adapter, ...]
-    layers: list[dict[str, tuple[np.ndarray, tuple, tuple[tuple[int, int, int], ...]]]]
+    layers: list[dict[str, tuple[np.ndarray, tuple, tuple[tuple[int, int, int], ...], int]]]
 
 
 def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStack:
     adapters = tuple(adapters)
     placed = [_placed(cfg, ad, 1.0)[0] for ad in adapters]
+    out_rows = _out_rows(cfg)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     for layer, target in sorted({k for p in placed for k in p}):
         # columns ordered by part, then by adapter: each part's Bᵀ is one dense block
@@ -184,7 +185,7 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
             bt = np.concatenate([b for _, b in iab], axis=1).T                 # (cols, rows)
             parts.append((r0, r1, c_part, col, np.ascontiguousarray(bt)))
         layers[layer][target] = (np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
-                                 tuple(parts), tuple(segs))
+                                 tuple(parts), tuple(segs), out_rows[target])
     return AdapterStack(adapters, layers)
 
 

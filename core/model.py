@@ -196,8 +196,7 @@ class LlamaModel:
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)                    # (T, d)
-        qkv = self.lin(h, lw.wqkv)                                     # (T, q+2kv)
-        lora.add(qkv, h, li, "wqkv")
+        qkv = self._linear(h, lw.wqkv, lora, li, "wqkv")               # (T, q+2kv)
         qk = rope(qkv[:, :cfg.q_dim + cfg.kv_dim].reshape(T, H + KV, hd), cis)  # (T, H+KV, hd)
         q, k = qk[:, :H], qk[:, H:]                                    # (T, H, hd), (T, KV, hd)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(T, KV, hd)         # (T, KV, hd)
@@ -210,17 +209,27 @@ class LlamaModel:
             if pooled is None or i not in pooled.items:
                 attn[s:e] = self._attend(li, it.cache, q[s:e], k[s:e], v[s:e], mask)
 
-        o = self.lin(attn, lw.wo)                                      # (T, d)
-        lora.add(o, attn, li, "wo")
+        o = self._linear(attn, lw.wo, lora, li, "wo")                  # (T, d)
         x = x + o
 
         h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)                     # (T, d)
-        gu = self.lin(h, lw.w_gate_up)                                 # (T, 2f)
-        lora.add(gu, h, li, "w_gate_up")
+        gu = self._linear(h, lw.w_gate_up, lora, li, "w_gate_up")     # (T, 2f)
         act = silu_mul(gu[:, :cfg.ffn_dim], gu[:, cfg.ffn_dim:])       # (T, f)
-        d = self.lin(act, lw.w_down)                                   # (T, d)
-        lora.add(d, act, li, "w_down")
+        d = self._linear(act, lw.w_down, lora, li, "w_down")           # (T, d)
         return x + d
+
+    def _linear(self, x, w, lora: "LoraDeltas", li: int, target: str) -> np.ndarray:
+        """x @ W.T plus every row's LoRA delta. With several mixes in a small batch
+        the delta is computed on this thread while the helper threads run their
+        share of the base product (core/linear.py sizes the shares to match)."""
+        if lora.stack is None or target not in lora.stack.layers[li]:
+            y = self.lin(x, w)
+            lora.add(y, x, li, target)
+            return y
+        box = []
+        y = self.lin(x, w, side=lambda: box.append(lora.stacked_delta(x, li, target)))
+        y += box[0]
+        return y
 
     def _attend_pooled(self, li: int, p: "PooledDecode", q, k, v) -> np.ndarray:
         """One new query for each of n decoding sequences of one KV pool, batched:
@@ -371,15 +380,19 @@ class LoraDeltas:
                 if delta is not None:
                     delta.apply(y[s:e], x[s:e])
             return
-        entry = self.stack.layers[li].get(target)
-        if entry is None:
-            return
-        at, parts, segs = entry                                        # (in, ΣR), dense Bᵀ blocks
+        if target in self.stack.layers[li]:
+            y += self.stacked_delta(x, li, target)
+
+    def stacked_delta(self, x: np.ndarray, li: int, target: str) -> np.ndarray:
+        """Every row's delta for this target under its own mix, from the adapter stack."""
+        at, parts, segs, n_out = self.stack.layers[li][target]         # (in, ΣR), dense Bᵀ blocks
         sc = self._spread.get(segs)
         if sc is None:
             sc = self._spread[segs] = np.repeat(
                 self.scale[:, [i for i, _, _ in segs]], [c1 - c0 for _, c0, c1 in segs], axis=1)  # (T, ΣR)
         u = x @ at                                                     # (T, ΣR)
         u *= sc
+        d = np.zeros((x.shape[0], n_out), dtype=np.float32)            # (T, out)
         for r0, r1, c0, c1, bt in parts:
-            y[:, r0:r1] += u[:, c0:c1] @ bt                            # (T, rows)
+            d[:, r0:r1] = u[:, c0:c1] @ bt                             # (T, rows)
+        return d

@@ -67,7 +67,7 @@ def test_single_blas_restores_the_thread_count():
 def test_split_balances_by_measured_speed_and_covers_every_block_once():
     lin = Linear(3)
     try:
-        lin._rel = [3.0, 1.0, 0.2]          # as if this thread were much faster than the helpers
+        lin._rel[False] = [3.0, 1.0, 0.2]          # as if this thread were much faster than the helpers
         seen = []
         lin.split(50, lambda i, j, last: seen.append((i, j, last)))
         seen.sort()
@@ -79,14 +79,26 @@ def test_split_balances_by_measured_speed_and_covers_every_block_once():
         w = rng.standard_normal((5 * CHUNK + 7, 40)).astype(np.float32)
         x = rng.standard_normal((8, 40)).astype(np.float32)
         for rel in ([1.0, 1.0, 1.0], [5.0, 0.1, 0.1], [0.1, 0.1, 5.0]):
-            lin._rel = rel
+            lin._rel[False] = rel
             np.testing.assert_allclose(lin.blocked(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
         # measured speeds move the shares but keep them summing to the thread count
-        lin._rel = [1.0, 1.0, 1.0]
+        lin._rel[False] = [1.0, 1.0, 1.0]
         big = rng.standard_normal((64 * CHUNK, 256)).astype(np.float32)
         xb = rng.standard_normal((8, 256)).astype(np.float32)
         for _ in range(5):
             lin.blocked(xb, big)
-        assert abs(sum(lin._rel) - 3.0) < 0.05 and all(r > 0 for r in lin._rel)
+        assert abs(sum(lin._rel[False]) - 3.0) < 0.05 and all(r > 0 for r in lin._rel[False])
     finally:
         lin.close()
+
+
+@pytest.mark.parametrize("rows", [1, 8, SMALL_ROWS + 4])
+def test_side_work_runs_once_in_every_regime(lin, rows):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3 * CHUNK, 32)).astype(np.float32)
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    calls = []
+    with lin.single_blas():
+        y = lin(x, w, side=lambda: calls.append(1))
+    assert calls == [1]
+    np.testing.assert_allclose(y, x @ w.T, rtol=1e-5, atol=1e-4)

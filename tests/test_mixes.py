@@ -219,3 +219,50 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine):
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
+    """A LoRA on only some parts of fused matrices: K (not Q, V) and gate (not up)."""
+    from gguf import GGUFWriter
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    for name, (n_out, n_in) in {"blk.3.attn_k.weight": (cfg.kv_dim, cfg.dim),
+                                "blk.4.ffn_gate.weight": (cfg.ffn_dim, cfg.dim)}.items():
+        w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.2).astype(np.float32))
+        w.add_tensor(name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.2).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path):
+    eng = Engine.from_path(smollm_path, ctx_size=64, n_parallel=4, start=False)
+    part = eng.add_adapter(write_partial_adapter(tmp_path / "partial.gguf", eng.config))
+    attn = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
+    ads = adapters_of(eng)
+    keys = [mix_key({part: 1.0}), mix_key({part: -0.5, attn: 0.5}), mix_key({attn: 1.0}), ()]
+    model, rng = eng.model, np.random.default_rng(2)
+    prompts = [rng.integers(100, 20000, size=4 + i) for i in range(len(keys))]
+    mws = [eng.mixes.get(k, ads) for k in keys]
+    nxt = [np.array([int(rng.integers(100, 20000))]) for _ in keys]
+
+    def step(i_s):
+        caches = []
+        for i in i_s:
+            c = model.new_cache(16)
+            model([BatchItem(prompts[i], c, mws[i])])
+            caches.append(c)
+        return model([BatchItem(nxt[i], c, mws[i]) for i, c in zip(i_s, caches)])
+
+    alone = [step([i])[0] for i in range(len(keys))]
+    model._stacks.clear()
+    batch = step(list(range(len(keys))))
+    assert len(model._stacks) == 1
+    for a, b in zip(alone, batch):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
+    # the partial adapter really changes the output
+    assert np.abs(alone[0] - alone[3]).max() > 1e-3
