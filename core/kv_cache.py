@@ -35,6 +35,7 @@ class KVCache:
         self.k, self.v = _kv                         # (L, n_kv, cap, hd) each
         self.capacity = capacity
         self.pool, self.slot = pool, slot
+        self.origin: tuple[int, int] = (-1, -1)     # prefix-cache copies: (pool slot, generation)
         self.tokens: list[int] = []
 
     @property
@@ -79,7 +80,11 @@ class KVPool:
         self.capacity = capacity
         self._caches = [KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i)
                         for i in range(n_slots)]
-        self._free = list(range(n_slots))[::-1]
+        # Free slots, least recently released first: a released slot keeps its keys
+        # and values until it is handed out again, so handing out the oldest one
+        # first keeps a just-finished sequence's KV in place for as long as possible.
+        self._free = list(range(n_slots))
+        self._gen = [0] * n_slots          # bumped on every acquire of the slot
 
     @property
     def n_free(self) -> int:
@@ -88,7 +93,25 @@ class KVPool:
     def acquire(self) -> KVCache:
         if not self._free:
             raise RuntimeError("no free KV slot")      # the scheduler admits at most n_slots
-        cache = self._caches[self._free.pop()]
+        return self._take(self._free.pop(0))
+
+    def reclaim(self, slot: int, gen: int, tokens: list[int]) -> KVCache | None:
+        """The slot back with its KV as a finished sequence (generation ``gen``) left
+        it, holding ``tokens`` (a prefix of what it held): or None if the slot was
+        handed out since. Spares the copy from the prefix cache."""
+        if slot not in self._free or self._gen[slot] != gen:
+            return None
+        self._free.remove(slot)
+        cache = self._take(slot)
+        cache.tokens = list(tokens)
+        return cache
+
+    def generation(self, cache: KVCache) -> int:
+        return self._gen[cache.slot]
+
+    def _take(self, slot: int) -> KVCache:
+        self._gen[slot] += 1
+        cache = self._caches[slot]
         cache.tokens = []
         return cache
 

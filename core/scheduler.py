@@ -280,11 +280,18 @@ class Scheduler:
             if req.cancelled.is_set():
                 self._emit_done(req, DoneEvent("cancel", "", [], Timings(), req.mix))
                 continue
-            cache, n_cached = self.pool.acquire(), 0
+            cache, n_cached = None, 0
             if req.cache_prompt:
                 entry, n_cached = self.prefix.take(req.mix, req.prompt)
                 if entry is not None:
-                    cache.copy_prefix_from(entry, n_cached)
+                    # the slot it was copied from may still hold it: then no copy back
+                    slot, gen = entry.origin
+                    cache = self.pool.reclaim(slot, gen, entry.tokens[:n_cached])
+                    if cache is None:
+                        cache = self.pool.acquire()
+                        cache.copy_prefix_from(entry, n_cached)
+            if cache is None:
+                cache = self.pool.acquire()
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
 
     def _sample(self, s: _Seq, logits: np.ndarray) -> bool:
@@ -345,6 +352,7 @@ class Scheduler:
             n = s.cache.length
             entry = self.model.new_cache(-(-n // CAPACITY_ROUND) * CAPACITY_ROUND)
             entry.copy_prefix_from(s.cache, n)
+            entry.origin = (s.cache.slot, self.pool.generation(s.cache))
             self.prefix.put(s.req.mix, entry)
         if s.cache.pool is self.pool:
             self.pool.release(s.cache)

@@ -98,3 +98,53 @@ def test_scheduler_returns_every_slot(smollm_path):
         assert done.timings.cache_n > 0
     finally:
         eng.stop()
+
+
+def test_pool_reclaims_an_untouched_slot_and_refuses_a_reused_one(tmp_path):
+    model, _ = build(tmp_path)
+    pool = model.new_pool(2, 32)
+    a = pool.acquire()
+    model([BatchItem(np.arange(5, 12), a)])
+    slot, gen, keys = a.slot, pool.generation(a), a.k[:, :, :7].copy()
+    pool.release(a)
+    got = pool.reclaim(slot, gen, list(range(5, 10)))
+    assert got is not None and got.slot == slot and got.tokens == list(range(5, 10))
+    assert np.array_equal(got.k[:, :, :7], keys)          # the KV was left in place
+    assert pool.reclaim(slot, gen, [1]) is None            # in use now
+    pool.release(got)
+    # the least recently released slot is handed out first, so the other one is reused
+    b = pool.acquire()
+    assert b.slot != slot
+    pool.release(b)
+    c, d = pool.acquire(), pool.acquire()                  # now both slots are handed out again
+    pool.release(c)
+    pool.release(d)
+    assert pool.reclaim(slot, gen, [1]) is None            # its contents may have changed
+
+
+def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
+    """Mix A -> mix B -> mix A: A's KV is still in its slot when A comes back."""
+    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=2, draft_max=0)
+    aid = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
+    try:
+        pool = eng.scheduler.pool
+        copies = []
+        real = type(pool._caches[0]).copy_prefix_from
+
+        def counting(self, other, n):
+            if self.pool is pool:
+                copies.append(n)
+            return real(self, other, n)
+        prompt = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+        p = SamplingParams(n_predict=2, temperature=0)
+        type(pool._caches[0]).copy_prefix_from = counting
+        try:
+            eng.complete(prompt, p, mix={})                # A: base model
+            eng.complete(prompt, p, mix={aid: 1.0})        # B: cold under its own mix
+            done = eng.complete(prompt, p, mix={})         # A again
+        finally:
+            type(pool._caches[0]).copy_prefix_from = real
+        assert done.timings.cache_n == len(prompt) - 1
+        assert copies == []
+    finally:
+        eng.stop()
