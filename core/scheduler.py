@@ -264,8 +264,9 @@ class Scheduler:
             if not self._sample(s, logits[i]):
                 return
             if i == len(draft) or s.next_token != draft[i]:
-                # A step with drafts costs ~3 plain steps here (OpenBLAS gemm vs gemv), so
-                # after a draft that paid off poorly, decode plainly for a while.
+                # A step with 9 rows costs 2-3 plain steps here (blocked products vs
+                # gemv, core/linear.py), so after a draft that paid off poorly, decode
+                # plainly for a while.
                 s.spec_cooldown = SPEC_COOLDOWN if i < SPEC_MIN_GAIN else 0
                 self.accepted += i
                 return
