@@ -14,7 +14,8 @@ measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
   is small enough to stay in L2 while the rows of x reuse it. That kernel is
   single-threaded and OpenBLAS only picks it while it runs on one thread, so the
   caller holds ``single_blas()`` and we split the blocks over our own threads
-  (numpy releases the GIL). 8 rows then cost ~1.6x one row instead of ~3x.
+  (numpy releases the GIL). 8 rows then cost 1.5-2.3x one row instead of ~3x
+  (batch-8 rooflines in bench/engine.py: 3.5-5.2x batch 1 blocked, 2.3-2.8x packed).
 * more rows (prefill): the packed gemm is the right tool; ``x @ W.T``.
 """
 from __future__ import annotations
