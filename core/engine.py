@@ -124,6 +124,19 @@ class Engine:
                 raise ModelLoadError(f"{Path(path).name}: {e}") from None
             template = ChatTemplate.from_metadata(gf.metadata, tok)
             weights = load_weights(gf, cfg, progress=report, cancel=cancel)
+            ctx = self.requested_ctx or cfg.ctx_len
+            model = LlamaModel(cfg, weights, threads=self.threads)
+            try:
+                # the KV pool reserves address space for every slot's whole context
+                scheduler = Scheduler(model, tok, self.prefix, ctx, self.n_parallel,
+                                      draft_max=self.draft_max)
+            except (MemoryError, OSError) as e:
+                model.lin.close()
+                gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9
+                raise ModelLoadError(
+                    f"{Path(path).name}: cannot reserve the KV cache for {self.n_parallel} "
+                    f"sequences of {ctx} tokens ({gb:.1f} GB): {e}. Lower -c/--ctx-size or "
+                    f"-np/--parallel.") from None
         except BaseException as e:
             self.loading = False
             self._notify("model_error", path=str(path), error=str(e))
@@ -132,18 +145,17 @@ class Engine:
         self.stop()
         with self._lock:
             self.path, self.config, self.n_params = Path(path), cfg, n_params
-            self.ctx_size = self.requested_ctx or cfg.ctx_len
+            self.ctx_size = ctx
             if self.model is not None:
                 self.model.lin.close()
-            self.model = LlamaModel(cfg, weights, threads=self.threads)
+            self.model = model
             self.tokenizer, self.chat_template = tok, template
             self.mixes = MixCache(cfg)
             self.prefix.clear()
             dropped = list(self._adapters.values())
             self._adapters.clear()
             self._scales.clear()
-            self.scheduler = Scheduler(self.model, tok, self.prefix, self.ctx_size, self.n_parallel,
-                                       draft_max=self.draft_max)
+            self.scheduler = scheduler
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.loading = False
         if dropped:

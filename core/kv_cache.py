@@ -124,7 +124,10 @@ class KVPool:
 def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
     """A float32 array of zeros whose memory is committed page by page on first touch."""
     n = int(np.prod(shape)) * 4
-    buf = mmap.mmap(-1, max(n, 1))
+    # MAP_NORESERVE: a long context reserves address space, not commit charge, so the
+    # kernel's overcommit heuristic does not refuse a pool that will mostly stay empty
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_NORESERVE", 0)
+    buf = mmap.mmap(-1, max(n, 1), flags=flags)
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype=np.float32, count=n // 4).reshape(shape)

@@ -148,3 +148,25 @@ def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
         assert copies == []
     finally:
         eng.stop()
+
+
+def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_path, monkeypatch):
+    import core.kv_cache as kv
+    from core.engine import ModelLoadError
+    eng = Engine.from_path(smollm_path, ctx_size=128, n_parallel=2, draft_max=0)
+    try:
+        old_model, old_sched = eng.model, eng.scheduler
+
+        def refuse(shape):
+            raise OSError(12, "Cannot allocate memory")
+        monkeypatch.setattr(kv, "_zero_pages", refuse)
+        eng.requested_ctx = 1 << 20
+        with pytest.raises(ModelLoadError, match=r"KV cache for 2 sequences of 1048576 tokens.*"
+                                                 r"-c/--ctx-size"):
+            eng.load_model(smollm_path)
+        assert eng.model is old_model and eng.scheduler is old_sched and eng.ready
+        monkeypatch.undo()
+        done = eng.complete(eng.tokenizer.encode("Hello"), SamplingParams(n_predict=3, temperature=0))
+        assert done.timings.predicted_n == 3
+    finally:
+        eng.stop()
