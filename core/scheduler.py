@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512       # prompt tokens per sequence per step: bounds memory, keeps decode moving
 SPEC_NGRAM = (4, 3)       # n-gram sizes tried for prompt lookup, longest first
-SPEC_COOLDOWN = 4         # plain steps after a draft that paid off poorly
+SPEC_COOLDOWN = 4         # plain steps after a draft that paid off poorly, doubled per
+SPEC_BACKOFF_MAX = 4      # further poor draft in a row, up to 4 << 4 = 64 steps
 SPEC_MIN_GAIN = 3         # accepted tokens a draft must yield to keep drafting
 CAPACITY_ROUND = 64        # prefix-cache entries are sized in steps of this many positions
 
@@ -132,6 +133,7 @@ class _Seq:
         self.next_token: int | None = None               # sampled, not yet run through the model
         self.draft: list[int] = []                       # speculative tokens after next_token
         self.spec_cooldown = 0                           # steps to wait after a rejected draft
+        self.spec_misses = 0                             # poor drafts in a row
 
     def inputs(self) -> np.ndarray:
         if self.pending:
@@ -266,8 +268,14 @@ class Scheduler:
             if i == len(draft) or s.next_token != draft[i]:
                 # A step with 9 rows costs 2-3 plain steps here (blocked products vs
                 # gemv, core/linear.py), so after a draft that paid off poorly, decode
-                # plainly for a while.
-                s.spec_cooldown = SPEC_COOLDOWN if i < SPEC_MIN_GAIN else 0
+                # plainly for a while, and for longer after each further poor draft:
+                # text that rarely repeats its context (chat) then almost never pays
+                # for drafts, while text that does (copying, code) keeps drafting.
+                if i < SPEC_MIN_GAIN:
+                    s.spec_cooldown = SPEC_COOLDOWN << min(s.spec_misses, SPEC_BACKOFF_MAX)
+                    s.spec_misses += 1
+                else:
+                    s.spec_cooldown = s.spec_misses = 0
                 self.accepted += i
                 return
 

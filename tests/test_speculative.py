@@ -67,3 +67,23 @@ def test_sampling_with_temperature_is_never_speculated(engines):
     before = spec.stats()["draft_tokens"]
     spec.complete(prompt, SamplingParams(temperature=0.7, seed=3, n_predict=24), cache_prompt=False)
     assert spec.stats()["draft_tokens"] == before
+
+
+def test_drafts_that_keep_failing_back_off(engines, monkeypatch):
+    """Every draft is wrong here: after each miss the sequence waits twice as long
+    before drafting again, so a long reply pays for a handful of drafts, not one
+    in five steps, and still equals plain decoding."""
+    import core.scheduler as sched
+    plain, spec = engines
+    bad = spec.config.vocab_size - 1                     # a token greedy decoding never picks
+    monkeypatch.setattr(sched, "prompt_lookup", lambda history, k: [bad] * k)
+    prompt = plain.chat_prompt([{"role": "user", "content": "Tell me about the moon."}])
+    p = SamplingParams(temperature=0, n_predict=120, ignore_eos=True)
+    before = spec.stats()["draft_tokens"]
+    b = spec.complete(prompt, p, cache_prompt=False)
+    a = plain.complete(prompt, p, cache_prompt=False)
+    assert b.tokens == a.tokens
+    draft_steps = (spec.stats()["draft_tokens"] - before) // spec.scheduler.draft_max
+    # waits of 4, 8, 16, 32, 64 plain steps: 5 draft steps fit in 120 tokens (a fixed
+    # 4-step wait would have drafted 24 times)
+    assert 3 <= draft_steps <= 6
