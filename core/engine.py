@@ -301,6 +301,39 @@ class Engine:
                source: str = "") -> Request:
         """Queue a generation. ``mix`` None means the global mix, snapshotted now:
         later mix changes do not alter this request (llama.cpp #10374)."""
+        got = self.submit_many([dict(prompt=prompt, params=params, on_event=on_event, mix=mix,
+                                     cache_prompt=cache_prompt, source=source)])[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def submit_many(self, jobs: list[dict]) -> list[Request | Exception]:
+        """Queue several generations (each a dict of ``submit``'s arguments) so that the
+        scheduler admits them in the same step: every mix is built and every request
+        checked first, then all are queued at once. A/B compare uses this so that side
+        B never starts a step (a whole prefill) after side A. A refused job comes back
+        as its exception (EngineError, ...) and the others still run."""
+        results: list[Request | Exception] = []
+        for job in jobs:
+            try:
+                req = self._request(**job)
+                try:
+                    self.scheduler.check(req)
+                except ContextOverflow as e:
+                    raise EngineError(str(e), type="exceed_context_size_error") from None
+                results.append(req)
+            except Exception as e:
+                results.append(e)
+        reqs = [r for r in results if isinstance(r, Request)]
+        self.scheduler.submit_many(reqs)
+        for req in reqs:
+            self._notify("request_started", id=req.id, source=req.source, mix=dict(req.mix),
+                         prompt_n=len(req.prompt))
+        return results
+
+    def _request(self, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Event], None], mix: Mapping[int, float] | None = None,
+                 cache_prompt: bool = True, source: str = "") -> Request:
         self.require_ready()
         validate(params)
         if not prompt:
@@ -330,12 +363,6 @@ class Engine:
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
         ids.append(req.id)
-        try:
-            self.scheduler.submit(req)
-        except ContextOverflow as e:
-            raise EngineError(str(e), type="exceed_context_size_error") from None
-        self._notify("request_started", id=req.id, source=source, mix=dict(key),
-                     prompt_n=len(prompt))
         return req
 
     def generate(self, prompt: list[int], params: SamplingParams,

@@ -94,6 +94,7 @@ class Request:
     source: str = ""
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted_step: int = -1                      # the scheduler step that first ran it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -161,20 +162,34 @@ class Scheduler:
         self.active: list[_Seq] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._admit_lock = threading.Lock()   # a submit_many batch is admitted as a whole
         self.busy = False
         self.steps = 0
 
     # -- public -------------------------------------------------------------
-    def submit(self, req: Request) -> Request:
+    def check(self, req: Request) -> None:
+        """Raise ContextOverflow or ValueError for a request that cannot run."""
         if len(req.prompt) >= self.ctx_size:
             raise ContextOverflow(
                 f"the prompt has {len(req.prompt)} tokens, which exceeds the context size of "
                 f"{self.ctx_size}")
         if not req.prompt:
             raise ValueError("the prompt is empty")
-        self.queue.put(req)
+
+    def submit(self, req: Request) -> Request:
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[Request]) -> list[Request]:
+        """Queue requests so that they are admitted together (when slots allow): A/B
+        compare's two sides then start in the same step. All are checked first; a
+        bad one raises and none is queued."""
+        for req in reqs:
+            self.check(req)
+        with self._admit_lock:
+            for req in reqs:
+                self.queue.put(req)
         self._wake.set()
-        return req
+        return reqs
 
     def stop(self) -> None:
         self._stop.set()
@@ -281,6 +296,10 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------
     def _admit(self) -> None:
+        with self._admit_lock:
+            self._admit_queued()
+
+    def _admit_queued(self) -> None:
         while len(self.active) < self.n_parallel:
             try:
                 req = self.queue.get_nowait()
@@ -301,6 +320,7 @@ class Scheduler:
                         cache.copy_prefix_from(entry, n_cached)
             if cache is None:
                 cache = self.pool.acquire()
+            req.admitted_step = self.steps
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
 
     def _sample(self, s: _Seq, logits: np.ndarray) -> bool:

@@ -266,3 +266,25 @@ def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, t
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
     # the partial adapter really changes the output
     assert np.abs(alone[0] - alone[3]).max() > 1e-3
+
+
+def test_submit_many_admits_its_requests_in_the_same_step(engine):
+    """A/B compare: the second side's mix is new (its stacked weights take tens of ms
+    to build), yet both sides start in the same scheduler step; a refused job comes
+    back as its error and does not stop the other."""
+    ids = sorted(adapters_of(engine))
+    engine.mixes._cache.clear()                          # both mixes must be built now
+    events = {0: [], 1: []}
+    prompt = engine.tokenizer.encode("Say something about rivers.")
+    p = SamplingParams(n_predict=4, **GREEDY)
+    jobs = [dict(prompt=prompt, params=p, on_event=events[0].append, mix={ids[0]: 0.9}),
+            dict(prompt=prompt, params=p, on_event=events[1].append,
+                 mix={ids[1]: 0.3, ids[2]: -0.7}),
+            dict(prompt=prompt, params=p, on_event=print, mix={999: 1.0})]
+    a, b, bad = engine.submit_many(jobs)
+    assert isinstance(bad, EngineError) and "no adapter with id 999" in str(bad)
+    deadline = time.time() + 120
+    while not all(ev and ev[-1].kind == "done" for ev in events.values()):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert a.admitted_step == b.admitted_step >= 0

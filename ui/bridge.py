@@ -248,18 +248,25 @@ class EngineBridge(QObject):
             prepared = []
             for (messages, params, mix, _), gen in zip(jobs, gens):
                 try:
-                    prepared.append((gen, self.engine.chat_prompt(messages), params, mix))
+                    prepared.append((gen, dict(prompt=self.engine.chat_prompt(messages),
+                                               params=params, on_event=gen._on_event, mix=mix,
+                                               source="gui")))
                 except Exception as e:
                     self._refuse(gen, e)
-            for gen, prompt, params, mix in prepared:     # back to back: batched together
-                try:
-                    gen.request = self.engine.submit(prompt, params, gen._on_event, mix=mix,
-                                                     source="gui")
-                except Exception as e:
+            try:
+                # admitted in the same scheduler step, so they run batched side by side
+                results = self.engine.submit_many([job for _, job in prepared])
+            except Exception as e:
+                for gen, _ in prepared:
                     self._refuse(gen, e)
+                return
+            for (gen, _), got in zip(prepared, results):
+                if isinstance(got, Exception):
+                    self._refuse(gen, got)
                     continue
+                gen.request = got
                 if gen._cancel_early:
-                    gen.request.cancel()
+                    got.cancel()
 
         worker = threading.Thread(target=work, name="mixdesk-submit", daemon=True)
         QTimer.singleShot(0, worker.start)     # after the caller has connected its slots
