@@ -126,8 +126,11 @@ def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
     n = int(np.prod(shape)) * 4
     # MAP_NORESERVE: a long context reserves address space, not commit charge, so the
     # kernel's overcommit heuristic does not refuse a pool that will mostly stay empty
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_NORESERVE", 0)
-    buf = mmap.mmap(-1, max(n, 1), flags=flags)
+    if hasattr(mmap, "MAP_PRIVATE"):          # POSIX
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        buf = mmap.mmap(-1, max(n, 1), flags=flags)
+    else:                                     # Windows: a page-file backed, zeroed section
+        buf = mmap.mmap(-1, max(n, 1))
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype=np.float32, count=n // 4).reshape(shape)
