@@ -170,3 +170,22 @@ def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_
         assert done.timings.predicted_n == 3
     finally:
         eng.stop()
+
+
+def test_a_pool_larger_than_memory_can_be_reserved(smollm_path):
+    """A long context on many slots reserves address space only (MAP_NORESERVE):
+    64 GB maps on a 24 GB machine, where the kernel's overcommit heuristic refuses
+    a plain anonymous mapping of that size."""
+    import sys
+    from core.weights import open_model_file
+    if not sys.platform.startswith("linux"):
+        pytest.skip("MAP_NORESERVE semantics are Linux's")
+    _, cfg = open_model_file(smollm_path)
+    per_token = 2 * cfg.n_layers * cfg.kv_dim * 4                      # k and v
+    slots = 8
+    capacity = (64 << 30) // (per_token * slots)
+    pool = KVPool(cfg, slots, capacity)
+    assert pool.k.nbytes + pool.v.nbytes >= 63 << 30
+    c = pool.acquire()
+    c.k[:, :, :4] = 1.0                                               # and it is usable
+    assert c.k[0, 0, 3, 0] == 1.0 and pool.v[0, 0, 0, capacity - 1, 0] == 0.0
