@@ -165,8 +165,13 @@ def main() -> None:
     prompt = [1] + list(rng.integers(100, 40000, size=n_prefill - 1))
 
     # -- prefill ------------------------------------------------------------------------
-    _, done = timed_completion(eng, prompt, 1, cache_prompt=False)
-    pre = done.timings.prompt_n / (done.timings.prompt_ms / 1e3)
+    # best of 3, alternating with the batch-512 roofline it is compared with (also
+    # best of 3 there): the two must come from the same minute of this VM
+    pre = 0.0
+    for _ in range(3):
+        _, done = timed_completion(eng, prompt, 1, cache_prompt=False)
+        pre = max(pre, done.timings.prompt_n / (done.timings.prompt_ms / 1e3))
+        roof512 = max(roof512, roofline(eng.model, 512, 1))
     print(f"prefill {n_prefill} tok: {pre:.0f} tok/s   ratio to roofline {pre / roof512:.2f} "
           f"(target >= 0.6)")
 
