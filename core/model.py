@@ -222,10 +222,12 @@ class LlamaModel:
         """x @ W.T plus every row's LoRA delta. With several mixes in a small batch
         the delta is computed on this thread while the helper threads run their
         share of the base product (core/linear.py sizes the shares to match)."""
-        if lora.stack is None or target not in lora.stack.layers[li]:
+        if lora.stack is None:
             y = self.lin(x, w)
             lora.add(y, x, li, target)
             return y
+        if target not in lora.stack.layers[li]:
+            return self.lin(x, w)
         box = []
         y = self.lin(x, w, side=lambda: box.append(lora.stacked_delta(x, li, target)))
         y += box[0]
@@ -341,12 +343,11 @@ def _mix_groups(items, spans) -> list[tuple[int, int, MixWeights]]:
 
 
 class LoraDeltas:
-    """The LoRA work of one forward: ``add(y, x, layer, target)`` adds every
-    sequence's low-rank delta to its rows of y.
+    """The LoRA work of one forward, for every sequence under its own mix.
 
-    One mix in the batch, or many rows (prefill): ``(x Aᵀ) Bᵀ`` per mix on its
-    rows, with the mix's scales folded into B. A few rows under several mixes
-    (decoding streams): an AdapterStack of the batch's distinct adapters (built
+    One mix in the batch, or many rows (prefill): ``add`` puts ``(x Aᵀ) Bᵀ`` per
+    mix on its rows, with the mix's scales folded into B. A few rows under several
+    mixes (decoding streams): ``stacked_delta`` uses an AdapterStack of the batch's distinct adapters (built
     once per adapter set, kept while it lasts) and a per-row scale matrix, so each
     target costs two small matmuls however many mixes run, and each adapter's
     weights are read once per step."""
@@ -374,14 +375,11 @@ class LoraDeltas:
             self._spread: dict[tuple, np.ndarray] = {}
 
     def add(self, y: np.ndarray, x: np.ndarray, li: int, target: str) -> None:
-        if self.stack is None:
-            for s, e, mix in self.groups:
-                delta = mix.layers[li].get(target)
-                if delta is not None:
-                    delta.apply(y[s:e], x[s:e])
-            return
-        if target in self.stack.layers[li]:
-            y += self.stacked_delta(x, li, target)
+        """Without a stack: each mix's delta onto its own rows of y, in place."""
+        for s, e, mix in self.groups:
+            delta = mix.layers[li].get(target)
+            if delta is not None:
+                delta.apply(y[s:e], x[s:e])
 
     def stacked_delta(self, x: np.ndarray, li: int, target: str) -> np.ndarray:
         """Every row's delta for this target under its own mix, from the adapter stack."""

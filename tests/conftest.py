@@ -3,17 +3,20 @@ isolated MIXDESK_HOME so tests never touch the user's settings."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.reference import reference_dir
 
 
-def reference_dir() -> Path:
-    env = os.environ.get("MIXDESK_REFERENCE")
-    return Path(env) if env else REPO.parent / "shared" / "reference"
+def pytest_sessionstart(session):
+    # Most tests compare against llama.cpp's reference data: without it, stop with
+    # one clear line instead of hundreds of fixture errors.
+    d = reference_dir()
+    if not d.is_dir():
+        pytest.exit(f"reference data not found at {d}: set MIXDESK_REFERENCE to the "
+                    f"shared/reference folder (see README, Tests)", returncode=4)
 
 
 @pytest.fixture(scope="session")

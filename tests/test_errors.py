@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from core.engine import Engine, EngineError
 from core.sampling import SamplingParams
 from core.weights import ModelLoadError
+from tests.reference import reference_dir
 from tests.tiny_gguf import write_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def _unknown_quant(tmp_path, smollm_path):
 
 
 def _adapter_as_model(tmp_path, smollm_path):
-    return REPO.parent / "shared" / "reference" / "adapters" / "lora_attn.gguf", "LoRA adapter, not a base model"
+    return reference_dir() / "adapters" / "lora_attn.gguf", "LoRA adapter, not a base model"
 
 
 CASES = [_truncated, _bad_magic, _header_only, _wrong_arch, _unknown_quant, _adapter_as_model]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from core.engine import Engine
 from core.export import ExportError, export_lora, export_merged, export_peft
@@ -20,6 +19,7 @@ from core.lora import AdapterError
 from core.mix import mix_key
 from core.model import BatchItem
 from core.sampling import SamplingParams
+from tests.tiny_gguf import write_lora_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 N_PREDICT = 16
@@ -70,19 +70,12 @@ class Ref:
 def write_embd_output_adapter(path: Path, cfg, rank: int = 4, seed: int = 7) -> Path:
     """A llama.cpp-format LoRA on token_embd (flipped a/b) and output.weight."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(path, cfg.arch)
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(rank))
-    w.add_tensor("token_embd.weight.lora_a", (rng.standard_normal((cfg.vocab_size, rank)) * 0.1).astype(np.float32))
-    w.add_tensor("token_embd.weight.lora_b", (rng.standard_normal((cfg.dim, rank)) * 0.1).astype(np.float32))
-    w.add_tensor("output.weight.lora_a", (rng.standard_normal((rank, cfg.dim)) * 0.05).astype(np.float32))
-    w.add_tensor("output.weight.lora_b", (rng.standard_normal((cfg.vocab_size, rank)) * 0.05).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_lora_gguf(path, {
+        "token_embd.weight.lora_a": rng.standard_normal((cfg.vocab_size, rank)) * 0.1,
+        "token_embd.weight.lora_b": rng.standard_normal((cfg.dim, rank)) * 0.1,
+        "output.weight.lora_a": rng.standard_normal((rank, cfg.dim)) * 0.05,
+        "output.weight.lora_b": rng.standard_normal((cfg.vocab_size, rank)) * 0.05,
+    }, {"adapter.lora.alpha": float(rank)}, arch=cfg.arch)
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,12 @@ import zipfile
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from core import default_model
 from core.engine import Engine
 from core.lora import AdapterError, load_adapter
 from core.weights import LoadCancelled, load_weights, open_model_file
-from tests.tiny_gguf import write_tiny_llama
+from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 
 @pytest.fixture
@@ -99,26 +98,6 @@ def test_default_model_is_the_real_smollm(smollm_path):
     assert cfg.file_type == "Q4_1"
 
 
-def _write_adapter(path, tensors, **kv):
-    w = GGUFWriter(str(path), "llama")
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    for k, v in kv.items():
-        if isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, list):
-            w.add_array(k, v)
-        else:
-            w.add_string(k, v)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
@@ -134,7 +113,7 @@ def test_adapter_metadata_and_norm_tensors_are_skipped(tmp_path, tiny_engine, ca
          "blk.0.attn_q.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32),
          "blk.0.attn_norm.weight.lora_a": rng.standard_normal((4, 64)).astype(np.float32),
          "blk.0.attn_norm.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32)}
-    p = _write_adapter(tmp_path / "meta.gguf", t, **{
+    p = write_lora_gguf(tmp_path / "meta.gguf", t, {
         "adapter.lora.alpha": 8.0, "adapter.lora.task_name": "summarize",
         "adapter.lora.prompt_prefix": "Summarize: ", "adapter.alora.invocation_tokens": [5, 6, 7]})
     ad = load_adapter(p, tiny_engine.config)
@@ -150,8 +129,8 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
     rng = np.random.default_rng(1)
     a = rng.standard_normal((300, 4)).astype(np.float32)
     b = rng.standard_normal((64, 4)).astype(np.float32)
-    p = _write_adapter(tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a,
-                                                "token_embd.weight.lora_b": b})
+    p = write_lora_gguf(tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a,
+                                                 "token_embd.weight.lora_b": b})
     aid = tiny_engine.add_adapter(p)
     from core.mix import mix_key
     from core.model import BatchItem
@@ -169,7 +148,7 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
     np.testing.assert_allclose(with_mix, want, rtol=1e-4, atol=1e-4)
     tiny_engine.remove_adapter(aid)
     # the same tensors in the un-flipped orientation do not fit
-    bad = _write_adapter(tmp_path / "embd_bad.gguf", {"token_embd.weight.lora_a": a.T.copy(),
-                                                      "token_embd.weight.lora_b": b.T.copy()})
+    bad = write_lora_gguf(tmp_path / "embd_bad.gguf", {"token_embd.weight.lora_a": a.T,
+                                                       "token_embd.weight.lora_b": b.T})
     with pytest.raises(AdapterError, match="token_embd.weight"):
         tiny_engine.add_adapter(bad)

@@ -13,6 +13,7 @@ from core.lora import effective_scale
 from core.mix import build_mix, mix_key
 from core.model import BatchItem
 from core.sampling import SamplingParams
+from tests.tiny_gguf import write_lora_gguf
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -223,20 +224,13 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine):
 
 def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
     """A LoRA on only some parts of fused matrices: K (not Q, V) and gate (not up)."""
-    from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(path, "llama")
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
+    tensors = {}
     for name, (n_out, n_in) in {"blk.3.attn_k.weight": (cfg.kv_dim, cfg.dim),
                                 "blk.4.ffn_gate.weight": (cfg.ffn_dim, cfg.dim)}.items():
-        w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.2).astype(np.float32))
-        w.add_tensor(name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.2).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        tensors[name + ".lora_a"] = rng.standard_normal((rank, n_in)) * 0.2
+        tensors[name + ".lora_b"] = rng.standard_normal((n_out, rank)) * 0.2
+    return write_lora_gguf(path, tensors)
 
 
 def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path):

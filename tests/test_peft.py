@@ -1,7 +1,7 @@
 """PEFT folders load as the same adapter as their llama.cpp GGUF conversion, and
 bad adapters fail with a clear error while the engine keeps serving.
 
-The GGUF side is written here with GGUFWriter and this file's own copy of
+The GGUF side is written here with gguf's GGUFWriter and this file's own copy of
 llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, LlamaModel.permute), so
 the loader under test (core.lora) is checked against an independent conversion.
 """
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 from safetensors.numpy import save_file
 
 from core.engine import Engine
@@ -21,6 +20,7 @@ from core.lora import AdapterError
 from core.mix import mix_key
 from core.model import BatchItem
 from core.sampling import SamplingParams
+from tests.tiny_gguf import write_lora_gguf
 
 PROMPT = [1, 504, 3426, 314, 253, 9357, 436]
 LAYERS = (0, 7, 29)
@@ -100,19 +100,9 @@ def write_peft(folder: Path, lora: dict, bf16: bool = False, **config) -> Path:
 
 def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, np.ndarray]],
                alpha: float | None = None, arch: str = "llama", general_type: str = "adapter") -> Path:
-    w = GGUFWriter(path, arch)
-    w.add_type(general_type)
-    w.add_string("adapter.type", "lora")
-    if alpha is not None:
-        w.add_float32("adapter.lora.alpha", alpha)
-    for name, (a, b) in tensors.items():
-        w.add_tensor(f"{name}.lora_a", np.ascontiguousarray(a, dtype=np.float32))
-        w.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    flat = {f"{name}.lora_{ab}": t for name, pair in tensors.items() for ab, t in zip("ab", pair)}
+    return write_lora_gguf(path, flat, {} if alpha is None else {"adapter.lora.alpha": alpha},
+                           arch=arch, general_type=general_type)
 
 
 def hf_to_gguf_tensors(cfg, lora: dict, scales: dict[str, float] | None = None,

@@ -84,3 +84,27 @@ def write_tiny_llama(path: Path, *, dim=64, n_heads=4, n_kv_heads=2, n_layers=2,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_lora_gguf(path: Path, tensors: dict[str, np.ndarray], kv: dict | None = None,
+                    arch: str = "llama", general_type: str = "adapter") -> Path:
+    """A llama.cpp-format LoRA adapter. ``tensors`` by full name
+    ("blk.0.attn_q.weight.lora_a"); ``kv`` metadata: floats as f32, lists as arrays,
+    anything else as strings."""
+    w = GGUFWriter(str(path), arch)
+    w.add_type(general_type)
+    w.add_string("adapter.type", "lora")
+    for k, v in (kv or {}).items():
+        if isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, list):
+            w.add_array(k, v)
+        else:
+            w.add_string(k, v)
+    for name, arr in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

@@ -440,6 +440,16 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     return eng, opts, prompt, gen
 
 
+async def _start_oai(request: web.Request, id_prefix: str, chat: bool = False) -> tuple:
+    """_start for the OpenAI routes, plus what their responses all carry:
+    (eng, opts, prompt, gen, model id, all adapter ids, response id, created, n_top)."""
+    eng, opts, prompt, gen = await _start(request, "messages" if chat else "prompt",
+                                          oai=True, chat=chat)
+    return (eng, opts, prompt, gen, opts.model or _model_id(request, eng),
+            [a["id"] for a in eng.adapters()], R.new_id(id_prefix), int(time.time()),
+            opts.extra["n_top"])
+
+
 def _oai_final(last: dict, prompt_n: int, ev: DoneEvent, all_ids) -> list[bytes]:
     """The closing OpenAI chunk (usage, llama-server timings, the mix used) and [DONE]."""
     last["usage"] = R.usage(prompt_n, ev)
@@ -516,11 +526,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
 async def oai_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/completions."""
-    eng, opts, prompt, gen = await _start(request, "prompt", oai=True)
-    mid = opts.model or _model_id(request, eng)
-    all_ids = [a["id"] for a in eng.adapters()]
-    cid, created = R.new_id("cmpl"), int(time.time())
-    n_top = opts.extra["n_top"]
+    eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(request, "cmpl")
     tok = eng.tokenizer
 
     if not opts.stream:
@@ -547,11 +553,8 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/chat/completions, with llama-server's timings and lora extras."""
-    eng, opts, prompt, gen = await _start(request, "messages", oai=True, chat=True)
-    mid = opts.model or _model_id(request, eng)
-    all_ids = [a["id"] for a in eng.adapters()]
-    cid, created = R.new_id("chatcmpl"), int(time.time())
-    n_top = opts.extra["n_top"]
+    eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(
+        request, "chatcmpl", chat=True)
     tok = eng.tokenizer
 
     if not opts.stream:
