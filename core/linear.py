@@ -8,14 +8,17 @@ measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
 * 2..SMALL_ROWS rows (several streams decoding, speculative verification):
   OpenBLAS's packed gemm copies all of W into panels before it computes, so 8
   rows cost ~3x one row although they read the same bytes. Instead we cut W into
-  contiguous blocks of CHUNK rows and multiply each block by xᵀ (one stacked
-  ``np.matmul``, so the loop over blocks runs in C). Such small row-major products
-  go to OpenBLAS's "direct" sgemm kernel, which reads the block in place; a block
-  is small enough to stay in L2 while the rows of x reuse it. That kernel is
-  single-threaded and OpenBLAS only picks it while it runs on one thread, so the
+  contiguous blocks of CHUNK rows and compute ``x @ Wbᵀ`` per block (one stacked
+  ``np.matmul``, so the loop over blocks runs in C), each written straight into
+  its columns of y. Such small products with a transposed B go to OpenBLAS's
+  small-matrix "NT" kernel, which reads the block in place; a block is small
+  enough to stay in L2 while the rows of x reuse it. On one thread that kernel
+  took 8 rows through 64-row blocks at 1.9-2.3 G weights/s against 1.5-2.2 for
+  the NoTrans "direct" kernel on ``Wb @ xᵀ`` that we used before, and in an
+  8-stream A/B, step by step in one process, the median step fell 6-7%. These
+  kernels run single-threaded only while OpenBLAS runs on one thread, so the
   caller holds ``single_blas()`` and we split the blocks over our own threads
-  (numpy releases the GIL). 8 rows then cost 1.5-2.3x one row instead of ~3x
-  (batch-8 rooflines in bench/engine.py: 3.5-5.2x batch 1 blocked, 2.3-2.8x packed).
+  (numpy releases the GIL).
 * more rows (prefill): the packed gemm is the right tool; ``x @ W.T``.
 """
 from __future__ import annotations
@@ -93,12 +96,12 @@ class Linear:
     def blocked(self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
                 ) -> np.ndarray:
         n_out, n_in = w.shape
-        xt = np.ascontiguousarray(x.T)                                 # (in, T)
-        yt = np.empty((n_out, x.shape[0]), dtype=np.float32)           # (out, T)
+        x = np.ascontiguousarray(x)                                    # (T, in)
+        y = np.empty((x.shape[0], n_out), dtype=np.float32)            # (T, out)
         # whole blocks are split between threads; the last share takes any ragged tail
         self.split(n_out // CHUNK, lambda i, j, last: _rows(
-            w, xt, yt, i * CHUNK, n_out if last else j * CHUNK), side)
-        return np.ascontiguousarray(yt.T)                              # (T, out)
+            w, x, y, i * CHUNK, n_out if last else j * CHUNK), side)
+        return y
 
     def split(self, n: int, fn, side: Callable[[], None] | None = None) -> None:
         """Run ``fn(i, j, last)`` over ``threads`` ranges covering [0, n): the first on
@@ -183,12 +186,17 @@ def _close_all(helpers: list[_Helper]) -> None:
         h.close()
 
 
-def _rows(w: np.ndarray, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
-    """yt[a:b] = w[a:b] @ xt, as stacked CHUNK-row blocks plus a ragged tail."""
-    n_in, T = xt.shape
+def _rows(w: np.ndarray, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+    """y[:, a:b] = x @ w[a:b].T, as stacked CHUNK-row blocks plus a ragged tail.
+
+    Each block is ``x @ Wbᵀ`` with Wb read in place through a transposed view (the
+    "NT" case of OpenBLAS's small-matrix kernels), written straight into its columns
+    of y (ldc = out): no transposed copies of x or y."""
+    T, n_in = x.shape
     full = a + (b - a) // CHUNK * CHUNK
     if full > a:
-        np.matmul(w[a:full].reshape(-1, CHUNK, n_in), xt,
-                  out=yt[a:full].reshape(-1, CHUNK, T))                # (blocks, CHUNK, T)
+        nb = (full - a) // CHUNK
+        np.matmul(x, w[a:full].reshape(nb, CHUNK, n_in).transpose(0, 2, 1),
+                  out=y[:, a:full].reshape(T, nb, CHUNK).transpose(1, 0, 2))  # (blocks, T, CHUNK)
     if b > full:
-        np.matmul(w[full:b], xt, out=yt[full:b])                       # (tail, T)
+        np.matmul(x, w[full:b].T, out=y[:, full:b])                    # (T, tail)

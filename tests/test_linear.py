@@ -102,3 +102,16 @@ def test_side_work_runs_once_in_every_regime(lin, rows):
         y = lin(x, w, side=lambda: calls.append(1))
     assert calls == [1]
     np.testing.assert_allclose(y, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [2, 8, SMALL_ROWS])
+def test_blocked_product_takes_strided_rows(lin, rows):
+    # the blocked regime writes each block straight into its columns of y; a strided
+    # x (a column slice, as qkv[:, :q] would be) must give the same product
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3 * CHUNK + 7, 96)).astype(np.float32)
+    x = rng.standard_normal((rows, 192)).astype(np.float32)[:, ::2]  # (rows, 96) view
+    with lin.single_blas():
+        got = lin(x, w)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64),
+                               rtol=1e-5, atol=1e-4)
