@@ -9,13 +9,13 @@ measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
   OpenBLAS's packed gemm copies all of W into panels before it computes, so 8
   rows cost ~3x one row although they read the same bytes. Instead we cut W into
   contiguous blocks of CHUNK rows and compute ``x @ Wbᵀ`` per block (one stacked
-  ``np.matmul``, so the loop over blocks runs in C), each written straight into
-  its columns of y. Such small products with a transposed B go to OpenBLAS's
+  ``np.matmul``, so the loop over blocks runs in C), each written into its
+  columns of y. Such small products with a transposed B go to OpenBLAS's
   small-matrix "NT" kernel, which reads the block in place; a block is small
-  enough to stay in L2 while the rows of x reuse it. On one thread that kernel
-  took 8 rows through 64-row blocks at 1.9-2.3 G weights/s against 1.5-2.2 for
-  the NoTrans "direct" kernel on ``Wb @ xᵀ`` that we used before, and in an
-  8-stream A/B, step by step in one process, the median step fell 6-7%. These
+  enough to stay in L2 while the rows of x reuse it. It beats the NoTrans
+  "direct" kernel on ``Wb @ xᵀ`` (the bench's ``kernel`` line: 1.91 against
+  1.40-1.53 G weights/s for 8 rows on one thread) and needs no transposed
+  copies of x or y. These
   kernels run single-threaded only while OpenBLAS runs on one thread, so the
   caller holds ``single_blas()`` and we split the blocks over our own threads
   (numpy releases the GIL).
@@ -189,9 +189,8 @@ def _close_all(helpers: list[_Helper]) -> None:
 def _rows(w: np.ndarray, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
     """y[:, a:b] = x @ w[a:b].T, as stacked CHUNK-row blocks plus a ragged tail.
 
-    Each block is ``x @ Wbᵀ`` with Wb read in place through a transposed view (the
-    "NT" case of OpenBLAS's small-matrix kernels), written straight into its columns
-    of y (ldc = out): no transposed copies of x or y."""
+    Wb is read in place through a transposed view; each block's result goes to its
+    columns of y through a strided view of y."""
     T, n_in = x.shape
     full = a + (b - a) // CHUNK * CHUNK
     if full > a:
