@@ -51,23 +51,29 @@ def best_of(fn, n=3):
     return min(ts)
 
 
-def roofline(model, batch: int, reps: int, blocked: bool = False) -> float:
-    """tok/s of the pure matmuls at this batch size: every fused weight matrix once,
-    as ``x @ W.T`` (OpenBLAS's own choice of kernel), or with ``blocked`` as the
-    engine's blocked small-batch product (core/linear.py; OpenBLAS's small-matrix NT kernel)."""
+def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
+    """tok/s of the pure matmuls at this batch size: every fused weight matrix once.
+    Batch 1 as a gemv (``W @ x``, as the engine decodes one stream); more rows as
+    ``x @ W.T`` (OpenBLAS's own choice of kernel), or with ``regime`` in one of the
+    engine's small-batch regimes (core/linear.py: "blocked" products on our threads,
+    or "gemm", OpenBLAS's packed gemm on its threads)."""
     w = model.w
     mats = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
     xs = {m.shape[1]: np.random.rand(batch, m.shape[1]).astype(np.float32) for m in mats}
 
     def run():
-        for m in mats:
-            xs[m.shape[1]] @ m.T
-
-    def run_blocked():
-        with model.lin.single_blas():
+        if batch == 1:
             for m in mats:
-                model.lin.blocked(xs[m.shape[1]], m)
-    fn = run_blocked if blocked else run
+                m @ xs[m.shape[1]][0]
+        else:
+            for m in mats:
+                xs[m.shape[1]] @ m.T
+
+    def run_regime():
+        with model.lin.small_batch(regime):
+            for m in mats:
+                model.lin._small(regime, xs[m.shape[1]], m, None)
+    fn = run_regime if regime else run
     fn()
     return batch / best_of(fn, reps)
 
@@ -152,13 +158,14 @@ def main() -> None:
     # -- rooflines ------------------------------------------------------------------
     roof1 = roofline(eng.model, 1, 20)   # best of many: the roofline is an upper bound
     roof8_gemm = roofline(eng.model, 8, 10)
-    roof8_blocked = roofline(eng.model, 8, 10, blocked=True)
+    roof8_blocked = roofline(eng.model, 8, 10, regime="blocked")
     roof8 = max(roof8_gemm, roof8_blocked)
     roof512 = roofline(eng.model, 512, 3)
     rate1, rate8 = kernel_rates()
     print(f"roofline (pure BLAS, fused shapes): batch 1 {roof1:.1f} tok/s, batch 512 "
           f"{roof512:.0f} tok/s, batch 8 {roof8_gemm:.1f} tok/s as x @ W.T and "
-          f"{roof8_blocked:.1f} tok/s blocked ({roof8 / roof1:.1f}x batch 1 at best)")
+          f"{roof8_blocked:.1f} tok/s blocked ({roof8 / roof1:.1f}x batch 1 at best; "
+          f"the engine calibrated to \"{eng.model.lin.small}\")")
     print(f"kernel (one thread, 118 MB of 64-row blocks): gemv {rate1:.2f} G weights/s for 1 row, "
           f"NT kernel {rate8:.2f} G weights/s for 8 rows ({rate8 / rate1:.2f})")
 

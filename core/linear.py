@@ -20,6 +20,14 @@ measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
   caller holds ``single_blas()`` and we split the blocks over our own threads
   (numpy releases the GIL).
 * more rows (prefill): the packed gemm is the right tool; ``x @ W.T``.
+
+Which of the first two wins for 2..SMALL_ROWS rows depends on the BLAS build and
+the CPU, by a wide margin either way, so ``calibrate`` times both on the model's
+own matrices when it loads and keeps the faster. OpenBLAS has small-matrix
+kernels only for AVX-512 cores (its SkylakeX kernels and later), where the
+blocked products win; on AVX2 cores (its Haswell kernels, e.g. AMD Zen 3) every
+small product packs its block first, and its own threaded packed gemm wins.
+``bench/engine.py`` prints both batch-8 rooflines and the regime chosen.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-SMALL_ROWS = 32      # up to here the blocked products beat packed gemm (bench/engine.py)
+SMALL_ROWS = 32      # up to here the blocked products can beat packed gemm (bench/engine.py)
 CHUNK = 64           # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
 
 
@@ -54,8 +62,11 @@ class Linear:
     does one share of the blocks itself.
     """
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, small: str = "blocked"):
         self.threads = max(1, threads or blas_threads())
+        # the regime for 2..SMALL_ROWS rows: "blocked" (our threads) or "gemm"
+        # (OpenBLAS's packed gemm on its own threads); see calibrate()
+        self.small = _check_regime(small)
         self._helpers = [_Helper() for _ in range(self.threads - 1)]
         weakref.finalize(self, _close_all, self._helpers)
         self._blas = None
@@ -65,6 +76,41 @@ class Linear:
     def close(self) -> None:
         _close_all(self._helpers)
         self._helpers = []
+
+    def calibrate(self, mats: list[np.ndarray], rows: int = 8, rounds: int = 3
+                  ) -> dict[str, float]:
+        """Time one pass of ``rows`` rows over ``mats`` in both small-batch regimes
+        (best of ``rounds``, alternating, so both see the same minute of a shared
+        machine) and keep the faster. Returns the seconds per pass of each.
+
+        ``MIXDESK_SMALL_BATCH=blocked|gemm`` skips the timing and forces a regime."""
+        forced = os.environ.get("MIXDESK_SMALL_BATCH")
+        if forced:
+            self.small = _check_regime(forced)
+            return {}
+        mats = [m for m in mats if m.flags.c_contiguous]
+        if not mats:
+            return {}
+        rng = np.random.default_rng(0)
+        xs = {m.shape[1]: rng.standard_normal((rows, m.shape[1])).astype(np.float32)
+              for m in mats}
+        best = {"blocked": float("inf"), "gemm": float("inf")}
+        for _ in range(rounds):
+            for regime in best:
+                t = time.perf_counter()
+                with self.small_batch(regime):
+                    for m in mats:
+                        self._small(regime, xs[m.shape[1]], m, None)
+                best[regime] = min(best[regime], time.perf_counter() - t)
+        self.small = min(best, key=best.get)
+        return best
+
+    def small_batch(self, regime: str | None = None):
+        """The context a 2..SMALL_ROWS-row forward runs in: BLAS held at one thread
+        for the blocked regime (ours are the threads), left alone for gemm."""
+        if (regime or self.small) == "blocked":
+            return self.single_blas()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def single_blas(self):
@@ -88,7 +134,16 @@ class Linear:
         elif T > SMALL_ROWS or not w.flags.c_contiguous:
             y = x @ w.T                                                # (T, out) packed gemm
         else:
+            return self._small(self.small, x, w, side)
+        if side is not None:
+            side()
+        return y
+
+    def _small(self, regime: str, x: np.ndarray, w: np.ndarray,
+               side: Callable[[], None] | None) -> np.ndarray:
+        if regime == "blocked":
             return self.blocked(x, w, side)
+        y = x @ w.T                                                    # (T, out) packed gemm
         if side is not None:
             side()
         return y
@@ -179,6 +234,12 @@ class _Helper:
 
     def close(self) -> None:
         self._q.put(None)
+
+
+def _check_regime(name: str) -> str:
+    if name not in ("blocked", "gemm"):
+        raise ValueError(f"small-batch regime must be 'blocked' or 'gemm', not {name!r}")
+    return name
 
 
 def _close_all(helpers: list[_Helper]) -> None:

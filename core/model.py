@@ -25,6 +25,7 @@ TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
 ATTN_BLOCK = 128       # queries per attention block during prefill
 SILU_ROWS = 32         # rows per block of the SwiGLU passes (32 x 1536 floats: 196 KB)
 STACKS_KEPT = 2        # adapter sets whose stacked LoRA weights stay built
+CALIBRATE_LAYERS = 4   # layers whose matrices time the small-batch regimes at load
 
 
 class MixWeights(Protocol):
@@ -128,6 +129,10 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.lin = Linear(threads)       # every x @ W.T goes through here
+        # pick the faster small-batch product on this CPU: a pass over the first
+        # layers' matrices (~60 MB for SmolLM2, more than an L3) in both regimes
+        self.lin.calibrate([m for lw in weights.layers[:CALIBRATE_LAYERS]
+                            for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)])
         self._stacks: OrderedDict[tuple, AdapterStack] = OrderedDict()
         self.rope = RopeTable(cfg, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))   # a Python float: an np.float64 would upcast q to float64
@@ -154,9 +159,10 @@ class LlamaModel:
         positions = np.concatenate([np.arange(it.cache.length, it.cache.length + len(it.tokens))
                                     for it in items])                                     # (T,)
         cis = self.rope.get(positions)
-        # 2..SMALL_ROWS rows: blocked products on our threads, BLAS held at one thread
+        # 2..SMALL_ROWS rows: the calibrated small-batch regime (blocked products on
+        # our threads hold BLAS at one thread)
         small = 1 < len(tokens) <= SMALL_ROWS
-        with self.lin.single_blas() if small else contextlib.nullcontext():
+        with self.lin.small_batch() if small else contextlib.nullcontext():
             return self._forward(items, spans, tokens, cis)
 
     def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:

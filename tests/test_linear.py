@@ -10,9 +10,12 @@ import pytest
 from core.linear import CHUNK, SMALL_ROWS, Linear
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"threads={n}")
+@pytest.fixture(scope="module", params=[(1, "blocked"), (2, "blocked"), (3, "blocked"),
+                                        (2, "gemm")],
+                ids=lambda p: f"threads={p[0]}-{p[1]}")
 def lin(request):
-    lin = Linear(request.param)
+    threads, small = request.param
+    lin = Linear(threads, small=small)
     yield lin
     lin.close()
 
@@ -115,3 +118,47 @@ def test_blocked_product_takes_strided_rows(lin, rows):
         got = lin(x, w)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_calibrate_keeps_the_faster_regime_on_real_matrices(smollm_path, monkeypatch):
+    from core.weights import load_weights, open_model_file
+    gf, cfg = open_model_file(smollm_path)
+    w = load_weights(gf, cfg)
+    mats = [m for lw in w.layers[:2] for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    lin = Linear(2)
+    try:
+        times = lin.calibrate(mats, rows=8, rounds=2)
+        assert set(times) == {"blocked", "gemm"} and all(0 < t < 10 for t in times.values())
+        assert lin.small == min(times, key=times.get)
+        # whichever won, the product it gives is x @ W.T
+        x = np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32)
+        with lin.small_batch():
+            got = lin(x, mats[0])
+        np.testing.assert_allclose(got, x @ mats[0].T, rtol=1e-4, atol=1e-3)
+    finally:
+        lin.close()
+
+
+def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch):
+    from threadpoolctl import threadpool_info
+    lin = Linear(2)
+    try:
+        w = np.ones((CHUNK, 8), dtype=np.float32)
+        def blas_threads():
+            return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        outside = blas_threads()
+        for regime, want in (("gemm", outside), ("blocked", [1] * len(outside))):
+            monkeypatch.setenv("MIXDESK_SMALL_BATCH", regime)
+            assert lin.calibrate([w]) == {} and lin.small == regime
+            # blocked: BLAS on one thread, ours split the blocks; gemm: BLAS's own threads
+            with lin.small_batch():
+                assert blas_threads() == want
+            assert blas_threads() == outside
+        monkeypatch.setenv("MIXDESK_SMALL_BATCH", "fast")
+        with pytest.raises(ValueError, match="blocked.*gemm"):
+            lin.calibrate([w])
+        with pytest.raises(ValueError):
+            Linear(1, small="turbo")
+    finally:
+        lin.close()
