@@ -234,6 +234,11 @@ class LlamaModel:
             return y
         if target not in lora.stack.layers[li]:
             return self.lin(x, w)
+        if self.lin.small == "gemm":
+            # OpenBLAS's threads run the product: nothing to overlap, add in place
+            y = self.lin(x, w)
+            lora.stacked_delta(x, li, target, into=y)
+            return y
         box = []
         y = self.lin(x, w, side=lambda: box.append(lora.stacked_delta(x, li, target)))
         y += box[0]
@@ -387,8 +392,10 @@ class LoraDeltas:
             if delta is not None:
                 delta.apply(y[s:e], x[s:e])
 
-    def stacked_delta(self, x: np.ndarray, li: int, target: str) -> np.ndarray:
-        """Every row's delta for this target under its own mix, from the adapter stack."""
+    def stacked_delta(self, x: np.ndarray, li: int, target: str,
+                      into: np.ndarray | None = None) -> np.ndarray:
+        """Every row's delta for this target under its own mix, from the adapter stack:
+        added to ``into`` in place when given (and returned), else a new array."""
         at, parts, segs, n_out = self.stack.layers[li][target]         # (in, ΣR), dense Bᵀ blocks
         sc = self._spread.get(segs)
         if sc is None:
@@ -396,6 +403,10 @@ class LoraDeltas:
                 self.scale[:, [i for i, _, _ in segs]], [c1 - c0 for _, c0, c1 in segs], axis=1)  # (T, ΣR)
         u = x @ at                                                     # (T, ΣR)
         u *= sc
+        if into is not None:
+            for r0, r1, c0, c1, bt in parts:
+                into[:, r0:r1] += u[:, c0:c1] @ bt                     # (T, rows)
+            return into
         d = np.zeros((x.shape[0], n_out), dtype=np.float32)            # (T, out)
         for r0, r1, c0, c1, bt in parts:
             d[:, r0:r1] = u[:, c0:c1] @ bt                             # (T, rows)

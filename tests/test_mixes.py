@@ -194,10 +194,20 @@ def test_prefix_cache_is_bounded(smollm_path):
         eng.stop()
 
 
-def test_decode_step_under_many_mixes_equals_each_alone(engine):
+@pytest.fixture(params=["blocked", "gemm"])
+def regime(request, engine):
+    """Each small-batch regime in turn (core/linear.py), whichever calibration chose."""
+    before = engine.model.lin.small
+    engine.model.lin.small = request.param
+    yield request.param
+    engine.model.lin.small = before
+
+
+def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
     """One decode step of 7 sequences: a base row, one adapter at three scales, a
     two-adapter mix, and one mix shared by two sequences. The stacked-adapter path
-    (one matmul pair per target for all mixes) must give what each gives alone."""
+    (one matmul pair per target for all mixes) must give what each gives alone, in
+    both small-batch regimes (the delta runs beside the product, or after it in place)."""
     ads = adapters_of(engine)
     ids = sorted(ads)
     keys = [(), mix_key({ids[0]: 0.5}), mix_key({ids[0]: -1.0}), mix_key({ids[0]: 2.0}),
@@ -233,8 +243,10 @@ def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
     return write_lora_gguf(path, tensors)
 
 
-def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path):
+@pytest.mark.parametrize("small", ["blocked", "gemm"])
+def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path, small):
     eng = Engine.from_path(smollm_path, ctx_size=64, n_parallel=4, start=False)
+    eng.model.lin.small = small
     part = eng.add_adapter(write_partial_adapter(tmp_path / "partial.gguf", eng.config))
     attn = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     ads = adapters_of(eng)
