@@ -3,6 +3,7 @@ packed gemm), on awkward shapes and on the real model's matrices."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -120,7 +121,7 @@ def test_blocked_product_takes_strided_rows(lin, rows):
                                rtol=1e-5, atol=1e-4)
 
 
-def test_calibrate_keeps_the_faster_regime_on_real_matrices(smollm_path, monkeypatch):
+def test_calibrate_times_both_regimes_on_real_matrices(smollm_path, monkeypatch):
     from core.weights import load_weights, open_model_file
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
@@ -130,7 +131,9 @@ def test_calibrate_keeps_the_faster_regime_on_real_matrices(smollm_path, monkeyp
     try:
         times = lin.calibrate(mats, rows=8, rounds=2)
         assert set(times) == {"blocked", "gemm"} and all(0 < t < 10 for t in times.values())
-        assert lin.small == min(times, key=times.get)
+        from core.linear import BLOCKED_MARGIN
+        assert lin.small == ("blocked" if times["blocked"] * BLOCKED_MARGIN < times["gemm"]
+                             else "gemm")
         # whichever won, the product it gives is x @ W.T
         x = np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32)
         with lin.small_batch():
@@ -160,5 +163,26 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
             lin.calibrate([w])
         with pytest.raises(ValueError):
             Linear(1, small="turbo")
+    finally:
+        lin.close()
+
+
+@pytest.mark.parametrize("blocked_ms, gemm_ms, want", [(4, 12, "blocked"), (10, 11, "gemm"),
+                                                       (12, 4, "gemm")])
+def test_calibrate_takes_the_blocked_products_only_when_clearly_faster(
+        monkeypatch, blocked_ms, gemm_ms, want):
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    lin = Linear(2)
+    cost = {"blocked": blocked_ms / 1e3, "gemm": gemm_ms / 1e3}
+
+    def fake_small(regime, x, w, side):              # a product that takes a set time
+        end = time.perf_counter() + cost[regime]
+        while time.perf_counter() < end:
+            pass
+    monkeypatch.setattr(lin, "_small", fake_small)
+    try:
+        times = lin.calibrate([np.ones((CHUNK, 8), dtype=np.float32)], rounds=2)
+        assert lin.small == want
+        assert all(times[r] >= cost[r] for r in cost)
     finally:
         lin.close()
