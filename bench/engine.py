@@ -72,7 +72,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     def run_regime():
         with model.lin.small_batch(regime):
             for m in mats:
-                model.lin._small(regime, xs[m.shape[1]], m, None)
+                model.lin.small_product(regime, xs[m.shape[1]], m, None)
     fn = run_regime if regime else run
     fn()
     return batch / best_of(fn, reps)

@@ -102,7 +102,7 @@ class Linear:
                 t = time.perf_counter()
                 with self.small_batch(regime):
                     for m in mats:
-                        self._small(regime, xs[m.shape[1]], m, None)
+                        self.small_product(regime, xs[m.shape[1]], m, None)
                 best[regime] = min(best[regime], time.perf_counter() - t)
         # The blocked products must win clearly: timed back to back they hide what
         # they cost inside a forward pass, where the helper sleeps between products
@@ -142,13 +142,15 @@ class Linear:
         elif T > SMALL_ROWS or not w.flags.c_contiguous:
             y = x @ w.T                                                # (T, out) packed gemm
         else:
-            return self._small(self.small, x, w, side)
+            return self.small_product(self.small, x, w, side)
         if side is not None:
             side()
         return y
 
-    def _small(self, regime: str, x: np.ndarray, w: np.ndarray,
-               side: Callable[[], None] | None) -> np.ndarray:
+    def small_product(self, regime: str, x: np.ndarray, w: np.ndarray,
+                      side: Callable[[], None] | None = None) -> np.ndarray:
+        """``x @ w.T`` for 2..SMALL_ROWS rows in the given regime (the caller holds
+        ``small_batch(regime)``); ``side`` as in ``__call__``."""
         if regime == "blocked":
             return self.blocked(x, w, side)
         y = x @ w.T                                                    # (T, out) packed gemm

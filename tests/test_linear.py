@@ -179,7 +179,7 @@ def test_calibrate_takes_the_blocked_products_only_when_clearly_faster(
         end = time.perf_counter() + cost[regime]
         while time.perf_counter() < end:
             pass
-    monkeypatch.setattr(lin, "_small", fake_small)
+    monkeypatch.setattr(lin, "small_product", fake_small)
     try:
         times = lin.calibrate([np.ones((CHUNK, 8), dtype=np.float32)], rounds=2)
         assert lin.small == want
