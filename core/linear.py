@@ -1,33 +1,28 @@
 """``y = x @ W.T`` for every weight matrix, picking the fastest BLAS call per batch size.
 
-Weights are stored (out, in) C-contiguous, as GGUF has them. Three regimes, all
-measured on the shapes of SmolLM2 (``bench/engine.py`` prints the effect):
+Weights are stored (out, in) C-contiguous, as GGUF has them. One row (single-stream
+decode) is a gemv, ``W @ x``, that streams W once at memory speed on OpenBLAS's own
+threads. More than SMALL_ROWS rows (prefill) go to OpenBLAS's packed gemm,
+``x @ W.T``. For 2..SMALL_ROWS rows (several streams decoding, A/B compare,
+speculative verification) three regimes compete:
 
-* one row (single-stream decode): ``W @ x`` is a gemv that streams W once at
-  memory speed, on OpenBLAS's own threads.
-* 2..SMALL_ROWS rows (several streams decoding, speculative verification):
-  OpenBLAS's packed gemm copies all of W into panels before it computes, so 8
-  rows cost ~3x one row although they read the same bytes. Instead we cut W into
-  contiguous blocks of CHUNK rows and compute ``x @ Wbᵀ`` per block (one stacked
-  ``np.matmul``, so the loop over blocks runs in C), each written into its
-  columns of y. Such small products with a transposed B go to OpenBLAS's
-  small-matrix "NT" kernel, which reads the block in place; a block is small
-  enough to stay in L2 while the rows of x reuse it. It beats the NoTrans
-  "direct" kernel on ``Wb @ xᵀ`` (the bench's ``kernel`` line: 1.91 against
-  1.40-1.53 G weights/s for 8 rows on one thread) and needs no transposed
-  copies of x or y. These
-  kernels run single-threaded only while OpenBLAS runs on one thread, so the
-  caller holds ``single_blas()`` and we split the blocks over our own threads
-  (numpy releases the GIL).
-* more rows (prefill): the packed gemm is the right tool; ``x @ W.T``.
+* "gemv": one gemv per row. The first reads W from memory; the next ones find most
+  of it still in cache (every matrix but the output head fits in L3), so on an
+  AVX2 machine 2 rows cost 1.3x one row, 3 rows 1.9x. It grows with every row.
+* "gemm": OpenBLAS's packed gemm on its own threads. It copies W into panels
+  before it computes, so 2 to 8 rows all cost about 2.2-2.5x one row there.
+* "blocked": we cut W into contiguous blocks of CHUNK rows and compute
+  ``x @ Wbᵀ`` per block (one stacked ``np.matmul``, so the loop over blocks runs
+  in C), each written into its columns of y. Where OpenBLAS has small-matrix
+  kernels (AVX-512 cores: its SkylakeX kernels and later) such products read the
+  block in place, and 8 rows cost ~1.7x one row. Those kernels run only while
+  OpenBLAS runs on one thread, so the caller holds ``single_blas()`` and we split
+  the blocks over our own threads (numpy releases the GIL).
 
-Which of the first two wins for 2..SMALL_ROWS rows depends on the BLAS build and
-the CPU, by a wide margin either way, so ``calibrate`` times both on the model's
-own matrices when it loads. OpenBLAS has small-matrix
-kernels only for AVX-512 cores (its SkylakeX kernels and later), where the
-blocked products win; on AVX2 cores (its Haswell kernels, e.g. AMD Zen 3) every
-small product packs its block first, and its own threaded packed gemm wins.
-``bench/engine.py`` prints both batch-8 rooflines and the regime chosen.
+Which wins depends on the CPU and the BLAS build, by wide margins either way, so
+``calibrate`` times them on the model's own matrices when it loads, for 2, 3, 4
+and 8 rows, and keeps a regime per row count. ``bench/engine.py`` prints the
+rooflines and the choice.
 """
 from __future__ import annotations
 
@@ -41,8 +36,11 @@ from typing import Callable
 
 import numpy as np
 
-SMALL_ROWS = 32      # up to here the blocked products can beat packed gemm (bench/engine.py)
-CHUNK = 64           # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
+SMALL_ROWS = 32       # up to here a small-batch regime can beat packed gemm (bench/engine.py)
+CHUNK = 64            # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
+REGIMES = ("gemv", "gemm", "blocked")
+CALIBRATE_ROWS = (2, 3, 4, 8)   # row counts timed at load; 5..SMALL_ROWS follow 8's choice
+GEMV_ROWS = 4         # per-row gemv is timed (and used) only up to this many rows
 BLOCKED_MARGIN = 1.3  # calibrate() picks the blocked products only when this much faster
 
 
@@ -63,11 +61,9 @@ class Linear:
     does one share of the blocks itself.
     """
 
-    def __init__(self, threads: int | None = None, small: str = "blocked"):
+    def __init__(self, threads: int | None = None, small: str = "gemm"):
         self.threads = max(1, threads or blas_threads())
-        # the regime for 2..SMALL_ROWS rows: "blocked" (our threads) or "gemm"
-        # (OpenBLAS's packed gemm on its own threads); see calibrate()
-        self.small = _check_regime(small)
+        self.force(small)
         self._helpers = [_Helper() for _ in range(self.threads - 1)]
         weakref.finalize(self, _close_all, self._helpers)
         self._blas = None
@@ -78,45 +74,65 @@ class Linear:
         _close_all(self._helpers)
         self._helpers = []
 
-    def calibrate(self, mats: list[np.ndarray], rows: int = 8, rounds: int = 3
-                  ) -> dict[str, float]:
-        """Time one pass of ``rows`` rows over ``mats`` in both small-batch regimes
-        (best of ``rounds``, alternating, so both see the same minute of a shared
-        machine) and keep gemm unless the blocked products are clearly faster.
-        Returns the seconds per pass of each.
+    def force(self, regime: str) -> None:
+        """Use one regime for every row count from 2 to SMALL_ROWS."""
+        self._by_rows = [_check_regime(regime)] * (SMALL_ROWS + 1)
 
-        ``MIXDESK_SMALL_BATCH=blocked|gemm`` skips the timing and forces a regime."""
+    def regime(self, rows: int) -> str:
+        """The regime a product of this many rows runs in."""
+        if rows == 1:
+            return "gemv"
+        return self._by_rows[rows] if rows <= SMALL_ROWS else "gemm"
+
+    def describe(self) -> str:
+        """The chosen regimes as runs of row counts, e.g. '2-3 rows gemv, 4-32 rows gemm'."""
+        runs: list[list] = []
+        for t in range(2, SMALL_ROWS + 1):
+            if runs and runs[-1][2] == self._by_rows[t]:
+                runs[-1][1] = t
+            else:
+                runs.append([t, t, self._by_rows[t]])
+        return ", ".join(f"{a}{'' if a == b else f'-{b}'} rows {r}" for a, b, r in runs)
+
+    def calibrate(self, mats: list[np.ndarray], rounds: int = 2
+                  ) -> dict[int, dict[str, float]]:
+        """Time one pass over ``mats`` in each regime for each of CALIBRATE_ROWS row
+        counts (best of ``rounds``, alternating, so all see the same minute of a
+        shared machine) and keep the fastest per row count, gemv only up to
+        GEMV_ROWS rows and the blocked products only when clearly faster. Returns
+        the seconds per pass: {rows: {regime: s}}.
+
+        ``MIXDESK_SMALL_BATCH=gemv|gemm|blocked`` skips the timing and forces one."""
         forced = os.environ.get("MIXDESK_SMALL_BATCH")
         if forced:
-            self.small = _check_regime(forced)
+            self.force(forced)
             return {}
         mats = [m for m in mats if m.flags.c_contiguous]
         if not mats:
             return {}
         rng = np.random.default_rng(0)
-        xs = {m.shape[1]: rng.standard_normal((rows, m.shape[1])).astype(np.float32)
-              for m in mats}
-        best = {"blocked": float("inf"), "gemm": float("inf")}
+        best: dict[int, dict[str, float]] = {
+            t: {r: float("inf") for r in REGIMES if r != "gemv" or t <= GEMV_ROWS}
+            for t in CALIBRATE_ROWS}
+        xs = {t: {m.shape[1]: rng.standard_normal((t, m.shape[1])).astype(np.float32)
+                  for m in mats} for t in CALIBRATE_ROWS}
         for _ in range(rounds):
-            for regime in best:
-                t = time.perf_counter()
-                with self.small_batch(regime):
-                    for m in mats:
-                        self.small_product(regime, xs[m.shape[1]], m, None)
-                best[regime] = min(best[regime], time.perf_counter() - t)
-        # The blocked products must win clearly: timed back to back they hide what
-        # they cost inside a forward pass, where the helper sleeps between products
-        # while this thread runs attention and has to be woken for every one (seen
-        # here: calibration within 10% either way, then 124-149 ms per 8-stream step
-        # blocked against 82-94 ms with gemm). Where OpenBLAS has the small-matrix
-        # kernels they win by ~2x, and keep winning in the engine.
-        self.small = "blocked" if best["blocked"] * BLOCKED_MARGIN < best["gemm"] else "gemm"
+            for t, times in best.items():
+                for regime in times:
+                    t0 = time.perf_counter()
+                    with self.small_batch(regime):
+                        for m in mats:
+                            self.small_product(regime, xs[t][m.shape[1]], m)
+                    times[regime] = min(times[regime], time.perf_counter() - t0)
+        choice = {t: _fastest(times) for t, times in best.items()}
+        for t in range(2, SMALL_ROWS + 1):
+            self._by_rows[t] = choice[t if t in choice else CALIBRATE_ROWS[-1]]
         return best
 
-    def small_batch(self, regime: str | None = None):
-        """The context a 2..SMALL_ROWS-row forward runs in: BLAS held at one thread
-        for the blocked regime (ours are the threads), left alone for gemm."""
-        if (regime or self.small) == "blocked":
+    def small_batch(self, regime: str):
+        """The context products of this regime run in: BLAS held at one thread for
+        the blocked products (ours are the threads), left alone otherwise."""
+        if regime == "blocked":
             return self.single_blas()
         return contextlib.nullcontext()
 
@@ -142,7 +158,7 @@ class Linear:
         elif T > SMALL_ROWS or not w.flags.c_contiguous:
             y = x @ w.T                                                # (T, out) packed gemm
         else:
-            return self.small_product(self.small, x, w, side)
+            return self.small_product(self.regime(T), x, w, side)
         if side is not None:
             side()
         return y
@@ -153,7 +169,12 @@ class Linear:
         ``small_batch(regime)``); ``side`` as in ``__call__``."""
         if regime == "blocked":
             return self.blocked(x, w, side)
-        y = x @ w.T                                                    # (T, out) packed gemm
+        if regime == "gemv":
+            y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)   # (T, out)
+            for i in range(x.shape[0]):
+                np.matmul(w, x[i], out=y[i])                           # (out,) W mostly cached
+        else:
+            y = x @ w.T                                                # (T, out) packed gemm
         if side is not None:
             side()
         return y
@@ -247,9 +268,23 @@ class _Helper:
 
 
 def _check_regime(name: str) -> str:
-    if name not in ("blocked", "gemm"):
-        raise ValueError(f"small-batch regime must be 'blocked' or 'gemm', not {name!r}")
+    if name not in REGIMES:
+        raise ValueError(f"small-batch regime must be one of {', '.join(REGIMES)}, not {name!r}")
     return name
+
+
+def _fastest(times: dict[str, float]) -> str:
+    """The regime to keep from one row count's timings. The blocked products must
+    win clearly: timed back to back they hide what they cost inside a forward
+    pass, where the helper sleeps between products while this thread runs
+    attention and must be woken for every one (seen on an AVX2 machine: timings
+    within 10% of gemm, then 124-149 ms per 8-stream step against 82-94 ms with
+    gemm). Where OpenBLAS has small-matrix kernels they win by ~2x and keep
+    winning in the engine."""
+    plain = min((r for r in times if r != "blocked"), key=times.get)
+    if "blocked" in times and times["blocked"] * BLOCKED_MARGIN < times[plain]:
+        return "blocked"
+    return plain
 
 
 def _close_all(helpers: list[_Helper]) -> None:

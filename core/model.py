@@ -7,7 +7,6 @@ deltas ``(x Aᵀ) Bᵀ`` on its own rows, so different mixes share one forward.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -129,8 +128,8 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.lin = Linear(threads)       # every x @ W.T goes through here
-        # pick the faster small-batch product on this CPU: a pass over the first
-        # layers' matrices (~60 MB for SmolLM2, more than an L3) in both regimes
+        # pick the fastest small-batch products on this CPU: passes over the first
+        # layers' matrices (~60 MB for SmolLM2, more than an L3) in each regime
         self.lin.calibrate([m for lw in weights.layers[:CALIBRATE_LAYERS]
                             for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)])
         self._stacks: OrderedDict[tuple, AdapterStack] = OrderedDict()
@@ -159,10 +158,9 @@ class LlamaModel:
         positions = np.concatenate([np.arange(it.cache.length, it.cache.length + len(it.tokens))
                                     for it in items])                                     # (T,)
         cis = self.rope.get(positions)
-        # 2..SMALL_ROWS rows: the calibrated small-batch regime (blocked products on
-        # our threads hold BLAS at one thread)
-        small = 1 < len(tokens) <= SMALL_ROWS
-        with self.lin.small_batch() if small else contextlib.nullcontext():
+        # the regime calibrated for this many rows (blocked products on our threads
+        # hold BLAS at one thread for the whole forward)
+        with self.lin.small_batch(self.lin.regime(len(tokens))):
             return self._forward(items, spans, tokens, cis)
 
     def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:
@@ -234,7 +232,7 @@ class LlamaModel:
             return y
         if target not in lora.stack.layers[li]:
             return self.lin(x, w)
-        if self.lin.small == "gemm":
+        if self.lin.regime(x.shape[0]) != "blocked":
             # OpenBLAS's threads run the product: nothing to overlap, add in place
             y = self.lin(x, w)
             lora.stacked_delta(x, li, target, into=y)

@@ -16,12 +16,12 @@ from core.sampling import SamplingParams
 from tests.test_model_shapes import build
 
 
-@pytest.mark.parametrize("regime", ["blocked", "gemm"])
+@pytest.mark.parametrize("regime", ["blocked", "gemm", "gemv"])
 @pytest.mark.parametrize("kw", [dict(n_heads=4, n_kv_heads=2), dict(n_heads=8, n_kv_heads=1)],
                          ids=["gqa2", "mqa"])
 def test_pooled_decode_equals_standalone_caches(tmp_path, kw, regime):
     model, _ = build(tmp_path, **kw)
-    model.lin.small = regime         # both small-batch products, whichever calibration chose
+    model.lin.force(regime)          # every small-batch product, whichever calibration chose
     rng = np.random.default_rng(0)
     pool = model.new_pool(6, 48)
     lengths = [3, 11, 7, 1, 20]

@@ -12,7 +12,7 @@ from core.linear import CHUNK, SMALL_ROWS, Linear
 
 
 @pytest.fixture(scope="module", params=[(1, "blocked"), (2, "blocked"), (3, "blocked"),
-                                        (2, "gemm")],
+                                        (2, "gemm"), (2, "gemv")],
                 ids=lambda p: f"threads={p[0]}-{p[1]}")
 def lin(request):
     threads, small = request.param
@@ -43,15 +43,16 @@ def test_non_contiguous_weights_fall_back_to_plain_matmul(lin):
     np.testing.assert_allclose(lin(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_real_matrices_blocked_equals_gemm(smollm_path):
+@pytest.mark.parametrize("regime", ["gemv", "gemm", "blocked"])
+def test_real_matrices_every_regime_equals_plain_matmul(smollm_path, regime):
     from core.weights import load_weights, open_model_file
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
-    lin = Linear(2)
+    lin = Linear(2, small=regime)
     rng = np.random.default_rng(0)
     for m in (w.layers[0].wqkv, w.layers[3].w_down, w.output):
         x = rng.standard_normal((8, m.shape[1])).astype(np.float32)
-        with lin.single_blas():
+        with lin.small_batch(regime):
             got = lin(x, m)
         np.testing.assert_allclose(got, x @ m.T, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(lin(x[:1], m), x[:1] @ m.T, rtol=1e-4, atol=1e-3)
@@ -121,7 +122,8 @@ def test_blocked_product_takes_strided_rows(lin, rows):
                                rtol=1e-5, atol=1e-4)
 
 
-def test_calibrate_times_both_regimes_on_real_matrices(smollm_path, monkeypatch):
+def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch):
+    from core.linear import BLOCKED_MARGIN, CALIBRATE_ROWS, GEMV_ROWS
     from core.weights import load_weights, open_model_file
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
@@ -129,14 +131,20 @@ def test_calibrate_times_both_regimes_on_real_matrices(smollm_path, monkeypatch)
     monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
     lin = Linear(2)
     try:
-        times = lin.calibrate(mats, rows=8, rounds=2)
-        assert set(times) == {"blocked", "gemm"} and all(0 < t < 10 for t in times.values())
-        from core.linear import BLOCKED_MARGIN
-        assert lin.small == ("blocked" if times["blocked"] * BLOCKED_MARGIN < times["gemm"]
-                             else "gemm")
+        times = lin.calibrate(mats, rounds=1)
+        assert sorted(times) == sorted(CALIBRATE_ROWS)
+        for t, by in times.items():
+            assert set(by) == ({"gemv", "gemm", "blocked"} if t <= GEMV_ROWS
+                               else {"gemm", "blocked"})
+            assert all(0 < s < 10 for s in by.values())
+            plain = min((r for r in by if r != "blocked"), key=by.get)
+            want = "blocked" if by["blocked"] * BLOCKED_MARGIN < by[plain] else plain
+            assert lin.regime(t) == want
+        assert all(lin.regime(t) == lin.regime(8) for t in range(5, 33))
+        assert lin.regime(1) == "gemv" and lin.regime(33) == "gemm"
         # whichever won, the product it gives is x @ W.T
-        x = np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32)
-        with lin.small_batch():
+        x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
+        with lin.small_batch(lin.regime(3)):
             got = lin(x, mats[0])
         np.testing.assert_allclose(got, x @ mats[0].T, rtol=1e-4, atol=1e-3)
     finally:
@@ -151,15 +159,18 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
         def blas_threads():
             return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
         outside = blas_threads()
-        for regime, want in (("gemm", outside), ("blocked", [1] * len(outside))):
+        for regime, want in (("gemm", outside), ("gemv", outside),
+                             ("blocked", [1] * len(outside))):
             monkeypatch.setenv("MIXDESK_SMALL_BATCH", regime)
-            assert lin.calibrate([w]) == {} and lin.small == regime
-            # blocked: BLAS on one thread, ours split the blocks; gemm: BLAS's own threads
-            with lin.small_batch():
+            assert lin.calibrate([w]) == {}
+            assert {lin.regime(t) for t in range(2, 33)} == {regime}
+            assert lin.describe() == f"2-32 rows {regime}"
+            # blocked: BLAS on one thread, ours split the blocks; else BLAS's own threads
+            with lin.small_batch(lin.regime(8)):
                 assert blas_threads() == want
             assert blas_threads() == outside
         monkeypatch.setenv("MIXDESK_SMALL_BATCH", "fast")
-        with pytest.raises(ValueError, match="blocked.*gemm"):
+        with pytest.raises(ValueError, match="gemv, gemm, blocked"):
             lin.calibrate([w])
         with pytest.raises(ValueError):
             Linear(1, small="turbo")
@@ -167,22 +178,25 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
         lin.close()
 
 
-@pytest.mark.parametrize("blocked_ms, gemm_ms, want", [(4, 12, "blocked"), (10, 11, "gemm"),
-                                                       (12, 4, "gemm")])
-def test_calibrate_takes_the_blocked_products_only_when_clearly_faster(
-        monkeypatch, blocked_ms, gemm_ms, want):
+@pytest.mark.parametrize("cost, want", [
+    # ms per pass for (regime, rows): gemv grows with the rows, the others do not
+    (dict(gemv=3, gemm=8, blocked=12), "2-4 rows gemv, 5-32 rows gemm"),
+    (dict(gemv=4, gemm=8, blocked=4), "2 rows gemv, 3-32 rows blocked"),
+    (dict(gemv=9, gemm=8, blocked=7), "2-32 rows gemm"),        # blocked not 1.3x faster
+])
+def test_calibrate_keeps_the_fastest_regime_per_row_count(monkeypatch, cost, want):
     monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
     lin = Linear(2)
-    cost = {"blocked": blocked_ms / 1e3, "gemm": gemm_ms / 1e3}
 
-    def fake_small(regime, x, w, side):              # a product that takes a set time
-        end = time.perf_counter() + cost[regime]
+    def fake_product(regime, x, w, side=None):      # a product that takes a set time
+        ms = cost[regime] * (len(x) / 2 if regime == "gemv" else 1)
+        end = time.perf_counter() + ms / 1e3
         while time.perf_counter() < end:
             pass
-    monkeypatch.setattr(lin, "small_product", fake_small)
+    monkeypatch.setattr(lin, "small_product", fake_product)
     try:
         times = lin.calibrate([np.ones((CHUNK, 8), dtype=np.float32)], rounds=2)
-        assert lin.small == want
-        assert all(times[r] >= cost[r] for r in cost)
+        assert lin.describe() == want
+        assert all(times[t][r] >= cost[r] / 1e3 for t in times for r in times[t])
     finally:
         lin.close()

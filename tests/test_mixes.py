@@ -194,13 +194,13 @@ def test_prefix_cache_is_bounded(smollm_path):
         eng.stop()
 
 
-@pytest.fixture(params=["blocked", "gemm"])
+@pytest.fixture(params=["blocked", "gemm", "gemv"])
 def regime(request, engine):
     """Each small-batch regime in turn (core/linear.py), whichever calibration chose."""
-    before = engine.model.lin.small
-    engine.model.lin.small = request.param
+    before = engine.model.lin._by_rows
+    engine.model.lin.force(request.param)
     yield request.param
-    engine.model.lin.small = before
+    engine.model.lin._by_rows = before
 
 
 def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
@@ -243,10 +243,10 @@ def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
     return write_lora_gguf(path, tensors)
 
 
-@pytest.mark.parametrize("small", ["blocked", "gemm"])
+@pytest.mark.parametrize("small", ["blocked", "gemm", "gemv"])
 def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path, small):
     eng = Engine.from_path(smollm_path, ctx_size=64, n_parallel=4, start=False)
-    eng.model.lin.small = small
+    eng.model.lin.force(small)
     part = eng.add_adapter(write_partial_adapter(tmp_path / "partial.gguf", eng.config))
     attn = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     ads = adapters_of(eng)
