@@ -82,6 +82,11 @@ def create_window(args: argparse.Namespace):
 
 
 def run_gui(args: argparse.Namespace) -> int:
+    """Raises ValueError, before any Qt object exists, when no window can open here."""
+    from .display import display_problem
+    problem = display_problem()
+    if problem:
+        raise ValueError(problem)
     from PySide6.QtWidgets import QApplication
     import qasync
 
