@@ -115,3 +115,17 @@ def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
         assert eng.stats()["steps"] - steps == 2          # 512 + 188: chunked, as intended
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_rms_norm_matches_the_formula_for_one_row_and_many(rows):
+    # one row takes a scalar shortcut (decode), more rows the vectorised path
+    from core.model import rms_norm
+    rng = np.random.default_rng(rows)
+    x = (rng.standard_normal((rows, 576)) * 3).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5) * w
+    got = rms_norm(x, w, 1e-5)
+    assert got.dtype == np.float32 and got.shape == (rows, 576)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
