@@ -157,6 +157,8 @@ class Engine:
             self._scales.clear()
             self.scheduler = scheduler
         self.load_ms = (time.perf_counter() - t0) * 1e3
+        log.info("loaded %s in %.0f ms; small-batch products: %s", Path(path).name,
+                 self.load_ms, model.lin.describe())
         self.loading = False
         if dropped:
             self._notify("adapters_changed", adapters=self.adapters())

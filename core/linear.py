@@ -138,7 +138,7 @@ class Linear:
 
     @contextlib.contextmanager
     def single_blas(self):
-        """Hold OpenBLAS at one thread, so small products take the direct kernel."""
+        """Hold OpenBLAS at one thread, so small products take its small-matrix kernels."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController().select(user_api="blas")
