@@ -231,8 +231,9 @@ class LlamaModel:
 
     def _linear(self, x, w, lora: "LoraDeltas", li: int, target: str) -> np.ndarray:
         """x @ W.T plus every row's LoRA delta. With several mixes in a small batch
-        the delta is computed on this thread while the helper threads run their
-        share of the base product (core/linear.py sizes the shares to match)."""
+        under the blocked products, the delta is computed on this thread while the
+        helper threads run their share of the base product (core/linear.py sizes
+        the shares to match); under gemv or gemm it is added in place afterwards."""
         if lora.stack is None:
             y = self.lin(x, w)
             lora.add(y, x, li, target)
@@ -240,7 +241,7 @@ class LlamaModel:
         if target not in lora.stack.layers[li]:
             return self.lin(x, w)
         if self.lin.regime(x.shape[0]) != "blocked":
-            # OpenBLAS's threads run the product: nothing to overlap, add in place
+            # OpenBLAS's own threads run the product: nothing to overlap, add in place
             y = self.lin(x, w)
             lora.stacked_delta(x, li, target, into=y)
             return y
