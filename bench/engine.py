@@ -58,7 +58,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     engine's small-batch regimes (core/linear.py: "blocked" products on our threads,
     or "gemm", OpenBLAS's packed gemm on its threads)."""
     w = model.w
-    mats = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
+    mats = [m for lw in w.layers for m in lw.projections] + [w.output]
     xs = {m.shape[1]: np.random.rand(batch, m.shape[1]).astype(np.float32) for m in mats}
 
     def run():
@@ -72,7 +72,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     def run_regime():
         with model.lin.small_batch(regime):
             for m in mats:
-                model.lin.small_product(regime, xs[m.shape[1]], m, None)
+                model.lin.small_product(regime, xs[m.shape[1]], m)
     fn = run_regime if regime else run
     fn()
     return batch / best_of(fn, reps)

@@ -138,7 +138,7 @@ class LlamaModel:
         # pick the fastest small-batch products on this CPU: passes over the first
         # layers' matrices (~60 MB for SmolLM2, more than an L3) in each regime
         self.lin.calibrate([m for lw in weights.layers[:CALIBRATE_LAYERS]
-                            for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)])
+                            for m in lw.projections])
         self._stacks: OrderedDict[tuple, AdapterStack] = OrderedDict()
         self.rope = RopeTable(cfg, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))   # a Python float: an np.float64 would upcast q to float64

@@ -49,6 +49,11 @@ class LayerWeights:
     w_gate_up: np.ndarray   # (2*ffn, dim)             fused gate|up
     w_down: np.ndarray      # (dim, ffn)
 
+    @property
+    def projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The four matrices a block multiplies by, in the order it uses them."""
+        return self.wqkv, self.wo, self.w_gate_up, self.w_down
+
 
 @dataclass
 class Weights:
@@ -63,7 +68,7 @@ class Weights:
     def nbytes(self) -> int:
         arrays = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
         for lw in self.layers:
-            arrays += [lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, lw.w_gate_up, lw.w_down]
+            arrays += [lw.attn_norm, lw.ffn_norm, *lw.projections]
         return sum(a.nbytes for a in arrays)
 
 

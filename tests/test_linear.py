@@ -11,6 +11,11 @@ import pytest
 from core.linear import CHUNK, SMALL_ROWS, Linear
 
 
+def blas_thread_counts() -> list[int]:
+    from threadpoolctl import threadpool_info
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
 @pytest.fixture(scope="module", params=[(1, "blocked"), (2, "blocked"), (3, "blocked"),
                                         (2, "gemm"), (2, "gemv")],
                 ids=lambda p: f"threads={p[0]}-{p[1]}")
@@ -60,12 +65,11 @@ def test_real_matrices_every_regime_equals_plain_matmul(smollm_path, regime):
 
 
 def test_single_blas_restores_the_thread_count():
-    from threadpoolctl import threadpool_info
-    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    before = blas_thread_counts()
     lin = Linear(2)
     with lin.single_blas():
-        inside = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-    after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        inside = blas_thread_counts()
+    after = blas_thread_counts()
     assert inside == [1] * len(before) and after == before
 
 
@@ -127,7 +131,7 @@ def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch)
     from core.weights import load_weights, open_model_file
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
-    mats = [m for lw in w.layers[:2] for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    mats = [m for lw in w.layers[:2] for m in lw.projections]
     monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
     lin = Linear(2)
     try:
@@ -152,13 +156,10 @@ def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch)
 
 
 def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch):
-    from threadpoolctl import threadpool_info
     lin = Linear(2)
     try:
         w = np.ones((CHUNK, 8), dtype=np.float32)
-        def blas_threads():
-            return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-        outside = blas_threads()
+        outside = blas_thread_counts()
         for regime, want in (("gemm", outside), ("gemv", outside),
                              ("blocked", [1] * len(outside))):
             monkeypatch.setenv("MIXDESK_SMALL_BATCH", regime)
@@ -167,8 +168,8 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
             assert lin.describe() == f"2-32 rows {regime}"
             # blocked: BLAS on one thread, ours split the blocks; else BLAS's own threads
             with lin.small_batch(lin.regime(8)):
-                assert blas_threads() == want
-            assert blas_threads() == outside
+                assert blas_thread_counts() == want
+            assert blas_thread_counts() == outside
         monkeypatch.setenv("MIXDESK_SMALL_BATCH", "fast")
         with pytest.raises(ValueError, match="gemv, gemm, blocked"):
             lin.calibrate([w])
