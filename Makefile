@@ -7,7 +7,7 @@ PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 
-.PHONY: run test serve bench package model clean
+.PHONY: run test lint serve bench package model clean
 
 $(STAMP): requirements.txt
 	test -x $(PYBIN) || $(PY) -m venv $(VENV)
@@ -27,11 +27,15 @@ run: model
 serve: model
 	$(PYBIN) main.py --headless $(ARGS)
 
-test: $(DEVSTAMP) model
+lint: $(DEVSTAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint model
 	QT_QPA_PLATFORM=offscreen $(PYBIN) -m pytest $(PYTEST_ARGS)
 
 bench: model
-	$(PYBIN) bench/engine.py
+	$(PYBIN) -m bench.engine $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist

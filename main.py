@@ -7,6 +7,7 @@
 
 Errors are printed as one clear line (no traceback) and exit with status 1.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,16 @@ def one_shot(args) -> int:
 
     eng = engine_from_args(args, say=lambda m: print(m, file=sys.stderr))
     eng.start()
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                            seed=args.seed, n_predict=args.n_predict, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        n_predict=args.n_predict,
+        ignore_eos=args.ignore_eos,
+    )
     prompt = eng.tokenizer.encode(args.prompt, add_special=True, parse_special=True)
     done = None
     try:
@@ -46,35 +54,44 @@ def one_shot(args) -> int:
         if done.stop_type == "error":
             return _fail(done.error or "generation failed")
         t = done.timings.as_dict()
-        print(f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} tok/s | "
-              f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} tok/s | "
-              f"stop: {done.stop_type}", file=sys.stderr)
+        print(
+            f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} tok/s | "
+            f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} tok/s | "
+            f"stop: {done.stop_type}",
+            file=sys.stderr,
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     from core.cli import parse_args
+
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     from core.startup import limit_threads
+
     _limits = limit_threads(args.threads)  # noqa: F841 (kept alive for the process)
     try:
         if args.export_lora or args.export_merged or args.export_peft:
             from core.export import run_exports
+
             return run_exports(args)
         if args.prompt is not None:
             return one_shot(args)
         if args.headless:
             from core.http.server import run_headless
+
             return run_headless(args)
         try:
             from ui.app import run_gui
         except ImportError as e:
             return _fail(f"the desktop window needs PySide6 ({e}); use --headless for the API")
         return run_gui(args)
-    except ValueError as e:        # every user-facing error type is a ValueError subclass
+    except ValueError as e:  # every user-facing error type is a ValueError subclass
         return _fail(str(e))
     except OSError as e:
         return _fail(f"{e.filename or ''}: {e.strerror or e}")

@@ -1,18 +1,18 @@
 """Engine benchmark: every speed is printed next to a ratio measured in the same run.
 
-    .venv/bin/python bench/engine.py [--quick] [-m MODEL]
+    .venv/bin/python -m bench.engine [--quick] [-m MODEL]
 
 Roofline: one pass of ``x @ W.T`` over float32 matrices of the model's fused
 shapes (QKV, O, gate|up, down per layer, plus the output matrix), at batch 1
 (decode) and batch 512 (prefill). Nothing the engine does can beat pure BLAS on
 the same shapes, so "ratio" says how close to numpy's physical limit we are.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import resource
-import sys
 import tempfile
 import threading
 import time
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from core.default_model import ensure_default_model  # noqa: E402
 from core.engine import Engine  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 from core.weights import load_weights, open_model_file  # noqa: E402
+from tests.reference import reference_dir  # noqa: E402
 
-REF_ADAPTERS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "adapters"
+REF_ADAPTERS = reference_dir() / "adapters"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # A fixed passage for the "copy" task (outputs that repeat their context are where
 # prompt-lookup drafts pay off); fixed so the figure is comparable between runs.
@@ -39,7 +38,8 @@ COPY_TEXT = (
     "Requests with different mixes still run together in one batch, and a prompt that was "
     "already processed under a mix is reused the next time that same mix comes back. The "
     "same session is served over an HTTP API that speaks the llama-server dialect, so "
-    "scripts and the window always see the same adapters and the same faders.")
+    "scripts and the window always see the same adapters and the same faders."
+)
 
 
 def best_of(fn, n=3):
@@ -73,6 +73,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
         with model.lin.small_batch(regime):
             for m in mats:
                 model.lin.small_product(regime, xs[m.shape[1]], m)
+
     fn = run_regime if regime else run
     fn()
     return batch / best_of(fn, reps)
@@ -83,8 +84,9 @@ def kernel_rates() -> tuple[float, float]:
     small-matrix NT kernel (core/linear.py: x @ Wbᵀ per 64-row block) over 8 rows, on
     blocks larger than this machine's L3."""
     from threadpoolctl import threadpool_limits
+
     rng = np.random.default_rng(0)
-    w = rng.random((800, 64, 576), dtype=np.float32)             # 118 MB of 64-row blocks
+    w = rng.random((800, 64, 576), dtype=np.float32)  # 118 MB of 64-row blocks
     flat = w.reshape(-1, 576)
     x1 = rng.random(576, dtype=np.float32)
     x8 = rng.random((8, 576), dtype=np.float32)
@@ -97,8 +99,13 @@ def kernel_rates() -> tuple[float, float]:
 def blas_header() -> str:
     try:
         from threadpoolctl import threadpool_info
-        info = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')} "
-                f"threads={i['num_threads']}" for i in threadpool_info() if i["user_api"] == "blas"]
+
+        info = [
+            f"{i['internal_api']} {i.get('version')} {i.get('architecture')} "
+            f"threads={i['num_threads']}"
+            for i in threadpool_info()
+            if i["user_api"] == "blas"
+        ]
     except Exception as e:  # pragma: no cover
         info = [f"threadpoolctl unavailable: {e}"]
     core = os.environ.get("OPENBLAS_CORETYPE")
@@ -109,8 +116,9 @@ def timed_completion(eng, prompt, n, mix=None, cache_prompt=True):
     t0 = time.perf_counter()
     first = None
     done = None
-    for ev in eng.generate(prompt, SamplingParams(n_predict=n, **GREEDY), mix=mix,
-                           cache_prompt=cache_prompt):
+    for ev in eng.generate(
+        prompt, SamplingParams(n_predict=n, **GREEDY), mix=mix, cache_prompt=cache_prompt
+    ):
         if first is None and ev.kind == "token":
             first = time.perf_counter() - t0
         if ev.kind == "done":
@@ -146,28 +154,34 @@ def main() -> None:
             os.environ["MIXDESK_CACHE"] = old
     # draft_max=0: the figures below are plain decoding; speculation is measured last
     eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
-    eng.load_model(path)                          # warm the real cache if needed
+    eng.load_model(path)  # warm the real cache if needed
     t = time.perf_counter()
     eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
     eng.load_model(path)
     warm = time.perf_counter() - t
     eng.start()
-    print(f"load: cold {cold:.2f} s (target <= 3)   warm {warm:.2f} s (target <= 1; "
-          f"weights map {warm_mapped * 1e3:.0f} ms)")
+    print(
+        f"load: cold {cold:.2f} s (target <= 3)   warm {warm:.2f} s (target <= 1; "
+        f"weights map {warm_mapped * 1e3:.0f} ms)"
+    )
 
     # -- rooflines ------------------------------------------------------------------
-    roof1 = roofline(eng.model, 1, 20)   # best of many: the roofline is an upper bound
+    roof1 = roofline(eng.model, 1, 20)  # best of many: the roofline is an upper bound
     roof8_gemm = roofline(eng.model, 8, 10)
     roof8_blocked = roofline(eng.model, 8, 10, regime="blocked")
     roof8 = max(roof8_gemm, roof8_blocked)
     roof512 = roofline(eng.model, 512, 3)
     rate1, rate8 = kernel_rates()
-    print(f"roofline (pure BLAS, fused shapes): batch 1 {roof1:.1f} tok/s, batch 512 "
-          f"{roof512:.0f} tok/s, batch 8 {roof8_gemm:.1f} tok/s as x @ W.T and "
-          f"{roof8_blocked:.1f} tok/s blocked ({roof8 / roof1:.1f}x batch 1 at best; "
-          f"the engine calibrated to: {eng.model.lin.describe()})")
-    print(f"kernel (one thread, 118 MB of 64-row blocks): gemv {rate1:.2f} G weights/s for 1 row, "
-          f"NT kernel {rate8:.2f} G weights/s for 8 rows ({rate8 / rate1:.2f})")
+    print(
+        f"roofline (pure BLAS, fused shapes): batch 1 {roof1:.1f} tok/s, batch 512 "
+        f"{roof512:.0f} tok/s, batch 8 {roof8_gemm:.1f} tok/s as x @ W.T and "
+        f"{roof8_blocked:.1f} tok/s blocked ({roof8 / roof1:.1f}x batch 1 at best; "
+        f"the engine calibrated to: {eng.model.lin.describe()})"
+    )
+    print(
+        f"kernel (one thread, 118 MB of 64-row blocks): gemv {rate1:.2f} G weights/s for 1 row, "
+        f"NT kernel {rate8:.2f} G weights/s for 8 rows ({rate8 / rate1:.2f})"
+    )
 
     rng = np.random.default_rng(0)
     prompt = [1] + list(rng.integers(100, 40000, size=n_prefill - 1))
@@ -180,16 +194,20 @@ def main() -> None:
         _, done = timed_completion(eng, prompt, 1, cache_prompt=False)
         pre = max(pre, done.timings.prompt_n / (done.timings.prompt_ms / 1e3))
         roof512 = max(roof512, roofline(eng.model, 512, 1))
-    print(f"prefill {n_prefill} tok: {pre:.0f} tok/s   ratio to roofline {pre / roof512:.2f} "
-          f"(target >= 0.6)")
+    print(
+        f"prefill {n_prefill} tok: {pre:.0f} tok/s   ratio to roofline {pre / roof512:.2f} "
+        f"(target >= 0.6)"
+    )
 
     # -- decode, 0/1/3 adapters ------------------------------------------------------------
     # Interleaved in short runs, best of 6: on a shared VM a single run can lose 25% to
     # a neighbour, and a ratio of two runs taken minutes apart would measure the neighbour.
     short = prompt[:16]
     if REF_ADAPTERS.is_dir():
-        ids = [eng.add_adapter(REF_ADAPTERS / n) for n in
-               ("lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf")]
+        ids = [
+            eng.add_adapter(REF_ADAPTERS / n)
+            for n in ("lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf")
+        ]
     else:
         ids = []
     cases = {"0 adapters": {}}
@@ -199,15 +217,20 @@ def main() -> None:
     for _ in range(6):
         for label, mix in cases.items():
             _, done = timed_completion(eng, short, n_decode // 2, mix=mix, cache_prompt=False)
-            decode[label] = max(decode[label],
-                                done.timings.predicted_n / (done.timings.predicted_ms / 1e3))
+            decode[label] = max(
+                decode[label], done.timings.predicted_n / (done.timings.predicted_ms / 1e3)
+            )
     base = decode["0 adapters"]
-    print(f"decode {n_decode // 2} tok: {base:.1f} tok/s   ratio to roofline {base / roof1:.2f} "
-          f"(target >= 0.7)")
+    print(
+        f"decode {n_decode // 2} tok: {base:.1f} tok/s   ratio to roofline {base / roof1:.2f} "
+        f"(target >= 0.7)"
+    )
     for label, v in decode.items():
         if label != "0 adapters":
-            print(f"decode with {label}: {v:.1f} tok/s   slowdown {100 * (1 - v / base):.0f}% "
-                  f"(3 adapters target <= 15%)")
+            print(
+                f"decode with {label}: {v:.1f} tok/s   slowdown {100 * (1 - v / base):.0f}% "
+                f"(3 adapters target <= 15%)"
+            )
 
     # -- mix switch ---------------------------------------------------------------------------
     if ids:
@@ -224,14 +247,20 @@ def main() -> None:
         cold_ttft, _ = timed_completion(eng, prompt, 1, mix=mix_a)
         timed_completion(eng, prompt, 1, mix=mix_b)
         back_ttft, d = timed_completion(eng, prompt, 1, mix=mix_a)
-        print(f"A->B->A: switch-back TTFT {back_ttft * 1e3:.0f} ms = "
-              f"{100 * back_ttft / cold_ttft:.1f}% of cold {cold_ttft * 1e3:.0f} ms "
-              f"(target <= 5%; cache_n={d.timings.cache_n})")
+        print(
+            f"A->B->A: switch-back TTFT {back_ttft * 1e3:.0f} ms = "
+            f"{100 * back_ttft / cold_ttft:.1f}% of cold {cold_ttft * 1e3:.0f} ms "
+            f"(target <= 5%; cache_n={d.timings.cache_n})"
+        )
         eng.set_mix({})
 
     # -- 8 concurrent streams, 8 different mixes ----------------------------------------------------
-    mixes = [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate((0.5, 1, -0.5, 1.5, 0.25, -1, 2))] \
-        if ids else [{}] * 8
+    mixes = (
+        [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate((0.5, 1, -0.5, 1.5, 0.25, -1, 2))]
+        if ids
+        else [{}] * 8
+    )
+
     def streams(mixes_: list) -> float:
         # Results come back through callbacks on the engine thread, as the HTTP server
         # and the GUI take them (call_soon_threadsafe / a Qt signal): 8 blocking
@@ -243,10 +272,16 @@ def main() -> None:
                 done.append(ev)
                 if len(done) == len(mixes_):
                     finished.set()
+
         t = time.perf_counter()
         for k, m in enumerate(mixes_):
-            eng.submit(prompt[k:k + 16], SamplingParams(n_predict=n_decode, **GREEDY), on_event,
-                       mix=m, cache_prompt=False)
+            eng.submit(
+                prompt[k : k + 16],
+                SamplingParams(n_predict=n_decode, **GREEDY),
+                on_event,
+                mix=m,
+                cache_prompt=False,
+            )
         finished.wait()
         return sum(d.timings.predicted_n for d in done) / (time.perf_counter() - t)
 
@@ -258,16 +293,22 @@ def main() -> None:
         one = max(one, d.timings.predicted_n / (d.timings.predicted_ms / 1e3))
         agg = max(agg, streams(mixes))
         agg2 = max(agg2, streams(mixes[1:3]))
-    print(f"8 streams x 8 mixes: {agg:.1f} tok/s aggregate = {agg / one:.1f}x one stream "
-          f"({one:.1f} tok/s alongside; target >= 4x); ratio to the best batch-8 roofline "
-          f"{agg / roof8:.2f}")
-    print(f"2 streams x 2 mixes (A/B compare): {agg2:.1f} tok/s aggregate = "
-          f"{agg2 / one:.2f}x one stream")
+    print(
+        f"8 streams x 8 mixes: {agg:.1f} tok/s aggregate = {agg / one:.1f}x one stream "
+        f"({one:.1f} tok/s alongside; target >= 4x); ratio to the best batch-8 roofline "
+        f"{agg / roof8:.2f}"
+    )
+    print(
+        f"2 streams x 2 mixes (A/B compare): {agg2:.1f} tok/s aggregate = "
+        f"{agg2 / one:.2f}x one stream"
+    )
 
     # -- prompt-lookup speculative decoding (greedy), on and off --------------------------------
     text = COPY_TEXT
-    tasks = {"copy": "Repeat the following text exactly, word for word:\n\n" + text,
-             "chat": "Tell me about the history of the moon landing."}
+    tasks = {
+        "copy": "Repeat the following text exactly, word for word:\n\n" + text,
+        "chat": "Tell me about the history of the moon landing.",
+    }
     for name, content in tasks.items():
         prompt_t = eng.chat_prompt([{"role": "user", "content": content}])
         speeds, outs = {}, {}
@@ -278,9 +319,11 @@ def main() -> None:
                 _, d = timed_completion(eng, prompt_t, n_decode)
                 best = max(best, d.timings.predicted_n / (d.timings.predicted_ms / 1e3))
             speeds[dm], outs[dm] = best, d.tokens
-        print(f"speculative (prompt lookup, 8 drafts), {name} task: {speeds[8]:.1f} tok/s vs "
-              f"{speeds[0]:.1f} plain = {speeds[8] / speeds[0]:.2f}x; "
-              f"identical output: {outs[8] == outs[0]}")
+        print(
+            f"speculative (prompt lookup, 8 drafts), {name} task: {speeds[8]:.1f} tok/s vs "
+            f"{speeds[0]:.1f} plain = {speeds[8] / speeds[0]:.2f}x; "
+            f"identical output: {outs[8] == outs[0]}"
+        )
     eng.scheduler.draft_max = 0
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

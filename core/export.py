@@ -16,6 +16,7 @@ Files are written to a temporary name next to the target and moved into place
 with ``os.replace``, so a failed or interrupted export never leaves a half file.
 Errors a user can cause are :class:`ExportError` (a ValueError) with one line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,46 +27,56 @@ import re
 import struct
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from .config import ModelConfig
+from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile, _Cursor
 from .lora import _HF_TO_GGUF, Adapter, base_tensor_shapes, fused_slot, load_adapter
 from .weights import open_model_file
 
 Progress = Callable[[float, str], None]
 
-OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
-            "q8_0": GGMLQuantizationType.Q8_0}
-FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-              "q8_0": LlamaFileType.MOSTLY_Q8_0}
+
+OUTTYPES = {
+    "f32": GGMLQuantizationType.F32,
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+}
+FILE_TYPES = {
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+}
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export cannot be done; the message says why in one line."""
 
 
 @dataclass
 class ExportResult:
     path: Path
-    n_tensors: int          # base tensors the mix changes
-    rank: int               # largest concatenated rank
-    nbytes: int             # size of what was written
+    n_tensors: int  # base tensors the mix changes
+    rank: int  # largest concatenated rank
+    nbytes: int  # size of what was written
 
 
 @dataclass
 class _Mix:
     """The mix as per-base-tensor concatenated pairs, scales folded into B."""
+
     cfg: ModelConfig
     base_path: Path | None
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (A (R,in), B (out,R)); embd flipped
-    names: list[str]                                  # adapter names, for messages/metadata
+    names: list[str]  # adapter names, for messages/metadata
 
     def delta(self, name: str) -> np.ndarray | None:
         """Σ s_i B_i A_i in the base tensor's numpy (rows, cols) layout, float32."""
@@ -74,15 +85,16 @@ class _Mix:
             return None
         a, b = ab
         if name == "token_embd.weight":
-            return a @ b.T                   # (vocab, R) @ (R, dim) -> (vocab, dim)
-        return b @ a                         # (out, R) @ (R, in) -> (out, in)
+            return a @ b.T  # (vocab, R) @ (R, dim) -> (vocab, dim)
+        return b @ a  # (out, R) @ (R, in) -> (out, in)
 
 
 # ---- resolving the inputs ------------------------------------------------------
 
+
 def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
     engine = None
-    if hasattr(base, "config") and hasattr(base, "add_adapter"):    # an Engine (no import cycle)
+    if hasattr(base, "config") and hasattr(base, "add_adapter"):  # an Engine (no import cycle)
         engine = base
         if engine.config is None:
             raise ExportError("no model loaded")
@@ -92,7 +104,7 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
     else:
         if base is None:
             raise ExportError("no base model given")
-        _, cfg = open_model_file(base)           # ModelLoadError (ValueError) names the file
+        _, cfg = open_model_file(base)  # ModelLoadError (ValueError) names the file
         base_path = Path(base)
         if adapters is None:
             adapters = []
@@ -103,7 +115,9 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
         try:
             ref, scale = item
         except (TypeError, ValueError):
-            raise ExportError(f"each adapter must be given as (adapter, scale), got {item!r}") from None
+            raise ExportError(
+                f"each adapter must be given as (adapter, scale), got {item!r}"
+            ) from None
         try:
             scale = float(scale)
         except (TypeError, ValueError):
@@ -117,17 +131,21 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
                 raise ExportError(f"adapter id {ref} needs an engine; pass a path instead")
             ad = engine.adapter(ref)
         else:
-            ad = load_adapter(ref, cfg)          # AdapterError names the adapter
+            ad = load_adapter(ref, cfg)  # AdapterError names the adapter
         if scale != 0.0:
             chosen.append((ad, scale))
     if not chosen:
-        raise ExportError("nothing to export: no adapter with a non-zero scale "
-                          "(add adapters with --lora or --lora-scaled)")
+        raise ExportError(
+            "nothing to export: no adapter with a non-zero scale "
+            "(add adapters with --lora or --lora-scaled)"
+        )
 
     collected: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for ad, scale in chosen:
         for name, pair in ad.tensors.items():
-            collected.setdefault(name, []).append((pair.a, pair.b * np.float32(pair.scale_for(scale))))
+            collected.setdefault(name, []).append(
+                (pair.a, pair.b * np.float32(pair.scale_for(scale)))
+            )
     pairs = {}
     for name, plist in collected.items():
         a_axis = 1 if name == "token_embd.weight" else 0
@@ -142,6 +160,7 @@ def _rank_of(name: str, ab: tuple[np.ndarray, np.ndarray]) -> int:
 
 
 # ---- writing files safely ------------------------------------------------------
+
 
 def _check_target(out: Path, mix: _Mix, what: str) -> None:
     parent = out.parent if str(out.parent) else Path(".")
@@ -174,7 +193,7 @@ def _atomic_gguf(out: Path, arch: str, what: str):
         raise _os_error(what, out, e) from None
     finally:
         if w is not None:
-            w.close()           # before the unlink (an open file cannot be removed on Windows)
+            w.close()  # before the unlink (an open file cannot be removed on Windows)
         if tmp.exists():
             tmp.unlink()
 
@@ -193,8 +212,15 @@ class _Reporter:
 
 # ---- 1. one LoRA GGUF ----------------------------------------------------------
 
-def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.PathLike, *,
-                dtype: str = "f32", progress: Progress | None = None) -> ExportResult:
+
+def export_lora(
+    base: Any,
+    adapters: Iterable | Mapping | None,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "f32",
+    progress: Progress | None = None,
+) -> ExportResult:
     """Write the mix as one llama.cpp LoRA GGUF that means the mix at scale 1
     (no ``adapter.lora.alpha``: llama.cpp then uses the scale as is)."""
     if dtype not in ("f32", "f16"):
@@ -220,8 +246,9 @@ def export_lora(base: Any, adapters: Iterable | Mapping | None, out: str | os.Pa
         report(0.6, "writing tensors")
         w.write_tensors_to_file()
     report(1.0, f"wrote {out.name}")
-    return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
-                        out.stat().st_size)
+    return ExportResult(
+        out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()), out.stat().st_size
+    )
 
 
 def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
@@ -232,6 +259,7 @@ def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
 
 # ---- 2. a merged model GGUF ----------------------------------------------------
 
+
 def _typed_kvs(path: Path) -> list[tuple[str, int, int | None, Any]]:
     """Every metadata KV of a GGUF as (key, value type, array item type, value),
     in file order, so a copy keeps the exact types llama.cpp expects."""
@@ -239,14 +267,18 @@ def _typed_kvs(path: Path) -> list[tuple[str, int, int | None, Any]]:
         buf = memoryview(mm)
         try:
             cur = _Cursor(buf, path.name)
-            cur.pos = 8                                      # magic + version
-            cur.unpack("<Q")                                 # n_tensors
+            cur.pos = 8  # magic + version
+            cur.unpack("<Q")  # n_tensors
             n_kv = cur.unpack("<Q")
             out = []
             for _ in range(n_kv):
                 key = cur.string()
                 vtype = cur.unpack("<I")
-                sub = struct.unpack_from("<I", buf, cur.pos)[0] if vtype == GGUFValueType.ARRAY else None
+                sub = (
+                    struct.unpack_from("<I", buf, cur.pos)[0]
+                    if vtype == GGUFValueType.ARRAY
+                    else None
+                )
                 out.append((key, vtype, sub, cur.value(vtype)))
         finally:
             del cur
@@ -303,22 +335,30 @@ def _engine_weights(base: Any, mix: _Mix) -> Callable[[str], np.ndarray | None] 
         slot = fused_slot(cfg, name)
         if slot is not None:
             layer, target, row0, rows = slot
-            return getattr(wts.layers[layer], target)[row0:row0 + rows]
+            return getattr(wts.layers[layer], target)[row0 : row0 + rows]
         m = re.fullmatch(r"blk\.(\d+)\.(attn_norm|ffn_norm)\.weight", name)
         if m:
             return getattr(wts.layers[int(m.group(1))], m.group(2))
         return None
+
     return view
 
 
-def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.PathLike, *,
-                  outtype: str = "f16", progress: Progress | None = None) -> ExportResult:
+def export_merged(
+    base: Any,
+    adapters: Iterable | Mapping | None,
+    out: str | os.PathLike,
+    *,
+    outtype: str = "f16",
+    progress: Progress | None = None,
+) -> ExportResult:
     """Write base + mix as a normal model GGUF: W' = W + Σ s_i B_i A_i per tensor,
     every KV of the base kept (general.file_type updated), names and shapes as in
     the base. Streams one tensor at a time, so memory stays about one tensor."""
     if outtype not in OUTTYPES:
-        raise ExportError(f"export-merged: outtype must be one of {', '.join(OUTTYPES)}, "
-                          f"got {outtype!r}")
+        raise ExportError(
+            f"export-merged: outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}"
+        )
     report = _Reporter(progress)
     out = Path(out)
     mix = _resolve(base, adapters)
@@ -334,13 +374,18 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
     # On a tied model (no output.weight) the logits use token_embd unchanged, and a
     # LoRA on output.weight has nowhere to go: write an explicit output.weight then.
     extra_output = "output.weight" not in gf.tensors and (
-        "token_embd.weight" in mix.pairs or "output.weight" in mix.pairs)
+        "token_embd.weight" in mix.pairs or "output.weight" in mix.pairs
+    )
     plan = [(name, info.shape) for name, info in gf.tensors.items()]
     if extra_output:
         plan.append(("output.weight", gf.tensors["token_embd.weight"].shape))
-    missing = [n for n in mix.pairs if n not in gf.tensors and not (n == "output.weight" and extra_output)]
+    missing = [
+        n for n in mix.pairs if n not in gf.tensors and not (n == "output.weight" and extra_output)
+    ]
     if missing:
-        raise ExportError(f"export-merged: the base {mix.base_path.name} has no tensor {missing[0]!r}")
+        raise ExportError(
+            f"export-merged: the base {mix.base_path.name} has no tensor {missing[0]!r}"
+        )
 
     engine_view = _engine_weights(base, mix)
     report(0.0, "reading base metadata")
@@ -350,9 +395,13 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
                 if key in ("general.architecture", "general.file_type", "general.alignment"):
                     continue
                 if vtype == GGUFValueType.ARRAY and len(val) == 0:
-                    continue        # the writer cannot write an empty array; nothing reads one
-                w.add_key_value(key, _kv_value(vtype, sub, val), GGUFValueType(vtype),
-                                GGUFValueType(sub) if sub is not None else None)
+                    continue  # the writer cannot write an empty array; nothing reads one
+                w.add_key_value(
+                    key,
+                    _kv_value(vtype, sub, val),
+                    GGUFValueType(vtype),
+                    GGUFValueType(sub) if sub is not None else None,
+                )
             if "general.alignment" in gf.metadata:
                 w.add_custom_alignment(int(gf.metadata["general.alignment"]))
             w.add_file_type(int(FILE_TYPES[outtype]))
@@ -364,8 +413,12 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
                 qt = _planned_type(shape, outtype)
                 nbytes = _encoded_nbytes(shape, qt)
                 if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                    w.add_tensor_info(name, shape, np.dtype(np.float32 if qt == GGMLQuantizationType.F32
-                                                            else np.float16), nbytes)
+                    w.add_tensor_info(
+                        name,
+                        shape,
+                        np.dtype(np.float32 if qt == GGMLQuantizationType.F32 else np.float16),
+                        nbytes,
+                    )
                 else:
                     w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
                 total += int(np.prod(shape))
@@ -382,9 +435,11 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
                     try:
                         arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
                     except NotImplementedError:
-                        raise ExportError(f"export-merged: tensor {src!r} of the base uses "
-                                          f"{info.qtype.name}, which cannot be dequantized") from None
-                arr = np.array(arr, dtype=np.float32)     # a private, writable float32 copy
+                        raise ExportError(
+                            f"export-merged: tensor {src!r} of the base uses "
+                            f"{info.qtype.name}, which cannot be dequantized"
+                        ) from None
+                arr = np.array(arr, dtype=np.float32)  # a private, writable float32 copy
                 d = mix.delta(name)
                 if d is not None:
                     arr += d
@@ -398,8 +453,9 @@ def export_merged(base: Any, adapters: Iterable | Mapping | None, out: str | os.
     finally:
         gf.close()
     report(1.0, f"wrote {out.name}")
-    return ExportResult(out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()),
-                        out.stat().st_size)
+    return ExportResult(
+        out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()), out.stat().st_size
+    )
 
 
 # ---- 3. a PEFT folder ----------------------------------------------------------
@@ -426,12 +482,19 @@ def gguf_to_hf_module(name: str) -> str:
     return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
 
 
-def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | os.PathLike, *,
-                dtype: str = "f32", progress: Progress | None = None) -> ExportResult:
+def export_peft(
+    base: Any,
+    adapters: Iterable | Mapping | None,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "f32",
+    progress: Progress | None = None,
+) -> ExportResult:
     """Write the mix as a PEFT LoRA folder (adapter_config.json +
     adapter_model.safetensors, HF module names and HF Q/K row order) whose scaling
     is 1 everywhere (lora_alpha = r, per module through rank/alpha_pattern)."""
     from safetensors.numpy import save_file
+
     if dtype not in ("f32", "f16"):
         raise ExportError(f"export-peft: dtype must be f32 or f16, got {dtype!r}")
     report = _Reporter(progress)
@@ -505,7 +568,7 @@ def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | o
         cfg_tmp.write_text(json.dumps(config, indent=2) + "\n")
         os.replace(st_tmp, st_path)
         os.replace(cfg_tmp, cfg_path)
-    except BaseException as e:      # also a progress callback that raises (GUI cancel)
+    except BaseException as e:  # also a progress callback that raises (GUI cancel)
         if created:
             for p in (st_tmp, cfg_tmp):
                 if p is not None and p.exists():
@@ -522,11 +585,16 @@ def export_peft(base: Any, adapters: Iterable | Mapping | None, out_dir: str | o
             if p is not None and p.exists():
                 p.unlink()
     report(1.0, f"wrote {out_dir.name}")
-    return ExportResult(out_dir, len(mix.pairs), max(ranks.values()),
-                        sum(p.stat().st_size for p in (st_path, cfg_path)))
+    return ExportResult(
+        out_dir,
+        len(mix.pairs),
+        max(ranks.values()),
+        sum(p.stat().st_size for p in (st_path, cfg_path)),
+    )
 
 
 # ---- the command line ----------------------------------------------------------
+
 
 def _cli_progress(label: str) -> Progress:
     tty = sys.stderr.isatty()
@@ -542,6 +610,7 @@ def _cli_progress(label: str) -> Progress:
         elif pct // 10 > last[0] // 10 or (frac >= 1.0 and last[0] < 100):
             print(f"mixdesk: {label}: {pct:3d}% {msg}", file=sys.stderr, flush=True)
         last[0] = pct
+
     return show
 
 
@@ -550,11 +619,15 @@ def run_exports(args) -> int:
     --export-lora/--export-merged/--export-peft. Raises ValueError subclasses
     (printed as one line by main.py); returns the exit status."""
     from .default_model import ensure_default_model
+
     adapters = list(getattr(args, "adapters", None) or [])
     if not adapters:
         raise ExportError("nothing to export: give adapters with --lora or --lora-scaled")
-    base = Path(args.model) if getattr(args, "model", None) else \
-        ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    base = (
+        Path(args.model)
+        if getattr(args, "model", None)
+        else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    )
     # Load every adapter once (clear errors before any file is written).
     _, cfg = open_model_file(base)
     loaded = [(load_adapter(p, cfg), s) for p, s in adapters]
@@ -565,24 +638,42 @@ def run_exports(args) -> int:
     small = "f16" if explicit == "f16" else "f32"
     jobs = []
     if args.export_lora:
-        jobs.append(("export-lora", lambda p: export_lora(base, loaded, args.export_lora,
-                                                          dtype=small, progress=p)))
+        jobs.append(
+            (
+                "export-lora",
+                lambda p: export_lora(base, loaded, args.export_lora, dtype=small, progress=p),
+            )
+        )
     if args.export_peft:
-        jobs.append(("export-peft", lambda p: export_peft(base, loaded, args.export_peft,
-                                                          dtype=small, progress=p)))
+        jobs.append(
+            (
+                "export-peft",
+                lambda p: export_peft(base, loaded, args.export_peft, dtype=small, progress=p),
+            )
+        )
     if args.export_merged:
-        jobs.append(("export-merged", lambda p: export_merged(base, loaded, args.export_merged,
-                                                              outtype=outtype, progress=p)))
+        jobs.append(
+            (
+                "export-merged",
+                lambda p: export_merged(
+                    base, loaded, args.export_merged, outtype=outtype, progress=p
+                ),
+            )
+        )
     for label, job in jobs:
         res = job(_cli_progress(label))
-        print(f"mixdesk: {label}: wrote {res.path} ({res.nbytes / 1e6:.1f} MB, "
-              f"{res.n_tensors} tensors, rank up to {res.rank})", file=sys.stderr)
+        print(
+            f"mixdesk: {label}: wrote {res.path} ({res.nbytes / 1e6:.1f} MB, "
+            f"{res.n_tensors} tensors, rank up to {res.rank})",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _explicit_outtype(args) -> str | None:
     try:
         from .cli import build_parser
+
         default = build_parser().get_default("outtype")
     except Exception:
         default = None

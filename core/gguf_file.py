@@ -9,6 +9,7 @@ stays in a read-only memory map until it is dequantized.
 Every malformed-file path raises :class:`GGUFError` with the file name and the
 problem, never a bare ``struct.error`` or ``IndexError``.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -21,28 +22,38 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .errors import UserError
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> (struct code, numpy dtype)
 _SCALARS = {
-    0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
-    4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
-    10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64),
+    0: ("<B", np.uint8),
+    1: ("<b", np.int8),
+    2: ("<H", np.uint16),
+    3: ("<h", np.int16),
+    4: ("<I", np.uint32),
+    5: ("<i", np.int32),
+    6: ("<f", np.float32),
+    7: ("<?", np.bool_),
+    10: ("<Q", np.uint64),
+    11: ("<q", np.int64),
+    12: ("<d", np.float64),
 }
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError):
     """A GGUF file is unreadable; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    shape: tuple[int, ...]        # numpy order (rows, cols): reversed from GGUF's ne[]
+    shape: tuple[int, ...]  # numpy order (rows, cols): reversed from GGUF's ne[]
     qtype: GGMLQuantizationType
-    offset: int                   # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file
     nbytes: int
 
     @property
@@ -58,8 +69,10 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.name}: file is truncated or corrupt "
-                            f"(needs {n} bytes at offset {self.pos}, file has {len(self.buf)})")
+            raise GGUFError(
+                f"{self.name}: file is truncated or corrupt "
+                f"(needs {n} bytes at offset {self.pos}, file has {len(self.buf)})"
+            )
 
     def unpack(self, fmt: str):
         size = struct.calcsize(fmt)
@@ -71,7 +84,7 @@ class _Cursor:
     def string(self) -> str:
         n = self.unpack("<Q")
         self.need(n)
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -111,7 +124,7 @@ class _Cursor:
             if pos + ln > end:
                 self.pos = pos
                 self.need(ln)
-            append(str(buf[pos:pos + ln], "utf-8", "replace"))
+            append(str(buf[pos : pos + ln], "utf-8", "replace"))
             pos += ln
         self.pos = pos
         return out
@@ -162,7 +175,9 @@ class GGUFFile:
             try:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
-                raise GGUFError(f"{name}: tensor {tname!r} has unknown type id {raw_type}") from None
+                raise GGUFError(
+                    f"{name}: tensor {tname!r} has unknown type id {raw_type}"
+                ) from None
             infos.append((tname, tuple(reversed(dims)), qtype, offset))
         align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = (cur.pos + align - 1) // align * align
@@ -171,13 +186,17 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
             n = int(np.prod(shape)) if shape else 1
             if shape and shape[-1] % block:
-                raise GGUFError(f"{name}: tensor {tname!r} row of {shape[-1]} is not a "
-                                f"multiple of the {qtype.name} block size {block}")
+                raise GGUFError(
+                    f"{name}: tensor {tname!r} row of {shape[-1]} is not a "
+                    f"multiple of the {qtype.name} block size {block}"
+                )
             nbytes = n // block * type_size
             start = data_start + offset
             if start + nbytes > size:
-                raise GGUFError(f"{name}: file is truncated: tensor {tname!r} needs bytes "
-                                f"{start}..{start + nbytes} but the file has {size}")
+                raise GGUFError(
+                    f"{name}: file is truncated: tensor {tname!r} needs bytes "
+                    f"{start}..{start + nbytes} but the file has {size}"
+                )
             self.tensors[tname] = TensorInfo(tname, shape, qtype, start, nbytes)
         self.file_size = size
 

@@ -5,6 +5,7 @@ scheduler's running sequences live in a KVPool: one pair of arrays with a slot
 per sequence, so the model can attend for every decoding sequence with one
 batched matmul instead of a Python loop over sequences.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -14,9 +15,10 @@ import sys
 import numpy as np
 
 from .config import ModelConfig
+from .errors import UserError
 
 
-class ContextOverflow(ValueError):
+class ContextOverflow(UserError):
     pass
 
 
@@ -28,16 +30,22 @@ class KVCache:
     which is what the prefix cache matches on.
     """
 
-    def __init__(self, cfg: ModelConfig, capacity: int, _kv: tuple | None = None,
-                 pool: "KVPool | None" = None, slot: int = -1):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        capacity: int,
+        _kv: tuple | None = None,
+        pool: KVPool | None = None,
+        slot: int = -1,
+    ):
         if _kv is None:
             # np.empty: untouched capacity costs no RSS
             shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
             _kv = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
-        self.k, self.v = _kv                         # (L, n_kv, cap, hd) each
+        self.k, self.v = _kv  # (L, n_kv, cap, hd) each
         self.capacity = capacity
         self.pool, self.slot = pool, slot
-        self.origin: tuple[int, int] = (-1, -1)     # prefix-cache copies: (pool slot, generation)
+        self.origin: tuple[int, int] = (-1, -1)  # prefix-cache copies: (pool slot, generation)
         self.tokens: list[int] = []
 
     @property
@@ -50,14 +58,16 @@ class KVCache:
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:
-            raise ContextOverflow(f"context overflow: {self.length + n_new} tokens do not fit "
-                                  f"in a context of {self.capacity}")
+            raise ContextOverflow(
+                f"context overflow: {self.length + n_new} tokens do not fit "
+                f"in a context of {self.capacity}"
+            )
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n tokens (their KV is simply overwritten later)."""
         del self.tokens[n:]
 
-    def copy_prefix_from(self, other: "KVCache", n: int) -> None:
+    def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Take the first n positions of another cache (used to share cached prefixes)."""
         self.k[:, :, :n] = other.k[:, :, :n]
         self.v[:, :, :n] = other.v[:, :, :n]
@@ -80,13 +90,14 @@ class KVPool:
         shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k, self.v = _zero_pages(shape), _zero_pages(shape)
         self.capacity = capacity
-        self._caches = [KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i)
-                        for i in range(n_slots)]
+        self._caches = [
+            KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i) for i in range(n_slots)
+        ]
         # Free slots, least recently released first: a released slot keeps its keys
         # and values until it is handed out again, so handing out the oldest one
         # first keeps a just-finished sequence's KV in place for as long as possible.
         self._free = list(range(n_slots))
-        self._gen = [0] * n_slots          # bumped on every acquire of the slot
+        self._gen = [0] * n_slots  # bumped on every acquire of the slot
 
     @property
     def n_free(self) -> int:
@@ -94,7 +105,7 @@ class KVPool:
 
     def acquire(self) -> KVCache:
         if not self._free:
-            raise RuntimeError("no free KV slot")      # the scheduler admits at most n_slots
+            raise RuntimeError("no free KV slot")  # the scheduler admits at most n_slots
         return self._take(self._free.pop(0))
 
     def reclaim(self, slot: int, gen: int, tokens: list[int]) -> KVCache | None:
@@ -126,8 +137,10 @@ class KVPool:
 # Python's mmap module names MAP_NORESERVE only from 3.13; on 3.11 take Linux's value
 # (0x4000 on x86-64 and arm64). Elsewhere the flag is left out.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0) or (
-    0x4000 if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
-    else 0)
+    0x4000
+    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+    else 0
+)
 
 
 def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
@@ -135,10 +148,10 @@ def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
     n = int(np.prod(shape)) * 4
     # MAP_NORESERVE: a long context reserves address space, not commit charge, so the
     # kernel's overcommit heuristic does not refuse a pool that will mostly stay empty
-    if hasattr(mmap, "MAP_PRIVATE"):          # POSIX
+    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         buf = mmap.mmap(-1, max(n, 1), flags=flags)
-    else:                                     # Windows: a page-file backed, zeroed section
+    else:  # Windows: a page-file backed, zeroed section
         buf = mmap.mmap(-1, max(n, 1))
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)

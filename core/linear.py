@@ -24,6 +24,7 @@ Which wins depends on the CPU and the BLAS build, by wide margins either way, so
 and 8 rows, and keeps a regime per row count. ``bench/engine.py`` prints the
 rooflines and the choice.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,15 +33,15 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-SMALL_ROWS = 32       # up to here a small-batch regime can beat packed gemm (bench/engine.py)
-CHUNK = 64            # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
+SMALL_ROWS = 32  # up to here a small-batch regime can beat packed gemm (bench/engine.py)
+CHUNK = 64  # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
 REGIMES = ("gemv", "gemm", "blocked")
-CALIBRATE_ROWS = (2, 3, 4, 8)   # row counts timed at load; 5..SMALL_ROWS follow 8's choice
-GEMV_ROWS = 4         # per-row gemv is timed (and used) only up to this many rows
+CALIBRATE_ROWS = (2, 3, 4, 8)  # row counts timed at load; 5..SMALL_ROWS follow 8's choice
+GEMV_ROWS = 4  # per-row gemv is timed (and used) only up to this many rows
 BLOCKED_MARGIN = 1.3  # calibrate() picks the blocked products only when this much faster
 
 
@@ -48,6 +49,7 @@ def blas_threads() -> int:
     """The BLAS thread count in force (honours -t/--threads, set with threadpoolctl)."""
     try:
         from threadpoolctl import threadpool_info
+
         n = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
         return max(n) if n else (os.cpu_count() or 1)
     except Exception:  # pragma: no cover - threadpoolctl is a pinned dependency
@@ -94,8 +96,7 @@ class Linear:
                 runs.append([t, t, self._by_rows[t]])
         return ", ".join(f"{a}{'' if a == b else f'-{b}'} rows {r}" for a, b, r in runs)
 
-    def calibrate(self, mats: list[np.ndarray], rounds: int = 2
-                  ) -> dict[int, dict[str, float]]:
+    def calibrate(self, mats: list[np.ndarray], rounds: int = 2) -> dict[int, dict[str, float]]:
         """Time one pass over ``mats`` in each regime for each of CALIBRATE_ROWS row
         counts (best of ``rounds``, alternating, so all see the same minute of a
         shared machine) and keep the fastest per row count, gemv only up to
@@ -113,9 +114,12 @@ class Linear:
         rng = np.random.default_rng(0)
         best: dict[int, dict[str, float]] = {
             t: {r: float("inf") for r in REGIMES if r != "gemv" or t <= GEMV_ROWS}
-            for t in CALIBRATE_ROWS}
-        xs = {t: {m.shape[1]: rng.standard_normal((t, m.shape[1])).astype(np.float32)
-                  for m in mats} for t in CALIBRATE_ROWS}
+            for t in CALIBRATE_ROWS
+        }
+        xs = {
+            t: {m.shape[1]: rng.standard_normal((t, m.shape[1])).astype(np.float32) for m in mats}
+            for t in CALIBRATE_ROWS
+        }
         for _ in range(rounds):
             for t, times in best.items():
                 for regime in times:
@@ -141,12 +145,14 @@ class Linear:
         """Hold OpenBLAS at one thread, so small products take its small-matrix kernels."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
+
             self._blas = ThreadpoolController().select(user_api="blas")
         with self._blas.limit(limits=1):
             yield
 
-    def __call__(self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
-                 ) -> np.ndarray:
+    def __call__(
+        self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
+    ) -> np.ndarray:
         """x: (T, in) float32; w: (out, in) C-contiguous -> (T, out).
 
         ``side`` is other work that needs only x (a LoRA delta): in the blocked
@@ -154,39 +160,44 @@ class Linear:
         product, which then shrinks this thread's share; otherwise after it."""
         T = x.shape[0]
         if T == 1:
-            y = (w @ x[0])[None]                                       # (1, out) gemv
+            y = (w @ x[0])[None]  # (1, out) gemv
         elif T > SMALL_ROWS or not w.flags.c_contiguous:
-            y = x @ w.T                                                # (T, out) packed gemm
+            y = x @ w.T  # (T, out) packed gemm
         else:
             return self.small_product(self.regime(T), x, w, side)
         if side is not None:
             side()
         return y
 
-    def small_product(self, regime: str, x: np.ndarray, w: np.ndarray,
-                      side: Callable[[], None] | None = None) -> np.ndarray:
+    def small_product(
+        self, regime: str, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
+    ) -> np.ndarray:
         """``x @ w.T`` for 2..SMALL_ROWS rows in the given regime (the caller holds
         ``small_batch(regime)``); ``side`` as in ``__call__``."""
         if regime == "blocked":
             return self.blocked(x, w, side)
         if regime == "gemv":
-            y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)   # (T, out)
+            y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # (T, out)
             for i in range(x.shape[0]):
-                np.matmul(w, x[i], out=y[i])                           # (out,) W mostly cached
+                np.matmul(w, x[i], out=y[i])  # (out,) W mostly cached
         else:
-            y = x @ w.T                                                # (T, out) packed gemm
+            y = x @ w.T  # (T, out) packed gemm
         if side is not None:
             side()
         return y
 
-    def blocked(self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
-                ) -> np.ndarray:
+    def blocked(
+        self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
+    ) -> np.ndarray:
         n_out, n_in = w.shape
-        x = np.ascontiguousarray(x)                                    # (T, in)
-        y = np.empty((x.shape[0], n_out), dtype=np.float32)            # (T, out)
+        x = np.ascontiguousarray(x)  # (T, in)
+        y = np.empty((x.shape[0], n_out), dtype=np.float32)  # (T, out)
         # whole blocks are split between threads; the last share takes any ragged tail
-        self.split(n_out // CHUNK, lambda i, j, last: _rows(
-            w, x, y, i * CHUNK, n_out if last else j * CHUNK), side)
+        self.split(
+            n_out // CHUNK,
+            lambda i, j, last: _rows(w, x, y, i * CHUNK, n_out if last else j * CHUNK),
+            side,
+        )
         return y
 
     def split(self, n: int, fn, side: Callable[[], None] | None = None) -> None:
@@ -207,7 +218,7 @@ class Linear:
             return
         rel = self._rel[side is not None]
         total = sum(rel)
-        cuts = [0] + [round(n * sum(rel[:k + 1]) / total) for k in range(parts - 1)] + [n]
+        cuts = [0] + [round(n * sum(rel[: k + 1]) / total) for k in range(parts - 1)] + [n]
         done = [0.0] * parts
         t0 = time.perf_counter()
 
@@ -222,7 +233,7 @@ class Linear:
         try:
             run(0)
         finally:
-            for h in self._helpers[:parts - 1]:
+            for h in self._helpers[: parts - 1]:
                 h.wait()
         # blocks per second from submission to finish, relative to the mean: an EMA
         speed = [(cuts[k + 1] - cuts[k]) / done[k] if done[k] > 0 else 0.0 for k in range(parts)]
@@ -301,7 +312,10 @@ def _rows(w: np.ndarray, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
     full = a + (b - a) // CHUNK * CHUNK
     if full > a:
         nb = (full - a) // CHUNK
-        np.matmul(x, w[a:full].reshape(nb, CHUNK, n_in).transpose(0, 2, 1),
-                  out=y[:, a:full].reshape(T, nb, CHUNK).transpose(1, 0, 2))  # (blocks, T, CHUNK)
+        np.matmul(
+            x,
+            w[a:full].reshape(nb, CHUNK, n_in).transpose(0, 2, 1),
+            out=y[:, a:full].reshape(T, nb, CHUNK).transpose(1, 0, 2),
+        )  # (blocks, T, CHUNK)
     if b > full:
-        np.matmul(x, w[full:b].T, out=y[:, full:b])                    # (T, tail)
+        np.matmul(x, w[full:b].T, out=y[:, full:b])  # (T, tail)

@@ -5,6 +5,7 @@ An :class:`Adapter` holds, per base tensor name (GGUF naming, e.g.
 use for it. Both loaders end in the same validation against the base model's
 shapes, so every error names the adapter and the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,13 @@ import numpy as np
 from gguf import quants
 
 from .config import ModelConfig
+from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile
 
 log = logging.getLogger(__name__)
 
 
-class AdapterError(ValueError):
+class AdapterError(UserError):
     """An adapter cannot be used; the message names the adapter (and tensor)."""
 
 
@@ -38,15 +40,22 @@ def effective_scale(scale: float, alpha: float | None, rank: int) -> float:
 
 # GGUF tensor suffix -> (fused target in core.model, which row block of it)
 _BLOCK_TENSORS = {
-    "attn_q": ("wqkv", 0), "attn_k": ("wqkv", 1), "attn_v": ("wqkv", 2),
+    "attn_q": ("wqkv", 0),
+    "attn_k": ("wqkv", 1),
+    "attn_v": ("wqkv", 2),
     "attn_output": ("wo", 0),
-    "ffn_gate": ("w_gate_up", 0), "ffn_up": ("w_gate_up", 1),
+    "ffn_gate": ("w_gate_up", 0),
+    "ffn_up": ("w_gate_up", 1),
     "ffn_down": ("w_down", 0),
 }
 # HF (PEFT) module name -> GGUF tensor suffix
 _HF_TO_GGUF = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -54,8 +63,15 @@ _HF_TO_GGUF = {
 def base_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """numpy (out, in) shape of every base matrix a LoRA may target."""
     d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    per = {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
-           "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    per = {
+        "attn_q": (q, d),
+        "attn_k": (kv, d),
+        "attn_v": (kv, d),
+        "attn_output": (d, q),
+        "ffn_gate": (f, d),
+        "ffn_up": (f, d),
+        "ffn_down": (d, f),
+    }
     shapes = {"token_embd.weight": (cfg.vocab_size, d), "output.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):
         for k, s in per.items():
@@ -95,16 +111,17 @@ def permute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter permutes Q/K weight rows per head (HF rotate-half ->
     adjacent-pair rope). A LoRA's B on q_proj/k_proj needs the same permutation."""
     out, r = b.shape
-    return (b.reshape(n_head, 2, out // n_head // 2, r).swapaxes(1, 2).reshape(out, r))
+    return b.reshape(n_head, 2, out // n_head // 2, r).swapaxes(1, 2).reshape(out, r)
 
 
 # ---- the adapter ----------------------------------------------------------
 
+
 @dataclass
 class LoraPair:
-    a: np.ndarray           # (rank, in); for token_embd: (vocab, rank)
-    b: np.ndarray           # (out, rank); for token_embd: (dim, rank)
-    alpha: float | None     # None: the scale is used as is
+    a: np.ndarray  # (rank, in); for token_embd: (vocab, rank)
+    b: np.ndarray  # (out, rank); for token_embd: (dim, rank)
+    alpha: float | None  # None: the scale is used as is
 
     @property
     def rank(self) -> int:
@@ -118,14 +135,14 @@ class LoraPair:
 class Adapter:
     path: Path
     name: str
-    format: str                         # "gguf" | "peft"
+    format: str  # "gguf" | "peft"
     tensors: dict[str, LoraPair]
     alpha: float | None = None
     task_name: str = ""
     prompt_prefix: str = ""
     invocation_tokens: list[int] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    id: int = -1                        # assigned by the registry; stable for the session
+    id: int = -1  # assigned by the registry; stable for the session
 
     @property
     def ranks(self) -> list[int]:
@@ -149,11 +166,20 @@ class Adapter:
         return effective_scale(scale, self.alpha, self.rank) if self.tensors else scale
 
     def info(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "path": str(self.path), "format": self.format,
-                "rank": self.rank, "alpha": self.alpha, "targets": self.targets,
-                "n_tensors": len(self.tensors), "size_bytes": self.nbytes,
-                "task_name": self.task_name, "prompt_prefix": self.prompt_prefix,
-                "invocation_tokens": list(self.invocation_tokens)}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "path": str(self.path),
+            "format": self.format,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "targets": self.targets,
+            "n_tensors": len(self.tensors),
+            "size_bytes": self.nbytes,
+            "task_name": self.task_name,
+            "prompt_prefix": self.prompt_prefix,
+            "invocation_tokens": list(self.invocation_tokens),
+        }
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
@@ -178,12 +204,16 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     meta = gf.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type", "lora") != "lora":
         kind = meta.get("general.type", "no general.type")
-        raise AdapterError(f"adapter {path.name}: not a LoRA adapter GGUF (general.type={kind!r}, "
-                           f"adapter.type={meta.get('adapter.type')!r})")
+        raise AdapterError(
+            f"adapter {path.name}: not a LoRA adapter GGUF (general.type={kind!r}, "
+            f"adapter.type={meta.get('adapter.type')!r})"
+        )
     arch = meta.get("general.architecture")
     if arch != cfg.arch:
-        raise AdapterError(f"adapter {path.name}: made for architecture {arch!r}, "
-                           f"but the base model is {cfg.arch!r}")
+        raise AdapterError(
+            f"adapter {path.name}: made for architecture {arch!r}, "
+            f"but the base model is {cfg.arch!r}"
+        )
     alpha = meta.get("adapter.lora.alpha")
     alpha = float(alpha) if alpha else None
     pairs: dict[str, dict[str, np.ndarray]] = {}
@@ -191,8 +221,10 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     for tname, info in gf.tensors.items():
         m = re.fullmatch(r"(.+)\.lora_([ab])", tname)
         if not m:
-            raise AdapterError(f"adapter {path.name}: unexpected tensor {tname!r} "
-                               "(expected <base>.lora_a / <base>.lora_b)")
+            raise AdapterError(
+                f"adapter {path.name}: unexpected tensor {tname!r} "
+                "(expected <base>.lora_a / <base>.lora_b)"
+            )
         base, which = m.groups()
         if base.endswith("_norm.weight"):
             skipped.append(tname)
@@ -200,12 +232,17 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
         try:
             arr = quants.dequantize(gf.raw(tname), info.qtype).reshape(info.shape)
         except NotImplementedError:
-            raise AdapterError(f"adapter {path.name}: tensor {tname!r} has unsupported "
-                               f"type {info.qtype.name}") from None
+            raise AdapterError(
+                f"adapter {path.name}: tensor {tname!r} has unsupported type {info.qtype.name}"
+            ) from None
         pairs.setdefault(base, {})[which] = np.ascontiguousarray(arr, dtype=np.float32)
     if skipped:
-        log.warning("adapter %s: skipping %d norm tensors (as llama.cpp does): %s",
-                    path.name, len(skipped), ", ".join(skipped[:3]))
+        log.warning(
+            "adapter %s: skipping %d norm tensors (as llama.cpp does): %s",
+            path.name,
+            len(skipped),
+            ", ".join(skipped[:3]),
+        )
     tensors = {}
     for base, ab in pairs.items():
         if set(ab) != {"a", "b"}:
@@ -214,11 +251,17 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
         tensors[base] = LoraPair(ab["a"], ab["b"], alpha)
     inv = meta.get("adapter.alora.invocation_tokens")
     name = path.stem
-    return Adapter(path=path, name=name, format="gguf", tensors=tensors, alpha=alpha,
-                   task_name=str(meta.get("adapter.lora.task_name", "") or ""),
-                   prompt_prefix=str(meta.get("adapter.lora.prompt_prefix", "") or ""),
-                   invocation_tokens=[int(t) for t in inv] if inv is not None else [],
-                   skipped=skipped)
+    return Adapter(
+        path=path,
+        name=name,
+        format="gguf",
+        tensors=tensors,
+        alpha=alpha,
+        task_name=str(meta.get("adapter.lora.task_name", "") or ""),
+        prompt_prefix=str(meta.get("adapter.lora.prompt_prefix", "") or ""),
+        invocation_tokens=[int(t) for t in inv] if inv is not None else [],
+        skipped=skipped,
+    )
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -233,6 +276,7 @@ def _pattern_value(patterns: dict, module: str, default):
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Tensors as float32. numpy has no bfloat16, so BF16 is widened by hand."""
     from safetensors import safe_open
+
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
     if header_len <= 0 or header_len > path.stat().st_size:
@@ -262,21 +306,28 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
     if not cfg_path.exists():
         raise AdapterError(f"adapter {label}: no adapter_config.json in {folder}")
     if not st_path.exists():
-        extra = " (adapter_model.bin is not supported: re-save with safetensors)" \
-            if (folder / "adapter_model.bin").exists() else ""
+        extra = (
+            " (adapter_model.bin is not supported: re-save with safetensors)"
+            if (folder / "adapter_model.bin").exists()
+            else ""
+        )
         raise AdapterError(f"adapter {label}: no adapter_model.safetensors in {folder}{extra}")
     try:
         pc = json.loads(cfg_path.read_text())
     except ValueError as e:
-        raise AdapterError(f"adapter {label}: adapter_config.json is not valid JSON ({e})") from None
+        raise AdapterError(
+            f"adapter {label}: adapter_config.json is not valid JSON ({e})"
+        ) from None
     ptype = pc.get("peft_type", "LORA")
     if ptype != "LORA":
         raise AdapterError(f"adapter {label}: unsupported: PEFT type {ptype} (only LORA)")
     if pc.get("use_dora"):
         raise AdapterError(f"adapter {label}: unsupported: DoRA (use_dora=true)")
     if pc.get("modules_to_save"):
-        raise AdapterError(f"adapter {label}: unsupported: modules_to_save "
-                           f"({', '.join(pc['modules_to_save'])}) stores full weights, not a LoRA")
+        raise AdapterError(
+            f"adapter {label}: unsupported: modules_to_save "
+            f"({', '.join(pc['modules_to_save'])}) stores full weights, not a LoRA"
+        )
     if pc.get("bias", "none") != "none":
         raise AdapterError(f"adapter {label}: unsupported: bias training (bias={pc['bias']!r})")
     if pc.get("fan_in_fan_out"):
@@ -289,12 +340,17 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
     except AdapterError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise AdapterError(f"adapter {label}: cannot read adapter_model.safetensors ({e})") from None
+        raise AdapterError(
+            f"adapter {label}: cannot read adapter_model.safetensors ({e})"
+        ) from None
 
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in raw.items():
-        m = re.fullmatch(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
-                         r"lora_magnitude_vector)(?:\.default)?(?:\.weight)?", key)
+        m = re.fullmatch(
+            r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+            r"lora_magnitude_vector)(?:\.default)?(?:\.weight)?",
+            key,
+        )
         if not m:
             if key.endswith(".bias"):
                 raise AdapterError(f"adapter {label}: unsupported: bias training ({key})")
@@ -308,16 +364,20 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
     for module, parts in modules.items():
         gname = hf_module_to_gguf(module)
         if gname is None:
-            raise AdapterError(f"adapter {label}: module {module!r} has no counterpart in a "
-                               "llama GGUF (supported: q/k/v/o_proj, gate/up/down_proj, "
-                               "embed_tokens, lm_head)")
+            raise AdapterError(
+                f"adapter {label}: module {module!r} has no counterpart in a "
+                "llama GGUF (supported: q/k/v/o_proj, gate/up/down_proj, "
+                "embed_tokens, lm_head)"
+            )
         short = module.removeprefix("base_model.model.")
         rank = int(_pattern_value(pc.get("rank_pattern"), short, r_default))
         alpha = float(_pattern_value(pc.get("alpha_pattern"), short, alpha_default))
         if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
             if set(parts) != {"lora_embedding_A", "lora_embedding_B"}:
-                raise AdapterError(f"adapter {label}: module {module!r} needs both "
-                                   "lora_embedding_A and lora_embedding_B")
+                raise AdapterError(
+                    f"adapter {label}: module {module!r} needs both "
+                    "lora_embedding_A and lora_embedding_B"
+                )
             # PEFT embedding LoRA: A (r, vocab), B (dim, r); llama.cpp wants a (vocab, r), b (dim, r)
             a, b = parts["lora_embedding_A"].T, parts["lora_embedding_B"]
         else:
@@ -326,22 +386,34 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
             a, b = parts["lora_A"], parts["lora_B"]
             want_out = base_tensor_shapes(cfg).get(gname, (None,))[0]
             if b.ndim != 2 or b.shape[0] != want_out:
-                raise AdapterError(f"adapter {label}: tensor {gname!r} lora_B has shape "
-                                   f"{b.shape}, the base has {want_out} output rows")
+                raise AdapterError(
+                    f"adapter {label}: tensor {gname!r} lora_B has shape "
+                    f"{b.shape}, the base has {want_out} output rows"
+                )
             if gname.endswith("attn_q.weight"):
                 b = permute_qk_rows(b, cfg.n_heads)
             elif gname.endswith("attn_k.weight"):
                 b = permute_qk_rows(b, cfg.n_kv_heads)
         if b.shape[1] != rank:
-            raise AdapterError(f"adapter {label}: tensor {gname!r} has rank {b.shape[1]} but "
-                               f"adapter_config.json says r={rank}")
+            raise AdapterError(
+                f"adapter {label}: tensor {gname!r} has rank {b.shape[1]} but "
+                f"adapter_config.json says r={rank}"
+            )
         # rsLoRA scales by alpha/sqrt(r); express it as an alpha for the one formula.
         eff_alpha = alpha * math.sqrt(rank) if rslora else alpha
-        tensors[gname] = LoraPair(np.ascontiguousarray(a, dtype=np.float32),
-                                  np.ascontiguousarray(b, dtype=np.float32), eff_alpha)
-    return Adapter(path=folder, name=folder.name, format="peft", tensors=tensors,
-                   alpha=alpha_default * math.sqrt(r_default) if rslora else alpha_default,
-                   task_name=str(pc.get("task_type") or ""))
+        tensors[gname] = LoraPair(
+            np.ascontiguousarray(a, dtype=np.float32),
+            np.ascontiguousarray(b, dtype=np.float32),
+            eff_alpha,
+        )
+    return Adapter(
+        path=folder,
+        name=folder.name,
+        format="peft",
+        tensors=tensors,
+        alpha=alpha_default * math.sqrt(r_default) if rslora else alpha_default,
+        task_name=str(pc.get("task_type") or ""),
+    )
 
 
 def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
@@ -351,20 +423,23 @@ def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
     shapes = base_tensor_shapes(cfg)
     for name, pair in adapter.tensors.items():
         if name not in shapes:
-            raise AdapterError(f"adapter {label}: tensor {name!r} does not exist in the base "
-                               f"model ({cfg.name}, {cfg.n_layers} layers)")
+            raise AdapterError(
+                f"adapter {label}: tensor {name!r} does not exist in the base "
+                f"model ({cfg.name}, {cfg.n_layers} layers)"
+            )
         out, inp = shapes[name]
         a, b = pair.a, pair.b
         if a.ndim != 2 or b.ndim != 2:
             raise AdapterError(f"adapter {label}: tensor {name!r}: lora_a/lora_b must be 2-D")
         if name == "token_embd.weight":
-            want_a, want_b = (out, b.shape[1]), (inp, a.shape[1])   # flipped, as llama.cpp
+            want_a, want_b = (out, b.shape[1]), (inp, a.shape[1])  # flipped, as llama.cpp
         else:
             want_a, want_b = (a.shape[0], inp), (out, a.shape[0])
         if a.shape != want_a or b.shape != want_b:
             raise AdapterError(
                 f"adapter {label}: tensor {name!r} does not fit the base: lora_a {a.shape}, "
                 f"lora_b {b.shape}; base weight is {(out, inp)} (out, in), so expected "
-                f"lora_a {want_a} and lora_b {want_b}")
+                f"lora_a {want_a} and lora_b {want_b}"
+            )
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise AdapterError(f"adapter {label}: tensor {name!r} contains NaN or Inf")

@@ -7,12 +7,13 @@ key we build, once and lazily, per layer and per fused projection one A
 folded into B. The forward pass then adds ``(x Aᵀ) Bᵀ`` per sequence; base
 weights are never touched, so switching mixes costs nothing model-sized.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -36,15 +37,16 @@ class Delta:
     A's rank rows are ordered by the part they feed, and each part keeps only
     its dense block: ``(row0, row1, col0, col1, B (row1-row0, col1-col0))``.
     """
-    a: np.ndarray                                              # (R, in)
+
+    a: np.ndarray  # (R, in)
     parts: tuple[tuple[int, int, int, int, np.ndarray], ...]
     n_out: int
 
     def apply(self, y: np.ndarray, x: np.ndarray) -> None:
         # y: (n, out) += ((x: (n, in)) Aᵀ) Bᵀ, part by part
-        u = x @ self.a.T                                           # (n, R)
+        u = x @ self.a.T  # (n, R)
         for r0, r1, c0, c1, b in self.parts:
-            y[:, r0:r1] += u[:, c0:c1] @ b.T                       # (n, rows)
+            y[:, r0:r1] += u[:, c0:c1] @ b.T  # (n, rows)
 
     def dense_b(self) -> np.ndarray:
         """The fused (out, R) B, zeros included (for inspection and tests)."""
@@ -66,7 +68,7 @@ class MixWeights:
     output: tuple[np.ndarray, np.ndarray] | None = None
     nbytes: int = 0
     adapter_ids: frozenset[int] = field(default_factory=frozenset)
-    sources: tuple[tuple[Adapter, float], ...] = ()   # (adapter, user scale) per key entry
+    sources: tuple[tuple[Adapter, float], ...] = ()  # (adapter, user scale) per key entry
 
 
 def _placed(cfg: ModelConfig, ad: Adapter, scale: float):
@@ -87,8 +89,12 @@ def _placed(cfg: ModelConfig, ad: Adapter, scale: float):
 
 
 def _out_rows(cfg: ModelConfig) -> dict[str, int]:
-    return {"wqkv": cfg.q_dim + 2 * cfg.kv_dim, "wo": cfg.dim,
-            "w_gate_up": 2 * cfg.ffn_dim, "w_down": cfg.dim}
+    return {
+        "wqkv": cfg.q_dim + 2 * cfg.kv_dim,
+        "wo": cfg.dim,
+        "w_gate_up": 2 * cfg.ffn_dim,
+        "w_down": cfg.dim,
+    }
 
 
 def _by_part(pieces: list) -> list[tuple[int, int, list]]:
@@ -108,17 +114,23 @@ def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[i
         for r0, r1, abs_ in _by_part(plist):
             r = sum(a.shape[0] for a, _ in abs_)
             a_rows += [a for a, _ in abs_]
-            parts.append((r0, r1, col, col + r,
-                          np.ascontiguousarray(np.concatenate([b for _, b in abs_], axis=1))))
+            parts.append(
+                (
+                    r0,
+                    r1,
+                    col,
+                    col + r,
+                    np.ascontiguousarray(np.concatenate([b for _, b in abs_], axis=1)),
+                )
+            )
             col += r
-        fused[layer, target] = Delta(np.concatenate(a_rows, axis=0), tuple(parts),
-                                     out_rows[target])
+        fused[layer, target] = Delta(np.concatenate(a_rows, axis=0), tuple(parts), out_rows[target])
     return fused
 
 
 def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) -> MixWeights:
     """Stack the adapters of one mix into per-layer (A, B) pairs with scales in B."""
-    parts: dict[tuple[int, str], list] = {}   # (layer, target) -> [(row0, rows, a, b*s)]
+    parts: dict[tuple[int, str], list] = {}  # (layer, target) -> [(row0, rows, a, b*s)]
     embd, outp = [], []
     for aid, scale in key:
         p, e, o = _placed(cfg, adapters[aid], scale)
@@ -142,9 +154,14 @@ def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) ->
         b = np.concatenate([p[1] for p in pairs], axis=1)
         return a, b
 
-    mw = MixWeights(key=key, layers=layers, embd=stack(embd, True), output=stack(outp, False),
-                    adapter_ids=frozenset(i for i, _ in key),
-                    sources=tuple((adapters[aid], s) for aid, s in key))
+    mw = MixWeights(
+        key=key,
+        layers=layers,
+        embd=stack(embd, True),
+        output=stack(outp, False),
+        adapter_ids=frozenset(i for i, _ in key),
+        sources=tuple((adapters[aid], s) for aid, s in key),
+    )
     mw.nbytes = nbytes + sum(x.nbytes for pair in (mw.embd, mw.output) if pair for x in pair)
     return mw
 
@@ -162,6 +179,7 @@ class AdapterStack:
     columns. Eight streams on eight mixes of three adapters thus read three
     adapters' weights once per step, not eight mixes' worth.
     """
+
     adapters: tuple[Adapter, ...]
     layers: list[dict[str, tuple[np.ndarray, tuple, tuple[tuple[int, int, int], ...], int]]]
 
@@ -173,8 +191,11 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     for layer, target in sorted({k for p in placed for k in p}):
         # columns ordered by part, then by adapter: each part's Bᵀ is one dense block
-        tagged = [(row0, rows, (i, a), b) for i, p in enumerate(placed)
-                  for row0, rows, a, b in p.get((layer, target), [])]
+        tagged = [
+            (row0, rows, (i, a), b)
+            for i, p in enumerate(placed)
+            for row0, rows, a, b in p.get((layer, target), [])
+        ]
         a_rows, parts, segs, col = [], [], [], 0
         for r0, r1, iab in _by_part(tagged):
             c_part = col
@@ -182,10 +203,14 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
                 segs.append((i, col, col + a.shape[0]))
                 a_rows.append(a)
                 col += a.shape[0]
-            bt = np.concatenate([b for _, b in iab], axis=1).T                 # (cols, rows)
+            bt = np.concatenate([b for _, b in iab], axis=1).T  # (cols, rows)
             parts.append((r0, r1, c_part, col, np.ascontiguousarray(bt)))
-        layers[layer][target] = (np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
-                                 tuple(parts), tuple(segs), out_rows[target])
+        layers[layer][target] = (
+            np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
+            tuple(parts),
+            tuple(segs),
+            out_rows[target],
+        )
     return AdapterStack(adapters, layers)
 
 

@@ -1,5 +1,6 @@
 """Where Mixdesk keeps its files (platformdirs). ``MIXDESK_HOME`` overrides all of
 them at once, which tests use to isolate settings from the user's real ones."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ mix key is identical, so a cache built under one mix is never served to another
 (llama.cpp #26207). Zero-scale adapters are not part of a mix key, so they do
 not split the cache. Memory is bounded by an LRU on the bytes actually used.
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,13 +5,16 @@ The sampler is a plain callable ``sampler(logits, history) -> token`` built from
 The chain follows llama.cpp's default order: penalties, top-k, top-p, min-p,
 temperature. Temperature <= 0 is greedy.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from .errors import UserError
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
@@ -26,29 +29,37 @@ class SamplingParams:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None          # None or -1: a fresh random seed
-    n_predict: int = -1              # -1: until end of generation or context full
+    seed: int | None = None  # None or -1: a fresh random seed
+    n_predict: int = -1  # -1: until end of generation or context full
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    n_probs: int = 0                 # top-N logprobs to report per generated token
+    n_probs: int = 0  # top-N logprobs to report per generated token
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
 
-class SamplingError(ValueError):
+class SamplingError(UserError):
     pass
 
 
 def validate(p: SamplingParams) -> SamplingParams:
     """Reject values that would make sampling meaningless, naming the field."""
+
     def finite(name):
         v = getattr(p, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise SamplingError(f"{name} must be a finite number, got {v!r}")
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty",
-                 "presence_penalty", "frequency_penalty"):
+
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repeat_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         finite(name)
     for name in ("top_k", "repeat_last_n", "n_predict", "n_probs"):
         v = getattr(p, name)
@@ -84,10 +95,13 @@ def top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
 
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
-    if p.repeat_last_n == 0 or not history or (
-            p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+    if (
+        p.repeat_last_n == 0
+        or not history
+        or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    ):
         return logits
-    window = history if p.repeat_last_n < 0 else history[-p.repeat_last_n:]
+    window = history if p.repeat_last_n < 0 else history[-p.repeat_last_n :]
     ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
     out = logits.copy()
     vals = out[ids]
@@ -140,8 +154,8 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
-        self.text = ""        # everything generated so far
-        self.sent = 0         # how much of text was released
+        self.text = ""  # everything generated so far
+        self.sent = 0  # how much of text was released
         self.hit: str | None = None
 
     def feed(self, piece: str) -> str:
@@ -153,7 +167,7 @@ class StopMatcher:
             if i != -1 and (self.hit is None or i < self._hit_at):
                 self.hit, self._hit_at = s, i
         if self.hit is not None:
-            self.text = self.text[:self._hit_at]
+            self.text = self.text[: self._hit_at]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._partial_len())
 
@@ -169,7 +183,7 @@ class StopMatcher:
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.sent)
-        out = self.text[self.sent:upto]
+        out = self.text[self.sent : upto]
         self.sent = upto
         return out
 

@@ -9,6 +9,7 @@ Events are delivered by calling ``request.on_event`` on the scheduler thread;
 consumers move them to their own thread (asyncio: call_soon_threadsafe; Qt: a
 queued signal).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -29,19 +30,19 @@ from .sampling import SamplingParams, StopMatcher, log_softmax, make_sampler, to
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512       # prompt tokens per sequence per step: bounds memory, keeps decode moving
-SPEC_NGRAM = (4, 3)       # n-gram sizes tried for prompt lookup, longest first
-SPEC_COOLDOWN = 4         # plain steps after a draft that paid off poorly, doubled per
-SPEC_BACKOFF_MAX = 4      # further poor draft in a row, up to 4 << 4 = 64 steps
-SPEC_MIN_GAIN = 3         # accepted tokens a draft must yield to keep drafting
-CAPACITY_ROUND = 64        # prefix-cache entries are sized in steps of this many positions
+PREFILL_CHUNK = 512  # prompt tokens per sequence per step: bounds memory, keeps decode moving
+SPEC_NGRAM = (4, 3)  # n-gram sizes tried for prompt lookup, longest first
+SPEC_COOLDOWN = 4  # plain steps after a draft that paid off poorly, doubled per
+SPEC_BACKOFF_MAX = 4  # further poor draft in a row, up to 4 << 4 = 64 steps
+SPEC_MIN_GAIN = 3  # accepted tokens a draft must yield to keep drafting
+CAPACITY_ROUND = 64  # prefix-cache entries are sized in steps of this many positions
 
 
 @dataclass
 class TokenEvent:
     token: int
-    text: str                                   # text released by this token (may be "")
-    logprob: float | None = None                # of the chosen token, when n_probs > 0
+    text: str  # text released by this token (may be "")
+    logprob: float | None = None  # of the chosen token, when n_probs > 0
     top: list[tuple[int, float]] | None = None  # top-n (id, logprob), when n_probs > 0
     kind: str = "token"
 
@@ -57,26 +58,31 @@ class Timings:
     def as_dict(self) -> dict:
         return {
             "cache_n": self.cache_n,
-            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0,
-            "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
-            "predicted_per_second":
-                1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n
+            if self.predicted_n
+            else 0.0,
+            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms
+            if self.predicted_ms
+            else 0.0,
         }
 
 
 @dataclass
 class DoneEvent:
-    stop_type: str                  # "eos" | "limit" | "word" | "cancel" | "error"
+    stop_type: str  # "eos" | "limit" | "word" | "cancel" | "error"
     content: str
     tokens: list[int]
     timings: Timings
     mix: MixKey
     stopping_word: str = ""
     error: str | None = None
-    error_type: str = ""            # e.g. "exceed_context_size_error"
+    error_type: str = ""  # e.g. "exceed_context_size_error"
     kind: str = "done"
 
 
@@ -87,14 +93,14 @@ Event = TokenEvent | DoneEvent
 class Request:
     prompt: list[int]
     params: SamplingParams
-    mix: MixKey                                  # snapshotted at admission by the engine
+    mix: MixKey  # snapshotted at admission by the engine
     mix_weights: MixWeights | None
     on_event: Callable[[Event], None]
     cache_prompt: bool = True
     source: str = ""
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    admitted_step: int = -1                      # the scheduler step that first ran it
+    admitted_step: int = -1  # the scheduler step that first ran it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -107,11 +113,11 @@ def prompt_lookup(history: list[int], k: int) -> list[int]:
     for n in SPEC_NGRAM:
         if len(h) <= n:
             continue
-        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)   # (len-n, n)
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)  # (len-n, n)
         hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return [int(t) for t in h[start:start + k]]
+            return [int(t) for t in h[start : start + k]]
     return []
 
 
@@ -121,8 +127,8 @@ class _Seq:
     def __init__(self, req: Request, cache: KVCache, n_cached: int, tokenizer, eog):
         self.req = req
         self.cache = cache
-        self.pending = list(req.prompt[n_cached:])      # prompt tokens not yet run
-        self.history = list(req.prompt)                  # for penalties
+        self.pending = list(req.prompt[n_cached:])  # prompt tokens not yet run
+        self.history = list(req.prompt)  # for penalties
         self.generated: list[int] = []
         self.sampler = make_sampler(req.params, eog)
         self.decoder = tokenizer.decoder()
@@ -131,10 +137,10 @@ class _Seq:
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
         self.content: list[str] = []
-        self.next_token: int | None = None               # sampled, not yet run through the model
-        self.draft: list[int] = []                       # speculative tokens after next_token
-        self.spec_cooldown = 0                           # steps to wait after a rejected draft
-        self.spec_misses = 0                             # poor drafts in a row
+        self.next_token: int | None = None  # sampled, not yet run through the model
+        self.draft: list[int] = []  # speculative tokens after next_token
+        self.spec_cooldown = 0  # steps to wait after a rejected draft
+        self.spec_misses = 0  # poor drafts in a row
 
     def inputs(self) -> np.ndarray:
         if self.pending:
@@ -147,22 +153,29 @@ class _Seq:
 
 
 class Scheduler:
-    def __init__(self, model: LlamaModel, tokenizer, prefix_cache: PrefixCache,
-                 ctx_size: int, n_parallel: int, draft_max: int = 0):
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer,
+        prefix_cache: PrefixCache,
+        ctx_size: int,
+        n_parallel: int,
+        draft_max: int = 0,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix = prefix_cache
         self.ctx_size = ctx_size
         self.n_parallel = max(1, n_parallel)
-        self.draft_max = draft_max          # prompt-lookup speculative tokens per step (0: off)
-        self.drafted = self.accepted = 0    # speculation statistics
+        self.draft_max = draft_max  # prompt-lookup speculative tokens per step (0: off)
+        self.drafted = self.accepted = 0  # speculation statistics
         self.queue: queue.Queue[Request] = queue.Queue()
         # running sequences' KV: one slot each (zero pages until used)
         self.pool = model.new_pool(self.n_parallel, ctx_size)
         self.active: list[_Seq] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._admit_lock = threading.Lock()   # a submit_many batch is admitted as a whole
+        self._admit_lock = threading.Lock()  # a submit_many batch is admitted as a whole
         self.busy = False
         self.steps = 0
 
@@ -172,7 +185,8 @@ class Scheduler:
         if len(req.prompt) >= self.ctx_size:
             raise ContextOverflow(
                 f"the prompt has {len(req.prompt)} tokens, which exceeds the context size of "
-                f"{self.ctx_size}")
+                f"{self.ctx_size}"
+            )
         if not req.prompt:
             raise ValueError("the prompt is empty")
 
@@ -218,8 +232,10 @@ class Scheduler:
         seqs = sorted(self.active, key=lambda s: s.req.mix)
         if self.draft_max and len(seqs) == 1:
             self._propose(seqs[0])
-        items = [BatchItem(s.inputs(), s.cache, s.req.mix_weights, all_logits=bool(s.draft))
-                 for s in seqs]
+        items = [
+            BatchItem(s.inputs(), s.cache, s.req.mix_weights, all_logits=bool(s.draft))
+            for s in seqs
+        ]
         t0 = time.perf_counter()
         try:
             logits = self.model(items)
@@ -237,9 +253,9 @@ class Scheduler:
                 s.timings.prompt_n += n
                 s.timings.prompt_ms += dt
                 if s.pending:
-                    continue        # more prompt to run before we can sample
+                    continue  # more prompt to run before we can sample
                 if s.req.params.n_predict == 0:
-                    self._finish(s, "limit")     # prompt evaluation only (llama-server semantics)
+                    self._finish(s, "limit")  # prompt evaluation only (llama-server semantics)
                     continue
             else:
                 s.timings.predicted_ms += dt
@@ -272,12 +288,12 @@ class Scheduler:
         """Accept draft tokens while the sampler would have chosen them anyway; the first
         disagreement becomes the next token, so output equals plain greedy decoding."""
         draft, s.draft = s.draft, []
-        full = list(s.cache.tokens)                  # base + [next_token] + draft
+        full = list(s.cache.tokens)  # base + [next_token] + draft
         base = len(full) - len(draft) - 1
         self.drafted += len(draft)
         for i in range(len(draft) + 1):
             # KV up to inputs[i] is valid for predicting the token after it
-            s.cache.tokens = full[:base + 1 + i]
+            s.cache.tokens = full[: base + 1 + i]
             if not self._sample(s, logits[i]):
                 return
             if i == len(draft) or s.next_token != draft[i]:
@@ -385,8 +401,15 @@ class Scheduler:
             self.prefix.put(s.req.mix, entry)
         if s.cache.pool is self.pool:
             self.pool.release(s.cache)
-        done = DoneEvent(stop_type, "".join(s.content), list(s.generated), s.timings, s.req.mix,
-                         stopping_word=stopping_word, error=error)
+        done = DoneEvent(
+            stop_type,
+            "".join(s.content),
+            list(s.generated),
+            s.timings,
+            s.req.mix,
+            stopping_word=stopping_word,
+            error=error,
+        )
         self._emit_done(s.req, done)
 
     def _emit_done(self, req: Request, ev: DoneEvent) -> None:

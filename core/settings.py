@@ -6,6 +6,7 @@ temporary file in the same folder, is fsynced, then ``os.replace``d over the
 old file, so a crash at any moment leaves either the old or the new file, never
 a torn one. No Qt here: the GUI and tests both use this module directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,19 @@ MAX_RECENT = 10
 DEFAULTS: dict[str, Any] = {
     "recent_models": [],
     "recent_adapters": [],
-    "window_geometry": None,          # base64 of QWidget.saveGeometry()
+    "window_geometry": None,  # base64 of QWidget.saveGeometry()
     "window_state": None,
     "splitter_state": None,
     "server": {"host": "127.0.0.1", "port": 8080, "api_key": "", "enabled": False},
-    "sampling": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-                 "n_predict": 256, "repeat_penalty": 1.1, "seed": -1},
+    "sampling": {
+        "temperature": 0.7,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.05,
+        "n_predict": 256,
+        "repeat_penalty": 1.1,
+        "seed": -1,
+    },
     "system_prompt": "",
     "last_conversation": None,
     "compare": {"a": "", "b": ""},
@@ -89,7 +97,7 @@ class Settings:
         if default is not None:
             return default
         d = DEFAULTS.get(key)
-        return json.loads(json.dumps(d)) if d is not None else None   # a private copy
+        return json.loads(json.dumps(d)) if d is not None else None  # a private copy
 
     def set(self, key: str, value: Any) -> None:
         with self._lock:
@@ -166,9 +174,14 @@ class Conversations:
 
     @staticmethod
     def new(system_prompt: str = "") -> dict:
-        return {"id": time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6],
-                "title": "New chat", "created": time.time(), "updated": time.time(),
-                "system_prompt": system_prompt, "messages": []}
+        return {
+            "id": time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6],
+            "title": "New chat",
+            "created": time.time(),
+            "updated": time.time(),
+            "system_prompt": system_prompt,
+            "messages": [],
+        }
 
     def _file(self, cid: str) -> Path:
         if not re.fullmatch(r"[\w.-]+", cid):
@@ -199,6 +212,11 @@ class Conversations:
         for f in self.folder.glob("*.json"):
             conv = read_json(f, None)
             if isinstance(conv, dict) and "id" in conv:
-                out.append({"id": conv["id"], "title": conv.get("title", conv["id"]),
-                            "updated": conv.get("updated", 0)})
+                out.append(
+                    {
+                        "id": conv["id"],
+                        "title": conv.get("title", conv["id"]),
+                        "updated": conv.get("updated", 0),
+                    }
+                )
         return sorted(out, key=lambda c: c["updated"], reverse=True)

@@ -1,10 +1,11 @@
 """Turn parsed command-line flags into a ready Engine (shared by every mode)."""
+
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .chat_template import ChatTemplate
 from .default_model import ensure_default_model
@@ -18,20 +19,30 @@ def limit_threads(n: int | None):
     if not n:
         return None
     from threadpoolctl import threadpool_limits
+
     return threadpool_limits(limits=n, user_api="blas")
 
 
-def engine_from_args(args: argparse.Namespace, progress: Callable[[float, str], None] | None = None,
-                     say: Callable[[str], None] = print) -> Engine:
+def engine_from_args(
+    args: argparse.Namespace,
+    progress: Callable[[float, str], None] | None = None,
+    say: Callable[[str], None] = print,
+) -> Engine:
     """Load the model and the adapters named on the command line. Raises ValueError
     subclasses (ModelLoadError, AdapterError, ...) with a clear message."""
     path = Path(args.model) if args.model else ensure_default_model(log=say)
-    eng = Engine(ctx_size=args.ctx_size or 0, n_parallel=args.parallel,
-                 draft_max=getattr(args, "draft_max", 8), threads=getattr(args, "threads", None))
+    eng = Engine(
+        ctx_size=args.ctx_size or 0,
+        n_parallel=args.parallel,
+        draft_max=getattr(args, "draft_max", 8),
+        threads=getattr(args, "threads", None),
+    )
     eng.load_model(path, progress=progress)
     if getattr(args, "chat_template_file", None):
         src = Path(args.chat_template_file).read_text(encoding="utf-8")
-        eng.chat_template = ChatTemplate(src, eng.chat_template.bos_token, eng.chat_template.eos_token)
+        eng.chat_template = ChatTemplate(
+            src, eng.chat_template.bos_token, eng.chat_template.eos_token
+        )
     for fname, scale in getattr(args, "adapters", []):
         eng.add_adapter(fname, scale=0.0 if args.lora_init_without_apply else scale)
     return eng

@@ -13,20 +13,24 @@ Special tokens are found in the text before normal tokenization (llama.cpp's
 tokens always. The behaviour follows llama.cpp's ``src/llama-vocab.cpp`` and
 ``src/unicode.cpp``; comments point out where and why we deviate.
 """
+
 from __future__ import annotations
 
 import codecs
 import heapq
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import regex
+
+from .errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """The model's tokenizer metadata is unsupported or inconsistent."""
 
 
@@ -35,12 +39,23 @@ _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 2, 
 
 # Token attribute bits (llama.cpp LLAMA_TOKEN_ATTR_*); a token's type maps to one bit,
 # and auto-detection below can add CONTROL to tokens that look like control tokens.
-ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BYTE = 1, 2, 4, 8, 16, 32
+ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BYTE = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+)
 _TYPE_TO_ATTR = {
-    1: ATTR_NORMAL, _TYPE_UNKNOWN: ATTR_UNKNOWN, _TYPE_CONTROL: ATTR_CONTROL,
-    _TYPE_USER_DEFINED: ATTR_USER_DEFINED, _TYPE_UNUSED: ATTR_UNUSED, _TYPE_BYTE: ATTR_BYTE,
+    1: ATTR_NORMAL,
+    _TYPE_UNKNOWN: ATTR_UNKNOWN,
+    _TYPE_CONTROL: ATTR_CONTROL,
+    _TYPE_USER_DEFINED: ATTR_USER_DEFINED,
+    _TYPE_UNUSED: ATTR_UNUSED,
+    _TYPE_BYTE: ATTR_BYTE,
 }
-_ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN                      # dropped by skip_special
+_ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN  # dropped by skip_special
 _ATTR_SPECIAL = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # matched before BPE/SPM
 
 _SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
@@ -51,17 +66,21 @@ _SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
 # package's \s is the same whitespace set as llama.cpp's, and \p{L}/\p{N} the same
 # categories (up to Unicode version differences).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
 class _PreTokenizer:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a piece that is itself a token skips BPE (llama3)
-    add_bos: bool = False        # llama.cpp's default before tokenizer.ggml.add_bos_token
+    add_bos: bool = False  # llama.cpp's default before tokenizer.ggml.add_bos_token
 
 
 _DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
@@ -93,26 +112,69 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 # --- special-token auto-detection (llama.cpp identifies these by their text) -------
-_EOT_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-              "<end_of_utterance>")
+_EOT_NAMES = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _AUTO_IDS = {  # metadata key -> candidate texts, tried when the key is absent
     "eot": _EOT_NAMES,
     "eom": ("<|eom_id|>",),
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
 _DEPRECATED_FIM_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
 _EOG_NAMES = frozenset(_EOT_NAMES) | {
-    "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "</s>", "<|eom_id|>", "[EOS]",
-    "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "</s>",
+    "<|eom_id|>",
+    "[EOS]",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "[e~[",
 }
 
 _BPE_CACHE_LIMIT = 100_000  # words; bounds memory on huge, varied inputs
@@ -132,8 +194,9 @@ class Tokenizer:
     def __init__(self, meta: Mapping[str, Any]):
         self.model = meta.get("tokenizer.ggml.model")
         if self.model not in ("gpt2", "llama"):
-            raise TokenizerError(f"unsupported tokenizer model {self.model!r} "
-                                 "(supported: 'gpt2' BPE, 'llama' SPM)")
+            raise TokenizerError(
+                f"unsupported tokenizer model {self.model!r} (supported: 'gpt2' BPE, 'llama' SPM)"
+            )
         self._load_vocab(meta)
         if self.model == "gpt2":
             self._init_bpe(meta)
@@ -150,7 +213,7 @@ class Tokenizer:
         self._pieces: list[bytes | None] = [None] * self.vocab_size
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+    def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         return cls(meta)
 
     # --- construction ---------------------------------------------------------------
@@ -169,20 +232,24 @@ class Tokenizer:
         if types is None:
             self._attrs = [ATTR_NORMAL] * self.vocab_size
         else:
-            self._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in map(int, types[:self.vocab_size])]
+            self._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in map(int, types[: self.vocab_size])]
             if len(self._attrs) < self.vocab_size:
                 raise TokenizerError("tokenizer.ggml.token_type is shorter than the vocabulary")
 
     def _init_bpe(self, meta: Mapping[str, Any]) -> None:
         pre_name = meta.get("tokenizer.ggml.pre")
         if not pre_name:
-            log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer "
-                        "(as llama.cpp does); tokenization may be degraded")
+            log.warning(
+                "GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer "
+                "(as llama.cpp does); tokenization may be degraded"
+            )
             pre_name = "default"
         pre = _PRE_TOKENIZERS.get(pre_name)
         if pre is None:
-            raise TokenizerError(f"unsupported pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
-                                 f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}")
+            raise TokenizerError(
+                f"unsupported pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
+                f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+            )
         merges = meta.get("tokenizer.ggml.merges")
         if merges is None:
             raise TokenizerError("BPE tokenizer has no tokenizer.ggml.merges")
@@ -214,7 +281,9 @@ class Tokenizer:
             if value is None:
                 return default
             if not 0 <= int(value) < self.vocab_size:
-                log.warning("tokenizer.ggml.%s_token_id = %s is out of range; ignoring it", name, value)
+                log.warning(
+                    "tokenizer.ggml.%s_token_id = %s is out of range; ignoring it", name, value
+                )
                 return default
             return int(value)
 
@@ -224,9 +293,13 @@ class Tokenizer:
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", self.add_bos))
         self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", self.add_eos))
         if self.add_bos and self.bos_id is None:
-            raise TokenizerError("tokenizer.ggml.add_bos_token is true but the model has no BOS token")
+            raise TokenizerError(
+                "tokenizer.ggml.add_bos_token is true but the model has no BOS token"
+            )
         if self.add_eos and self.eos_id is None:
-            raise TokenizerError("tokenizer.ggml.add_eos_token is true but the model has no EOS token")
+            raise TokenizerError(
+                "tokenizer.ggml.add_eos_token is true but the model has no EOS token"
+            )
 
     def _detect_eog(self) -> None:
         """End-of-generation ids, as llama.cpp builds them from ids and token texts.
@@ -236,7 +309,9 @@ class Tokenizer:
         """
         for name, candidates in _AUTO_IDS.items():
             if self._auto_ids[name] is None:
-                found = next((self._token_to_id[t] for t in candidates if t in self._token_to_id), None)
+                found = next(
+                    (self._token_to_id[t] for t in candidates if t in self._token_to_id), None
+                )
                 if found is not None:
                     self._attrs[found] |= ATTR_CONTROL
                 self._auto_ids[name] = found
@@ -280,8 +355,10 @@ class Tokenizer:
                 return text.replace(_SPM_SPACE, " ").encode("utf-8")
             # Characters outside GPT-2's byte alphabet should not occur; llama.cpp
             # emits an [UNK_BYTE_..] marker, we keep the character itself.
-            return b"".join(bytes((_CHAR_TO_BYTE[c],)) if c in _CHAR_TO_BYTE else c.encode("utf-8")
-                            for c in text)
+            return b"".join(
+                bytes((_CHAR_TO_BYTE[c],)) if c in _CHAR_TO_BYTE else c.encode("utf-8")
+                for c in text
+            )
         if attr & ATTR_BYTE:
             return bytes((int(text[3:5], 16),))  # "<0xNN>"
         return b""  # unused/undefined tokens render as nothing, as in llama.cpp
@@ -293,7 +370,9 @@ class Tokenizer:
 
     # --- encoding -------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
         ids: list[int] = []
         if add_special and self.add_bos:
             ids.append(self.bos_id)
@@ -370,7 +449,7 @@ class Tokenizer:
                     best, best_rank = i, rank
             if best < 0:
                 break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
         ids: list[int] = []
         for part in parts:
             if part in vocab:
@@ -454,7 +533,7 @@ class Tokenizer:
             return not self._attrs[tid] & _ATTR_SPECIAL
         return False
 
-    def decoder(self, skip_special: bool = False) -> "IncrementalDecoder":
+    def decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
 
 
@@ -502,5 +581,5 @@ def _merge_ranks(merges: Iterable[str]) -> dict[tuple[str, str], int]:
     for rank, merge in enumerate(merges):
         cut = merge.find(" ", 1)
         if cut > 0:
-            ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
+            ranks.setdefault((merge[:cut], merge[cut + 1 :]), rank)
     return ranks

@@ -7,6 +7,7 @@ read-only, which costs a few milliseconds: the OS pages weights in on first use.
 The cache key is the file's identity (resolved path, size, mtime), so an edited
 or replaced model file gets a fresh cache.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,25 +15,26 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from gguf import quants
 
 from .config import ModelConfig
+from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile
 from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4          # bump when the fused layout changes
+CACHE_FORMAT = 4  # bump when the fused layout changes
 Progress = Callable[[float, str], None]
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model could not be loaded; the message names the file and the problem."""
 
 
@@ -42,12 +44,12 @@ class LoadCancelled(Exception):
 
 @dataclass
 class LayerWeights:
-    attn_norm: np.ndarray   # (dim,)
-    wqkv: np.ndarray        # (q_dim + 2*kv_dim, dim)  fused Q|K|V
-    wo: np.ndarray          # (dim, q_dim)
-    ffn_norm: np.ndarray    # (dim,)
-    w_gate_up: np.ndarray   # (2*ffn, dim)             fused gate|up
-    w_down: np.ndarray      # (dim, ffn)
+    attn_norm: np.ndarray  # (dim,)
+    wqkv: np.ndarray  # (q_dim + 2*kv_dim, dim)  fused Q|K|V
+    wo: np.ndarray  # (dim, q_dim)
+    ffn_norm: np.ndarray  # (dim,)
+    w_gate_up: np.ndarray  # (2*ffn, dim)             fused gate|up
+    w_down: np.ndarray  # (dim, ffn)
 
     @property
     def projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -57,11 +59,11 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    tok_embd: np.ndarray            # (vocab, dim)
+    tok_embd: np.ndarray  # (vocab, dim)
     layers: list[LayerWeights]
-    output_norm: np.ndarray         # (dim,)
-    output: np.ndarray              # (vocab, dim); the same array as tok_embd when tied
-    rope_freqs: np.ndarray | None   # (rope_dim/2,) llama3-style frequency factors
+    output_norm: np.ndarray  # (dim,)
+    output: np.ndarray  # (vocab, dim); the same array as tok_embd when tied
+    rope_freqs: np.ndarray | None  # (rope_dim/2,) llama3-style frequency factors
     tied: bool
 
     @property
@@ -80,7 +82,11 @@ def _plan(cfg: ModelConfig, gf: GGUFFile) -> list[tuple[str, tuple[int, ...], li
         b = f"blk.{i}."
         plan += [
             (b + "attn_norm", (d,), [b + "attn_norm.weight"]),
-            (b + "wqkv", (q + 2 * kv, d), [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]),
+            (
+                b + "wqkv",
+                (q + 2 * kv, d),
+                [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+            ),
             (b + "wo", (d, q), [b + "attn_output.weight"]),
             (b + "ffn_norm", (d,), [b + "ffn_norm.weight"]),
             (b + "w_gate_up", (2 * f, d), [b + "ffn_gate.weight", b + "ffn_up.weight"]),
@@ -101,16 +107,29 @@ def _cache_key(path: Path) -> str:
 
 
 def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
-    layers = [LayerWeights(*(arrays[f"blk.{i}.{k}"] for k in
-                             ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")))
-              for i in range(cfg.n_layers)]
+    layers = [
+        LayerWeights(
+            *(
+                arrays[f"blk.{i}.{k}"]
+                for k in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
+            )
+        )
+        for i in range(cfg.n_layers)
+    ]
     tied = "output" not in arrays
-    return Weights(tok_embd=arrays["tok_embd"], layers=layers, output_norm=arrays["output_norm"],
-                   output=arrays["tok_embd"] if tied else arrays["output"],
-                   rope_freqs=arrays.get("rope_freqs"), tied=tied)
+    return Weights(
+        tok_embd=arrays["tok_embd"],
+        layers=layers,
+        output_norm=arrays["output_norm"],
+        output=arrays["tok_embd"] if tied else arrays["output"],
+        rope_freqs=arrays.get("rope_freqs"),
+        tied=tied,
+    )
 
 
-def _views(buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]) -> dict[str, np.ndarray]:
+def _views(
+    buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]
+) -> dict[str, np.ndarray]:
     """Views of the flat buffer. Matrices are stored (out, in) C-contiguous, as in
     the GGUF file: a gemv ``W @ x`` streams them at memory speed, and any run of
     rows is one contiguous block, which the small-batch products in core/linear.py
@@ -121,12 +140,17 @@ def _views(buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]) -> d
     out = {}
     for name, shape, off in layout:
         n = int(np.prod(shape))
-        out[name] = buf[off:off + n].reshape(shape)
+        out[name] = buf[off : off + n].reshape(shape)
     return out
 
 
-def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = None,
-                 cancel: threading.Event | None = None, use_cache: bool = True) -> Weights:
+def load_weights(
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+    use_cache: bool = True,
+) -> Weights:
     progress = progress or (lambda f, m: None)
     plan = _plan(cfg, gf)
     layout, off = [], 0
@@ -171,10 +195,13 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = Non
                 raise ModelLoadError(f"{gf.path.name}: missing tensor {src!r}")
             rows = info.shape[0] if len(info.shape) > 1 else info.shape[0]
             want_cols = shape[1] if len(shape) > 1 else None
-            if (want_cols is not None and (len(info.shape) != 2 or info.shape[1] != want_cols)) or \
-               (want_cols is None and info.shape != shape):
-                raise ModelLoadError(f"{gf.path.name}: tensor {src!r} has shape {info.shape}, "
-                                     f"expected {(rows, want_cols) if want_cols else shape}")
+            if (want_cols is not None and (len(info.shape) != 2 or info.shape[1] != want_cols)) or (
+                want_cols is None and info.shape != shape
+            ):
+                raise ModelLoadError(
+                    f"{gf.path.name}: tensor {src!r} has shape {info.shape}, "
+                    f"expected {(rows, want_cols) if want_cols else shape}"
+                )
             jobs.append((views[name], info, row))
             row += rows
 
@@ -189,13 +216,15 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = Non
         try:
             data = quants.dequantize(gf.raw(info.name), info.qtype)
         except NotImplementedError:
-            raise ModelLoadError(f"{gf.path.name}: tensor {info.name!r} uses quant type "
-                                 f"{info.qtype.name}, which cannot be dequantized") from None
+            raise ModelLoadError(
+                f"{gf.path.name}: tensor {info.name!r} uses quant type "
+                f"{info.qtype.name}, which cannot be dequantized"
+            ) from None
         data = data.reshape(info.shape)
         if dest.ndim == 1:
             dest[:] = data
         else:
-            dest[row:row + info.shape[0]] = data
+            dest[row : row + info.shape[0]] = data
         with lock:
             done_elems += info.n_elements
             progress(min(done_elems / total, 0.999), f"dequantizing {info.name}")
@@ -223,7 +252,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: Progress | None = Non
 
 def _write_index(idx_path: Path, model: Path, total: int) -> None:
     part = idx_path.with_suffix(".json.partial")
-    part.write_text(json.dumps({"model": str(model.resolve()), "total": total, "format": CACHE_FORMAT}))
+    part.write_text(
+        json.dumps({"model": str(model.resolve()), "total": total, "format": CACHE_FORMAT})
+    )
     os.replace(part, idx_path)
 
 
@@ -244,6 +275,7 @@ def _drop_stale(cdir: Path, model: Path, keep: str) -> None:
 def open_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig]:
     """Parse a model file's header; all failures become ModelLoadError naming the file."""
     from .config import ModelConfigError
+
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"{p}: no such file")

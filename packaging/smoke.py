@@ -14,6 +14,7 @@ README, "Installing Mixdesk"): the model cache is pre-seeded from the checkout's
 throw-away MIXDESK_HOME so the user's own are never touched.
 Run with the project venv's Python from the repo root (it imports core.default_model).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def free_port() -> int:
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, object]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -66,6 +68,7 @@ def wait_for(what: str, proc: subprocess.Popen, check) -> float:
 def seeded_cache(tmp: Path) -> Path:
     sys.path.insert(0, str(REPO))
     from core.default_model import MODEL_FILENAME, ensure_default_model
+
     src = ensure_default_model(log=lambda m: print(f"smoke: {m}", file=sys.stderr))
     cache = tmp / "cache"
     (cache / "models").mkdir(parents=True)
@@ -75,8 +78,13 @@ def seeded_cache(tmp: Path) -> Path:
 
 def launch(binary: Path, args: list[str], env: dict, log: Path) -> subprocess.Popen:
     out = open(log, "wb")
-    return subprocess.Popen([str(binary), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [str(binary), *args],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def stop(proc: subprocess.Popen) -> int:
@@ -101,10 +109,15 @@ def headless(binary: Path, env: dict, tmp: Path) -> None:
     t0 = time.monotonic()
     proc = launch(binary, ["--headless", "--port", str(port)], env, log)
     try:
-        wait_for("/health ok", proc, lambda: http("GET", base + "/health") == (200, {"status": "ok"}))
+        wait_for(
+            "/health ok", proc, lambda: http("GET", base + "/health") == (200, {"status": "ok"})
+        )
         ready = time.monotonic() - t0
-        status, out = http("POST", base + "/completion",
-                           {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0})
+        status, out = http(
+            "POST",
+            base + "/completion",
+            {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0},
+        )
         if status != 200 or not isinstance(out, dict) or not out.get("content"):
             raise SystemExit(f"smoke: /completion answered {status} {out!r}")
         print(f"smoke: headless ready in {ready:.1f} s; /completion -> {out['content']!r}")
@@ -124,8 +137,9 @@ def gui(binary: Path, env: dict, tmp: Path) -> None:
     home = Path(env["MIXDESK_HOME"])
     (home / "config").mkdir(parents=True, exist_ok=True)
     # The window starts its API server at launch when it was on last time.
-    (home / "config" / "settings.json").write_text(json.dumps(
-        {"server": {"host": "127.0.0.1", "port": port, "api_key": "", "enabled": True}}))
+    (home / "config" / "settings.json").write_text(
+        json.dumps({"server": {"host": "127.0.0.1", "port": port, "api_key": "", "enabled": True}})
+    )
     log = tmp / "gui.log"
     t0 = time.monotonic()
     proc = launch(binary, ["--port", str(port)], {**env, "QT_QPA_PLATFORM": "offscreen"}, log)
@@ -134,20 +148,26 @@ def gui(binary: Path, env: dict, tmp: Path) -> None:
         status, out = http("GET", base + "/lora-adapters")
         paths = [Path(a.get("path", "")) for a in out] if status == 200 and out else []
         # loaded from the bundle's own resources/, not from the checkout
-        return (sorted(p.name for p in paths) == DEMO_ADAPTERS
-                and all(p.resolve().is_relative_to(binary.parent.resolve()) for p in paths))
+        return sorted(p.name for p in paths) == DEMO_ADAPTERS and all(
+            p.resolve().is_relative_to(binary.parent.resolve()) for p in paths
+        )
 
     try:
-        wait_for("/health ok from the window's server", proc,
-                 lambda: http("GET", base + "/health") == (200, {"status": "ok"}))
+        wait_for(
+            "/health ok from the window's server",
+            proc,
+            lambda: http("GET", base + "/health") == (200, {"status": "ok"}),
+        )
         wait_for(f"demo adapters {DEMO_ADAPTERS}", proc, demo_adapters_loaded)
-        print(f"smoke: GUI (offscreen) ready with {len(DEMO_ADAPTERS)} demo adapters "
-              f"in {time.monotonic() - t0:.1f} s")
+        print(
+            f"smoke: GUI (offscreen) ready with {len(DEMO_ADAPTERS)} demo adapters "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
     except BaseException:
         stop(proc)
         show_log(log)
         raise
-    stop(proc)       # Qt installs no SIGTERM handler: the window just ends (code -15)
+    stop(proc)  # Qt installs no SIGTERM handler: the window just ends (code -15)
     text = log.read_text(errors="replace")
     if "Traceback" in text:
         show_log(log)
@@ -160,7 +180,9 @@ def main() -> int:
         raise SystemExit(f"smoke: no packaged binary at {binary} (run make package)")
     with tempfile.TemporaryDirectory(prefix="mixdesk-smoke-") as d:
         tmp = Path(d)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QT_", "MIXDESK_"))}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QT_", "MIXDESK_"))
+        }
         env.update(MIXDESK_CACHE=str(seeded_cache(tmp)), MIXDESK_HOME=str(tmp / "home"))
         headless(binary, env, tmp)
         gui(binary, env, tmp)

@@ -1,23 +1,20 @@
 """Chat template tests: SmolLM2's own template against the prompts llama.cpp was
 given, the ChatML fallback, and the sandbox against hostile templates."""
+
 from __future__ import annotations
 
 import logging
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-# pytest.ini does not put the repo root on sys.path (no `pythonpath = .`), so a plain
-# `pytest` run cannot import `core` without this.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
 from core.tokenizer import Tokenizer  # noqa: E402
 
-SMOLLM_DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
-                         "trained by Hugging Face<|im_end|>\n")
+SMOLLM_DEFAULT_SYSTEM = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n"
+)
 _CHATML_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>\n", re.S)
 _GENERATION_PROMPT = "<|im_start|>assistant\n"
 
@@ -25,7 +22,7 @@ _GENERATION_PROMPT = "<|im_start|>assistant\n"
 def _parse_chatml(prompt: str) -> list[dict]:
     """Messages back out of a ChatML prompt that ends with the generation prompt."""
     assert prompt.endswith(_GENERATION_PROMPT)
-    body = prompt[:-len(_GENERATION_PROMPT)]
+    body = prompt[: -len(_GENERATION_PROMPT)]
     messages = [{"role": r, "content": c} for r, c in _CHATML_TURN.findall(body)]
     assert _CHATML_TURN.sub("", body) == "", "prompt is not plain ChatML"
     return messages
@@ -60,14 +57,19 @@ def test_smollm_template_facts(smollm_template):
     assert (smollm_template.bos_token, smollm_template.eos_token) == ("<|im_start|>", "<|im_end|>")
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     assert smollm_template.render(msgs, add_generation_prompt=False) == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n")
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+    )
 
 
 def test_content_parts_are_joined(smollm_template):
-    parts = [{"type": "text", "text": "one"}, {"type": "image_url", "image_url": {}},
-             {"type": "text", "text": "two"}]
-    rendered = smollm_template.render([{"role": "system", "content": "S"},
-                                       {"role": "user", "content": parts}])
+    parts = [
+        {"type": "text", "text": "one"},
+        {"type": "image_url", "image_url": {}},
+        {"type": "text", "text": "two"},
+    ]
+    rendered = smollm_template.render(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": parts}]
+    )
     assert "<|im_start|>user\none\ntwo<|im_end|>\n" in rendered
 
 
@@ -78,6 +80,7 @@ def test_bos_eos_come_from_tokenizer(smollm_meta):
 
 
 # --- fallback -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("source", [None, ""])
 def test_missing_template_falls_back_to_chatml_with_warning(caplog, source):
@@ -99,13 +102,18 @@ def test_from_metadata_without_template_falls_back(caplog):
 
 # --- untrusted templates ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("source", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ ''.__class__ }}",  # would render as "" in a default sandbox
-    "{{ cycler.__init__.__globals__.os.system('true') }}",
-    "{{ messages.append({'role': 'x'}) }}",
-    "{% set d = {} %}{{ d.update({'a': 1}) }}",
-], ids=["mro", "class", "globals", "list-append", "dict-update"])
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ ''.__class__ }}",  # would render as "" in a default sandbox
+        "{{ cycler.__init__.__globals__.os.system('true') }}",
+        "{{ messages.append({'role': 'x'}) }}",
+        "{% set d = {} %}{{ d.update({'a': 1}) }}",
+    ],
+    ids=["mro", "class", "globals", "list-append", "dict-update"],
+)
 def test_sandbox_violations_raise(source):
     with pytest.raises(ChatTemplateError, match="unsafe"):
         ChatTemplate(source).render([{"role": "user", "content": "hi"}])
@@ -114,8 +122,10 @@ def test_sandbox_violations_raise(source):
 def test_sandbox_blocks_side_effects(tmp_path):
     marker = tmp_path / "pwned"
     messages = [{"role": "user", "content": "hi"}]
-    for hostile in ["{% set _ = messages.append({'role': 'injected'}) %}",
-                    "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}"]:
+    for hostile in [
+        "{% set _ = messages.append({'role': 'injected'}) %}",
+        "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}",
+    ]:
         with pytest.raises(ChatTemplateError):
             ChatTemplate(hostile).render(messages)
     assert not marker.exists()
@@ -123,8 +133,10 @@ def test_sandbox_blocks_side_effects(tmp_path):
 
 
 def test_raise_exception_becomes_chat_template_error():
-    tmpl = ChatTemplate("{% if messages[0]['role'] != 'user' %}"
-                        "{{ raise_exception('Conversation must start with a user turn') }}{% endif %}")
+    tmpl = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversation must start with a user turn') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="Conversation must start with a user turn"):
         tmpl.render([{"role": "assistant", "content": "hi"}])
 
@@ -137,10 +149,11 @@ def test_runtime_and_syntax_errors_become_chat_template_errors():
 
 
 def test_helpers_available():
-    out = ChatTemplate("{{ strftime_now('%Y') }}|{{ {'a': '<b>'} | tojson }}"
-                       "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
-                       "|{{ m.content }}{% endfor %}").render(
-        [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+    out = ChatTemplate(
+        "{{ strftime_now('%Y') }}|{{ {'a': '<b>'} | tojson }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "|{{ m.content }}{% endfor %}"
+    ).render([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
     year, as_json, first = out.split("|")
     assert year.isdigit() and len(year) == 4
     assert as_json == '{"a": "<b>"}'  # HF's tojson: no HTML escaping

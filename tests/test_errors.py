@@ -1,5 +1,6 @@
 """Bad model files and overflowing prompts give one clear error naming the file and
 the problem: as exceptions in core, and as one line (no traceback) from the CLI."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,12 +35,14 @@ def _bad_magic(tmp_path, smollm_path):
 def _header_only(tmp_path, smollm_path):
     p = tmp_path / "header_only.gguf"
     with open(smollm_path, "rb") as f:
-        p.write_bytes(f.read(1000))       # cut inside the metadata
+        p.write_bytes(f.read(1000))  # cut inside the metadata
     return p, "truncated or corrupt"
 
 
 def _wrong_arch(tmp_path, smollm_path):
-    return write_tiny_llama(tmp_path / "gpt2ish.gguf", arch="gpt2"), "unsupported architecture 'gpt2'"
+    return write_tiny_llama(
+        tmp_path / "gpt2ish.gguf", arch="gpt2"
+    ), "unsupported architecture 'gpt2'"
 
 
 def _unknown_quant(tmp_path, smollm_path):
@@ -48,9 +51,9 @@ def _unknown_quant(tmp_path, smollm_path):
     # find the type field of the first quantized tensor info and set an unknown type id
     name = b"blk.0.attn_q.weight"
     i = data.index(name) + len(name)
-    n_dims = int.from_bytes(data[i:i + 4], "little")
+    n_dims = int.from_bytes(data[i : i + 4], "little")
     t = i + 4 + 8 * n_dims
-    data[t:t + 4] = (250).to_bytes(4, "little")
+    data[t : t + 4] = (250).to_bytes(4, "little")
     p.write_bytes(bytes(data))
     return p, "unknown type id 250"
 
@@ -77,8 +80,13 @@ def test_bad_model_raises_clear_error(tmp_path, smollm_path, make):
 @pytest.mark.parametrize("make", [_truncated, _wrong_arch], ids=["truncated", "wrong_arch"])
 def test_cli_reports_one_line_without_traceback(tmp_path, smollm_path, make):
     path, expect = make(tmp_path, smollm_path)
-    r = subprocess.run([sys.executable, "main.py", "-m", str(path), "-p", "hi", "-n", "2"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "main.py", "-m", str(path), "-p", "hi", "-n", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -105,8 +113,9 @@ def test_context_overflow_is_a_clear_error(smollm_path):
         assert ei.value.type == "exceed_context_size_error"
         assert "40 tokens" in str(ei.value) and "32" in str(ei.value)
         # a generation that reaches the end of the context stops with "limit"
-        done = eng.complete(list(range(100, 120)), SamplingParams(temperature=0, n_predict=100,
-                                                                  ignore_eos=True))
+        done = eng.complete(
+            list(range(100, 120)), SamplingParams(temperature=0, n_predict=100, ignore_eos=True)
+        )
         assert done.stop_type == "limit" and 20 + len(done.tokens) <= 32
     finally:
         eng.stop()

@@ -1,6 +1,7 @@
 """Exports of a mix round-trip: the exported LoRA GGUF, merged model and PEFT
 folder reproduce the mix they came from, on the real SmolLM2 and the llama.cpp
 reference adapters."""
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ MIX = {"lora_attn.gguf": 0.6, "lora_ffn.gguf": -0.4, "lora_all_q8.gguf": 1.0}
 
 # ---- helpers --------------------------------------------------------------------
 
+
 def logits(eng: Engine, mix: dict[int, float], tokens: list[int]) -> np.ndarray:
     """All-position logits of ``tokens`` under ``mix`` (the engine's own forward)."""
     mw = eng.mixes.get(mix_key(mix), eng._adapters)
@@ -54,12 +56,12 @@ class Ref:
         self.logits = logits(eng, mix, self.seq)
 
     def gen_logits(self, lg: np.ndarray) -> np.ndarray:
-        return lg[len(self.prompt) - 1:]          # the rows that chose each generated token
+        return lg[len(self.prompt) - 1 :]  # the rows that chose each generated token
 
     def check(self, eng: Engine, mix: dict[int, float], atol: float) -> np.ndarray:
         got = logits(eng, mix, self.seq)
         np.testing.assert_allclose(got, self.logits, atol=atol, rtol=0)
-        assert self.gen_logits(got).argmax(-1).tolist() == self.tokens     # same greedy tokens
+        assert self.gen_logits(got).argmax(-1).tolist() == self.tokens  # same greedy tokens
         return got
 
     def agreement(self, eng: Engine, mix: dict[int, float]) -> tuple[float, list[int]]:
@@ -70,12 +72,17 @@ class Ref:
 def write_embd_output_adapter(path: Path, cfg, rank: int = 4, seed: int = 7) -> Path:
     """A llama.cpp-format LoRA on token_embd (flipped a/b) and output.weight."""
     rng = np.random.default_rng(seed)
-    return write_lora_gguf(path, {
-        "token_embd.weight.lora_a": rng.standard_normal((cfg.vocab_size, rank)) * 0.1,
-        "token_embd.weight.lora_b": rng.standard_normal((cfg.dim, rank)) * 0.1,
-        "output.weight.lora_a": rng.standard_normal((rank, cfg.dim)) * 0.05,
-        "output.weight.lora_b": rng.standard_normal((cfg.vocab_size, rank)) * 0.05,
-    }, {"adapter.lora.alpha": float(rank)}, arch=cfg.arch)
+    return write_lora_gguf(
+        path,
+        {
+            "token_embd.weight.lora_a": rng.standard_normal((cfg.vocab_size, rank)) * 0.1,
+            "token_embd.weight.lora_b": rng.standard_normal((cfg.dim, rank)) * 0.1,
+            "output.weight.lora_a": rng.standard_normal((rank, cfg.dim)) * 0.05,
+            "output.weight.lora_b": rng.standard_normal((cfg.vocab_size, rank)) * 0.05,
+        },
+        {"adapter.lora.alpha": float(rank)},
+        arch=cfg.arch,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +100,9 @@ def work(tmp_path_factory) -> Path:
 def engine(smollm_path, ref_dir, work):
     eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=256)
     eng.ids = {n: eng.add_adapter(ref_dir / "adapters" / n) for n in MIX}
-    eng.ids["embd_out"] = eng.add_adapter(write_embd_output_adapter(work / "embd_out.gguf", eng.config))
+    eng.ids["embd_out"] = eng.add_adapter(
+        write_embd_output_adapter(work / "embd_out.gguf", eng.config)
+    )
     yield eng
     eng.stop()
 
@@ -145,6 +154,7 @@ def load_base(path: Path, cache: Path) -> Engine:
 
 # ---- (a) one LoRA GGUF ----------------------------------------------------------
 
+
 def test_lora_export_reproduces_mix(engine, mix, mix_items, mix_ref, work):
     seen = []
     out = work / "mix_lora.gguf"
@@ -172,7 +182,9 @@ def test_lora_export_reproduces_mix(engine, mix, mix_items, mix_ref, work):
         mix_ref.check(engine, {aid: 1.0}, atol=1e-4)
         # a scale on the exported adapter scales the whole mix
         half = logits(engine, {k: s * 0.5 for k, s in mix.items()}, mix_ref.prompt)
-        np.testing.assert_allclose(logits(engine, {aid: 0.5}, mix_ref.prompt), half, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(
+            logits(engine, {aid: 0.5}, mix_ref.prompt), half, atol=1e-4, rtol=0
+        )
     finally:
         engine.remove_adapter(aid)
 
@@ -182,13 +194,13 @@ def test_lora_export_f16_and_embeddings(engine, full_mix, full_ref, work):
     export_lora(engine, full_mix, out, dtype="f16")
     gf = GGUFFile(out)
     assert {t.qtype.name for t in gf.tensors.values()} == {"F16"}
-    assert gf.tensors["token_embd.weight.lora_a"].shape == (49152, 4)   # flipped, as llama.cpp
+    assert gf.tensors["token_embd.weight.lora_a"].shape == (49152, 4)  # flipped, as llama.cpp
     assert gf.tensors["token_embd.weight.lora_b"].shape == (576, 4)
     assert gf.tensors["output.weight.lora_b"].shape == (49152, 4)
     aid = engine.add_adapter(out)
     try:
         got = logits(engine, {aid: 1.0}, full_ref.seq)
-        assert np.abs(got - full_ref.logits).max() < 5e-2          # f16 rounding of A and s*B
+        assert np.abs(got - full_ref.logits).max() < 5e-2  # f16 rounding of A and s*B
         assert full_ref.gen_logits(got).argmax(-1).tolist() == full_ref.tokens
     finally:
         engine.remove_adapter(aid)
@@ -209,6 +221,7 @@ def test_export_with_engine_global_mix(engine, mix, mix_ref, work):
 
 # ---- (c) PEFT folder -------------------------------------------------------------
 
+
 def test_peft_export_round_trip(engine, full_mix, full_ref, work):
     out = work / "mix_peft"
     export_peft(engine, full_mix, out)
@@ -216,16 +229,26 @@ def test_peft_export_round_trip(engine, full_mix, full_ref, work):
     assert conf["peft_type"] == "LORA"
     assert conf["base_model_name_or_path"] == engine.config.name
     assert conf["lora_alpha"] == conf["r"]
-    assert set(conf["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                           "up_proj", "down_proj", "embed_tokens", "lm_head"}
+    assert set(conf["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "embed_tokens",
+        "lm_head",
+    }
     # ranks differ per module (8+32 on layer 0's attention, 8 on layer 5's): every
     # module that is not r has its rank and alpha = rank in the patterns
     assert conf["rank_pattern"] == conf["alpha_pattern"]
     assert conf["rank_pattern"]["model.layers.0.self_attn.q_proj"] == 40
-    assert "model.layers.5.self_attn.q_proj" not in conf["rank_pattern"]      # r == 8 is common
+    assert "model.layers.5.self_attn.q_proj" not in conf["rank_pattern"]  # r == 8 is common
     assert conf["r"] == 8
 
     from safetensors.numpy import load_file
+
     st = load_file(out / "adapter_model.safetensors")
     assert st["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (40, 576)
     assert st["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (576, 48)
@@ -242,6 +265,7 @@ def test_peft_export_round_trip(engine, full_mix, full_ref, work):
 def test_peft_qk_rows_are_in_hf_order(engine, mix_items, work):
     """The exported lora_B of q_proj is the GGUF one with llama.cpp's permutation undone."""
     from safetensors.numpy import load_file
+
     out = work / "attn_only_peft"
     attn = engine.adapter(engine.ids["lora_attn.gguf"])
     export_peft(engine, [(attn, 1.0)], out)
@@ -259,12 +283,13 @@ def test_peft_qk_rows_are_in_hf_order(engine, mix_items, work):
 
 # ---- (b) merged model GGUF ---------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def merged_f32(engine, full_mix, work):
     out = work / "merged_f32.gguf"
     seen = []
     export_merged(engine, full_mix, out, outtype="f32", progress=lambda f, m: seen.append((f, m)))
-    assert seen[-1][0] == 1.0 and len(seen) > 100          # progress per tensor
+    assert seen[-1][0] == 1.0 and len(seen) > 100  # progress per tensor
     return out
 
 
@@ -275,10 +300,10 @@ def test_merged_f32_reproduces_mix(full_ref, merged_f32, merged_cache, smollm_pa
         if k == "general.file_type":
             continue
         got = out.metadata[k]
-        assert (np.array_equal(got, v) if isinstance(v, np.ndarray) else got == v), k
+        assert np.array_equal(got, v) if isinstance(v, np.ndarray) else got == v, k
         if isinstance(v, np.ndarray):
             assert got.dtype == v.dtype, k
-    assert out.metadata["general.file_type"] == 0                         # ALL_F32
+    assert out.metadata["general.file_type"] == 0  # ALL_F32
     # original names and shapes, plus output.weight because the mix touches the
     # tied embedding (the logits must keep using the un-adapted embedding + lm_head LoRA)
     assert set(out.tensors) == set(base.tensors) | {"output.weight"}
@@ -287,8 +312,8 @@ def test_merged_f32_reproduces_mix(full_ref, merged_f32, merged_cache, smollm_pa
 
     m = load_base(merged_f32, merged_cache)
     try:
-        full_ref.check(m, {}, atol=1e-3)          # all 16 greedy choices, in one forward
-        assert greedy(m, {}, full_ref.prompt, n=4) == full_ref.tokens[:4]   # and via the scheduler
+        full_ref.check(m, {}, atol=1e-3)  # all 16 greedy choices, in one forward
+        assert greedy(m, {}, full_ref.prompt, n=4) == full_ref.tokens[:4]  # and via the scheduler
     finally:
         m.stop()
 
@@ -297,22 +322,24 @@ def test_merged_from_path_matches_engine_export(engine, full_mix, merged_f32, sm
     """The path form (dequantizes the file) writes the same bytes as the engine
     form (reuses the engine's float32 weights)."""
     out = work / "merged_f32_from_path.gguf"
-    export_merged(smollm_path, [(engine.adapter(a), s) for a, s in full_mix.items()], out,
-                  outtype="f32")
+    export_merged(
+        smollm_path, [(engine.adapter(a), s) for a, s in full_mix.items()], out, outtype="f32"
+    )
     assert out.read_bytes() == merged_f32.read_bytes()
     out.unlink()
 
 
 @pytest.mark.parametrize("outtype,file_type,min_agree", [("f16", 1, 0.9), ("q8_0", 7, 0.75)])
-def test_merged_f16_q8_load_and_run(engine, mix, mix_ref, merged_cache, work,
-                                    outtype, file_type, min_agree):
+def test_merged_f16_q8_load_and_run(
+    engine, mix, mix_ref, merged_cache, work, outtype, file_type, min_agree
+):
     out = work / f"merged_{outtype}.gguf"
     export_merged(engine, mix, out, outtype=outtype)
     gf = GGUFFile(out)
     assert gf.metadata["general.file_type"] == file_type
-    assert gf.tensors["blk.0.ffn_norm.weight"].qtype.name == "F32"           # norms stay F32
+    assert gf.tensors["blk.0.ffn_norm.weight"].qtype.name == "F32"  # norms stay F32
     assert gf.tensors["blk.0.attn_q.weight"].qtype.name == outtype.upper()
-    assert "output.weight" not in gf.tensors          # no embedding LoRA: stays tied
+    assert "output.weight" not in gf.tensors  # no embedding LoRA: stays tied
     m = load_base(out, merged_cache)
     try:
         agree, choice = mix_ref.agreement(m, {})
@@ -327,11 +354,20 @@ def test_merged_f16_q8_load_and_run(engine, mix, mix_ref, merged_cache, work,
 
 # ---- (d) the command line -----------------------------------------------------------
 
+
 def test_cli_export_lora_subprocess(smollm_path, ref_dir, engine, mix_ref, work):
     out = work / "cli_mix.gguf"
     ad = ref_dir / "adapters"
-    cmd = [sys.executable, str(REPO / "main.py"), "--export-lora", str(out), "-m", str(smollm_path),
-           "--lora-scaled", ",".join(f"{ad / n}:{s}" for n, s in MIX.items())]
+    cmd = [
+        sys.executable,
+        str(REPO / "main.py"),
+        "--export-lora",
+        str(out),
+        "-m",
+        str(smollm_path),
+        "--lora-scaled",
+        ",".join(f"{ad / n}:{s}" for n, s in MIX.items()),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "100%" in r.stderr and "export-lora: wrote" in r.stderr
@@ -344,18 +380,33 @@ def test_cli_export_lora_subprocess(smollm_path, ref_dir, engine, mix_ref, work)
 
 def test_cli_export_peft_and_lora_in_process(smollm_path, ref_dir, work, capsys):
     import main
+
     ad = ref_dir / "adapters"
     out_dir, out = work / "cli_peft", work / "cli_both.gguf"
-    rc = main.main(["--export-peft", str(out_dir), "--export-lora", str(out), "-m", str(smollm_path),
-                    "--lora", str(ad / "lora_attn.gguf"), "--lora-scaled", f"{ad / 'lora_ffn.gguf'}:0.5"])
+    rc = main.main(
+        [
+            "--export-peft",
+            str(out_dir),
+            "--export-lora",
+            str(out),
+            "-m",
+            str(smollm_path),
+            "--lora",
+            str(ad / "lora_attn.gguf"),
+            "--lora-scaled",
+            f"{ad / 'lora_ffn.gguf'}:0.5",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert (out_dir / "adapter_config.json").exists() and out.exists()
 
 
 # ---- (e) bad inputs ------------------------------------------------------------------
 
+
 def _cli_error(argv, capsys) -> str:
     import main
+
     rc = main.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
@@ -366,8 +417,17 @@ def _cli_error(argv, capsys) -> str:
 
 
 def test_cli_unknown_adapter(smollm_path, work, capsys):
-    msg = _cli_error(["--export-lora", str(work / "x.gguf"), "-m", str(smollm_path),
-                      "--lora-scaled", "/nonexistent/adapter.gguf:0.5"], capsys)
+    msg = _cli_error(
+        [
+            "--export-lora",
+            str(work / "x.gguf"),
+            "-m",
+            str(smollm_path),
+            "--lora-scaled",
+            "/nonexistent/adapter.gguf:0.5",
+        ],
+        capsys,
+    )
     assert "/nonexistent/adapter.gguf" in msg and "no such file" in msg
     assert not (work / "x.gguf").exists()
 
@@ -378,14 +438,23 @@ def test_cli_no_adapters(smollm_path, work, capsys):
 
 
 def test_cli_output_folder_missing(smollm_path, ref_dir, work, capsys):
-    msg = _cli_error(["--export-lora", str(work / "no_such_dir" / "z.gguf"), "-m", str(smollm_path),
-                      "--lora", str(ref_dir / "adapters" / "lora_attn.gguf")], capsys)
+    msg = _cli_error(
+        [
+            "--export-lora",
+            str(work / "no_such_dir" / "z.gguf"),
+            "-m",
+            str(smollm_path),
+            "--lora",
+            str(ref_dir / "adapters" / "lora_attn.gguf"),
+        ],
+        capsys,
+    )
     assert "does not exist" in msg and "no_such_dir" in msg
 
 
 def test_output_not_writable(engine, mix_items, tmp_path, capsys, smollm_path, ref_dir):
     if os.geteuid() == 0:
-        target = Path("/proc/mixdesk_export_test.gguf")   # root may write anywhere but /proc
+        target = Path("/proc/mixdesk_export_test.gguf")  # root may write anywhere but /proc
     else:
         ro = tmp_path / "ro"
         ro.mkdir()
@@ -394,8 +463,17 @@ def test_output_not_writable(engine, mix_items, tmp_path, capsys, smollm_path, r
     with pytest.raises(ExportError, match="cannot write|not writable") as ei:
         export_lora(engine, mix_items, target)
     assert "\n" not in str(ei.value)
-    msg = _cli_error(["--export-lora", str(target), "-m", str(smollm_path),
-                      "--lora", str(ref_dir / "adapters" / "lora_attn.gguf")], capsys)
+    msg = _cli_error(
+        [
+            "--export-lora",
+            str(target),
+            "-m",
+            str(smollm_path),
+            "--lora",
+            str(ref_dir / "adapters" / "lora_attn.gguf"),
+        ],
+        capsys,
+    )
     assert str(target.parent) in msg
 
 

@@ -5,6 +5,7 @@ One server for the module. Adapters 0, 1, 2 are lora_attn, lora_ffn, lora_all_q8
 as with --lora-init-without-apply (global scales 0). Tests that change the global mix
 put it back.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ def server(smollm_path, ref_dir):
         eng.add_adapter(ref_dir / "adapters" / name, scale=0.0)
     eng.start()
     lines: list[str] = []
-    srv = ServerThread(eng, ServerSettings(port=0, lora_init_without_apply=True,
-                                           on_log=lines.append)).start()
+    srv = ServerThread(
+        eng, ServerSettings(port=0, lora_init_without_apply=True, on_log=lines.append)
+    ).start()
     srv.lines = lines
     yield srv
     srv.stop()
@@ -62,8 +64,14 @@ def req(srv, method, path, body=None, **kw):
 
 
 def greedy_body(case, n, **extra):
-    return {"prompt": case["prompt_tokens"], "n_predict": n, "temperature": 0,
-            "ignore_eos": True, "return_tokens": True, **extra}
+    return {
+        "prompt": case["prompt_tokens"],
+        "n_predict": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens": True,
+        **extra,
+    }
 
 
 def assert_400(status, body):
@@ -77,6 +85,7 @@ def global_scales(srv):
 
 
 # ---- simple endpoints ---------------------------------------------------------------
+
 
 def test_health_props_models(server):
     assert req(server, "GET", "/health") == (200, {"status": "ok"})
@@ -117,8 +126,12 @@ def test_unknown_endpoint_is_json_404(server):
 
 def test_tokenize_detokenize_apply_template(server, reference):
     for case in reference["tokenize"]:
-        st, out = req(server, "POST", "/tokenize", {"content": case["text"],
-                                                     "parse_special": case["parse_special"]})
+        st, out = req(
+            server,
+            "POST",
+            "/tokenize",
+            {"content": case["text"], "parse_special": case["parse_special"]},
+        )
         assert st == 200 and out["tokens"] == case["tokens"], case["text"]
         st, back = req(server, "POST", "/detokenize", {"tokens": case["tokens"]})
         assert st == 200 and back["content"] == case["text"]
@@ -126,16 +139,18 @@ def test_tokenize_detokenize_apply_template(server, reference):
     assert out["tokens"][0] == {"id": 19556, "piece": "Hello"}
     st, out = req(server, "POST", "/tokenize", {"content": "<|im_start|>", "parse_special": False})
     assert len(out["tokens"]) > 1
-    st, out = req(server, "POST", "/apply-template",
-                  {"messages": [{"role": "user", "content": "Hi"}]})
+    st, out = req(
+        server, "POST", "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}
+    )
     assert st == 200 and out["prompt"].endswith("<|im_start|>assistant\n")
     assert "<|im_start|>user\nHi<|im_end|>" in out["prompt"]
     assert_400(*req(server, "POST", "/tokenize", {"content": 5}))
-    assert_400(*req(server, "POST", "/detokenize", {"tokens": [10 ** 9]}))
+    assert_400(*req(server, "POST", "/detokenize", {"tokens": [10**9]}))
     assert_400(*req(server, "POST", "/apply-template", {"messages": "hi"}))
 
 
 # ---- the global mix -----------------------------------------------------------------
+
 
 def test_init_without_apply_reads_zero(server):
     st, ads = req(server, "GET", "/lora-adapters")
@@ -148,8 +163,9 @@ def test_init_without_apply_reads_zero(server):
 
 def test_post_lora_sets_mix_unlisted_zero(server):
     try:
-        assert req(server, "POST", "/lora-adapters",
-                   [{"id": 0, "scale": 0.5}, {"id": 2, "scale": -1}]) == (200, {"success": True})
+        assert req(
+            server, "POST", "/lora-adapters", [{"id": 0, "scale": 0.5}, {"id": 2, "scale": -1}]
+        ) == (200, {"success": True})
         assert global_scales(server) == [0.5, 0.0, -1.0]
         assert req(server, "POST", "/lora-adapters", [{"id": 1, "scale": 2}])[0] == 200
         assert global_scales(server) == [0.0, 2.0, 0.0]
@@ -158,16 +174,19 @@ def test_post_lora_sets_mix_unlisted_zero(server):
     assert global_scales(server) == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("raw", [
-    b"[{\"id\": 0, \"scale\": 1}",                 # malformed JSON
-    b"[{\"id\": 7, \"scale\": 1}]",                # unknown id
-    b"[{\"id\": 0, \"scale\": \"loud\"}]",         # non-numeric scale
-    b"[{\"id\": 0, \"scale\": null}]",
-    b"[{\"id\": \"0\", \"scale\": 1}]",            # wrong type of id
-    b"{\"id\": 0, \"scale\": 1}",                  # object instead of list
-    b"[0.5]",
-    b"[{\"id\": 0, \"scale\": 1}, {\"id\": 99, \"scale\": 1}]",   # one bad entry spoils all
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'[{"id": 0, "scale": 1}',  # malformed JSON
+        b'[{"id": 7, "scale": 1}]',  # unknown id
+        b'[{"id": 0, "scale": "loud"}]',  # non-numeric scale
+        b'[{"id": 0, "scale": null}]',
+        b'[{"id": "0", "scale": 1}]',  # wrong type of id
+        b'{"id": 0, "scale": 1}',  # object instead of list
+        b"[0.5]",
+        b'[{"id": 0, "scale": 1}, {"id": 99, "scale": 1}]',  # one bad entry spoils all
+    ],
+)
 def test_invalid_post_lora_changes_nothing(server, raw):
     try:
         assert req(server, "POST", "/lora-adapters", [{"id": 1, "scale": 0.25}])[0] == 200
@@ -181,16 +200,25 @@ def test_invalid_post_lora_changes_nothing(server, raw):
 
 # ---- completions and per-request mixes ----------------------------------------------
 
+
 def test_completion_matches_reference_with_request_lora(server, greedy):
-    case = greedy[7]                     # lora_attn 2.0 + lora_all_q8 0.3
-    st, out = req(server, "POST", "/completion", greedy_body(case, 16, lora=case["lora"],
-                                                             n_probs=10))
+    case = greedy[7]  # lora_attn 2.0 + lora_all_q8 0.3
+    st, out = req(
+        server, "POST", "/completion", greedy_body(case, 16, lora=case["lora"], n_probs=10)
+    )
     assert st == 200, out
     assert out["tokens"] == case["tokens"]
     assert out["stop"] is True and out["stop_type"] == "limit"
     assert out["tokens_predicted"] == 16 and out["tokens_evaluated"] == len(case["prompt_tokens"])
-    for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-              "predicted_per_second", "cache_n"):
+    for k in (
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "cache_n",
+    ):
         assert k in out["timings"]
     assert isinstance(out["tokens_cached"], int)
     probs = out["completion_probabilities"]
@@ -201,11 +229,11 @@ def test_completion_matches_reference_with_request_lora(server, greedy):
         assert set(step["top_logprobs"][0]) == {"id", "token", "logprob", "bytes"}
         assert step["top_logprobs"][0]["id"] == ref_top[0][0]
         assert abs(step["top_logprobs"][0]["logprob"] - ref_top[0][1]) < 0.05
-    assert global_scales(server) == [0.0, 0.0, 0.0]     # the request changed nothing global
+    assert global_scales(server) == [0.0, 0.0, 0.0]  # the request changed nothing global
 
 
 def test_no_lora_field_means_adapters_off_under_init_without_apply(server, greedy):
-    base = greedy[0]                      # all adapters at 0
+    base = greedy[0]  # all adapters at 0
     body = greedy_body(base, 4)
     st, out = req(server, "POST", "/completion", body)
     assert st == 200 and out["tokens"] == base["tokens"][:4]
@@ -216,22 +244,31 @@ def test_request_lora_overrides_global_for_that_request_only(server, greedy):
     try:
         req(server, "POST", "/lora-adapters", [{"id": 0, "scale": 1}])
         # no lora field: the global mix (lora_attn at 1)
-        assert req(server, "POST", "/completion", greedy_body(attn, 4))[1]["tokens"] \
+        assert (
+            req(server, "POST", "/completion", greedy_body(attn, 4))[1]["tokens"]
             == attn["tokens"][:4]
+        )
         # "lora": [] -> every adapter off
-        assert req(server, "POST", "/completion", greedy_body(base, 4, lora=[]))[1]["tokens"] \
+        assert (
+            req(server, "POST", "/completion", greedy_body(base, 4, lora=[]))[1]["tokens"]
             == base["tokens"][:4]
+        )
         # listing only lora_ffn: lora_attn (unlisted) is 0 for this request
-        assert req(server, "POST", "/completion",
-                   greedy_body(ffn, 4, lora=[{"id": 1, "scale": 1}]))[1]["tokens"] \
+        assert (
+            req(server, "POST", "/completion", greedy_body(ffn, 4, lora=[{"id": 1, "scale": 1}]))[
+                1
+            ]["tokens"]
             == ffn["tokens"][:4]
+        )
         assert global_scales(server) == [1.0, 0.0, 0.0]
     finally:
         req(server, "POST", "/lora-adapters", [])
 
 
-@pytest.mark.parametrize("lora", [[{"id": 9, "scale": 1}], [{"id": 0, "scale": "1"}],
-                                  {"id": 0}, "all", [{"scale": 1}], None])
+@pytest.mark.parametrize(
+    "lora",
+    [[{"id": 9, "scale": 1}], [{"id": 0, "scale": "1"}], {"id": 0}, "all", [{"scale": 1}], None],
+)
 def test_invalid_request_lora_is_400(server, greedy, lora):
     body = greedy_body(greedy[0], 2)
     body["lora"] = lora
@@ -239,10 +276,18 @@ def test_invalid_request_lora_is_400(server, greedy, lora):
     assert global_scales(server) == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("raw", [b"{\"prompt\": \"hi\"", b"[]", b"", b"{\"prompt\": 5}",
-                                 b"{\"prompt\": \"hi\", \"n_predict\": \"many\"}",
-                                 b"{\"prompt\": \"hi\", \"temperature\": [1]}",
-                                 b"{\"n_predict\": 1}"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi"',
+        b"[]",
+        b"",
+        b'{"prompt": 5}',
+        b'{"prompt": "hi", "n_predict": "many"}',
+        b'{"prompt": "hi", "temperature": [1]}',
+        b'{"n_predict": 1}',
+    ],
+)
 def test_invalid_completion_bodies_are_400(server, raw):
     assert_400(*req(server, "POST", "/completion", raw=raw))
 
@@ -251,8 +296,12 @@ def test_prompt_longer_than_context_is_400(server):
     st, body = req(server, "POST", "/completion", {"prompt": [198] * (CTX + 10), "n_predict": 1})
     assert st == 400 and body["error"]["type"] == "exceed_context_size_error"
     assert body["error"]["n_ctx"] == CTX
-    st, body = req(server, "POST", "/v1/chat/completions",
-                   {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 1})
+    st, body = req(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 1},
+    )
     assert st == 400 and body["error"]["type"] == "exceed_context_size_error"
 
 
@@ -262,9 +311,10 @@ def test_streaming_completion(server, greedy):
     async def go():
         chunks = []
         async with aiohttp.ClientSession() as s:
-            async with s.post(server.url + "/completion",
-                              json=greedy_body(case, 6, stream=True, lora=case["lora"],
-                                               n_probs=2)) as r:
+            async with s.post(
+                server.url + "/completion",
+                json=greedy_body(case, 6, stream=True, lora=case["lora"], n_probs=2),
+            ) as r:
                 assert r.status == 200
                 assert r.headers["Content-Type"].startswith("text/event-stream")
                 async for line in r.content:
@@ -287,17 +337,20 @@ def test_streaming_completion(server, greedy):
 
 
 def test_concurrent_requests_with_different_mixes_are_batched_and_exact(server, greedy):
-    cases = [greedy[1], greedy[10], greedy[20], greedy[29]]   # 4 prompts, 4 different mixes
+    cases = [greedy[1], greedy[10], greedy[20], greedy[29]]  # 4 prompts, 4 different mixes
     assert len({json.dumps(c["lora"]) for c in cases}) == 4
     eng = server.engine
     steps0 = eng.stats()["steps"]
 
     async def go():
         async with aiohttp.ClientSession() as s:
+
             async def one(case):
-                async with s.post(server.url + "/completion",
-                                  json=greedy_body(case, 16, lora=case["lora"])) as r:
+                async with s.post(
+                    server.url + "/completion", json=greedy_body(case, 16, lora=case["lora"])
+                ) as r:
                     return r.status, await r.json()
+
             return await asyncio.gather(*(one(c) for c in cases))
 
     results = run(go())
@@ -312,13 +365,19 @@ def test_stream_disconnect_frees_the_slot(server, greedy):
 
     async def go():
         async with aiohttp.ClientSession() as s:
-            r = await s.post(server.url + "/completion",
-                             json={"prompt": "Tell me a long story.", "n_predict": 200,
-                                   "ignore_eos": True, "stream": True})
+            r = await s.post(
+                server.url + "/completion",
+                json={
+                    "prompt": "Tell me a long story.",
+                    "n_predict": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
             assert r.status == 200
-            await r.content.readline()            # the first token arrived
+            await r.content.readline()  # the first token arrived
             assert eng.stats()["active"] == 1
-            r.close()                             # hang up mid-stream
+            r.close()  # hang up mid-stream
 
     run(go())
     deadline = time.time() + 20
@@ -336,10 +395,11 @@ def test_non_streaming_disconnect_frees_the_slot(server):
     async def go():
         async with aiohttp.ClientSession() as s:
             with pytest.raises(asyncio.TimeoutError):
-                await s.post(server.url + "/completion",
-                             json={"prompt": "Once upon a time", "n_predict": 200,
-                                   "ignore_eos": True},
-                             timeout=aiohttp.ClientTimeout(total=1.5))
+                await s.post(
+                    server.url + "/completion",
+                    json={"prompt": "Once upon a time", "n_predict": 200, "ignore_eos": True},
+                    timeout=aiohttp.ClientTimeout(total=1.5),
+                )
 
     run(go())
     deadline = time.time() + 20
@@ -350,10 +410,16 @@ def test_non_streaming_disconnect_frees_the_slot(server):
 
 # ---- OpenAI shapes ------------------------------------------------------------------
 
+
 def test_v1_completions_openai_shape(server, greedy):
     case = greedy[0]
-    body = {"prompt": case["prompt_tokens"], "max_tokens": 3, "temperature": 0,
-            "ignore_eos": True, "logprobs": 2}
+    body = {
+        "prompt": case["prompt_tokens"],
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
     st, out = req(server, "POST", "/v1/completions", body)
     assert st == 200 and out["object"] == "text_completion"
     ch = out["choices"][0]
@@ -381,13 +447,21 @@ def test_v1_completions_openai_shape(server, greedy):
 
 
 def test_model_name_selects_adapter(server, greedy):
-    attn = greedy[1]                      # lora_attn alone at 1
-    body = {"prompt": attn["prompt_tokens"], "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True, "model": "lora_attn"}
+    attn = greedy[1]  # lora_attn alone at 1
+    body = {
+        "prompt": attn["prompt_tokens"],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "model": "lora_attn",
+    }
     st, out = req(server, "POST", "/v1/completions", body)
     assert st == 200 and out["model"] == "lora_attn"
-    assert out["lora"] == [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0},
-                           {"id": 2, "scale": 0.0}]
+    assert out["lora"] == [
+        {"id": 0, "scale": 1.0},
+        {"id": 1, "scale": 0.0},
+        {"id": 2, "scale": 0.0},
+    ]
     expected = req(server, "POST", "/detokenize", {"tokens": attn["tokens"][:4]})[1]["content"]
     assert out["choices"][0]["text"] == expected
     assert global_scales(server) == [0.0, 0.0, 0.0]
@@ -397,8 +471,13 @@ def test_chat_with_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-none", max_retries=0)
     msgs = [{"role": "user", "content": "Say hello."}]
-    r = client.chat.completions.create(model="anything", messages=msgs, max_tokens=4,
-                                       temperature=0, extra_body={"lora": [], "ignore_eos": True})
+    r = client.chat.completions.create(
+        model="anything",
+        messages=msgs,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"lora": [], "ignore_eos": True},
+    )
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
     assert r.choices[0].finish_reason == "length"
@@ -406,9 +485,14 @@ def test_chat_with_openai_client(server):
     extra = r.model_extra
     assert "predicted_n" in extra["timings"] and extra["lora"][0] == {"id": 0, "scale": 0.0}
 
-    stream = client.chat.completions.create(model="anything", messages=msgs, max_tokens=4,
-                                            temperature=0, stream=True,
-                                            extra_body={"lora": [], "ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="anything",
+        messages=msgs,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"lora": [], "ignore_eos": True},
+    )
     pieces, finish = [], None
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
@@ -424,10 +508,17 @@ def test_chat_raw_stream_ends_with_done_and_logprobs(server):
     async def go():
         lines = []
         async with aiohttp.ClientSession() as s:
-            async with s.post(server.url + "/v1/chat/completions",
-                              json={"messages": [{"role": "user", "content": "Hi"}],
-                                    "max_tokens": 2, "stream": True, "logprobs": True,
-                                    "top_logprobs": 2, "temperature": 0}) as r:
+            async with s.post(
+                server.url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 2,
+                    "stream": True,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "temperature": 0,
+                },
+            ) as r:
                 async for line in r.content:
                     if line.strip():
                         lines.append(line.decode().strip())
@@ -437,18 +528,21 @@ def test_chat_raw_stream_ends_with_done_and_logprobs(server):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(x[6:]) for x in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    lp = [c["choices"][0]["logprobs"]["content"][0] for c in chunks
-          if c["choices"][0]["logprobs"]]
+    lp = [c["choices"][0]["logprobs"]["content"][0] for c in chunks if c["choices"][0]["logprobs"]]
     assert lp and len(lp[0]["top_logprobs"]) == 2
     assert "usage" in chunks[-1] and "timings" in chunks[-1]
 
 
 # ---- loading and unloading adapters -------------------------------------------------
 
+
 def test_load_and_unload_adapter(server, ref_dir):
-    st, entry = req(server, "POST", "/lora-adapters/load",
-                    {"path": str(ref_dir / "adapters" / "lora_ffn.gguf"), "scale": 0.0,
-                     "name": "ffn_copy"})
+    st, entry = req(
+        server,
+        "POST",
+        "/lora-adapters/load",
+        {"path": str(ref_dir / "adapters" / "lora_ffn.gguf"), "scale": 0.0, "name": "ffn_copy"},
+    )
     assert st == 200, entry
     assert {"id", "path", "scale", "task_name", "prompt_prefix"} <= set(entry)
     new_id = entry["id"]
@@ -457,37 +551,63 @@ def test_load_and_unload_adapter(server, ref_dir):
         assert "ffn_copy" in [m["id"] for m in req(server, "GET", "/v1/models")[1]["data"]]
         # a duplicate name or a bad path changes nothing
         before = req(server, "GET", "/lora-adapters")[1]
-        assert_400(*req(server, "POST", "/lora-adapters/load",
-                        {"path": str(ref_dir / "adapters" / "lora_ffn.gguf"), "name": "ffn_copy"}))
+        assert_400(
+            *req(
+                server,
+                "POST",
+                "/lora-adapters/load",
+                {"path": str(ref_dir / "adapters" / "lora_ffn.gguf"), "name": "ffn_copy"},
+            )
+        )
         assert_400(*req(server, "POST", "/lora-adapters/load", {"path": "/no/such.gguf"}))
-        assert_400(*req(server, "POST", "/lora-adapters/load",
-                        {"path": str(ref_dir / "README.md")}))
+        assert_400(
+            *req(server, "POST", "/lora-adapters/load", {"path": str(ref_dir / "README.md")})
+        )
         assert_400(*req(server, "POST", "/lora-adapters/load", {"scale": 1}))
         assert req(server, "GET", "/lora-adapters")[1] == before
     finally:
-        assert req(server, "POST", "/lora-adapters/unload", {"id": new_id}) == \
-            (200, {"success": True})
+        assert req(server, "POST", "/lora-adapters/unload", {"id": new_id}) == (
+            200,
+            {"success": True},
+        )
     assert [a["id"] for a in req(server, "GET", "/lora-adapters")[1]] == [0, 1, 2]
     assert_400(*req(server, "POST", "/lora-adapters/unload", {"id": new_id}))
     assert_400(*req(server, "POST", "/lora-adapters/unload", {"id": "x"}))
 
 
 def test_vllm_load_select_unload(server, ref_dir, greedy):
-    ffn = greedy[2]                                  # lora_ffn alone at 1
-    st, text = req(server, "POST", "/v1/load_lora_adapter",
-                   {"lora_name": "styleA", "lora_path": str(ref_dir / "adapters" / "lora_ffn.gguf")})
+    ffn = greedy[2]  # lora_ffn alone at 1
+    st, text = req(
+        server,
+        "POST",
+        "/v1/load_lora_adapter",
+        {"lora_name": "styleA", "lora_path": str(ref_dir / "adapters" / "lora_ffn.gguf")},
+    )
     assert st == 200 and "styleA" in text
     try:
         models = [m["id"] for m in req(server, "GET", "/v1/models")[1]["data"]]
         assert "styleA" in models
-        st, body = req(server, "POST", "/v1/load_lora_adapter",
-                       {"lora_name": "styleA", "lora_path": str(ref_dir / "adapters" / "lora_ffn.gguf")})
+        st, body = req(
+            server,
+            "POST",
+            "/v1/load_lora_adapter",
+            {"lora_name": "styleA", "lora_path": str(ref_dir / "adapters" / "lora_ffn.gguf")},
+        )
         assert_400(st, body)
         # vLLM-loaded adapters start at 0: no effect unless selected
         assert global_scales(server)[-1] == 0.0
-        st, out = req(server, "POST", "/v1/completions",
-                      {"prompt": ffn["prompt_tokens"], "max_tokens": 3, "temperature": 0,
-                       "ignore_eos": True, "model": "styleA"})
+        st, out = req(
+            server,
+            "POST",
+            "/v1/completions",
+            {
+                "prompt": ffn["prompt_tokens"],
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+                "model": "styleA",
+            },
+        )
         expected = req(server, "POST", "/detokenize", {"tokens": ffn["tokens"][:3]})[1]["content"]
         assert st == 200 and out["choices"][0]["text"] == expected
     finally:

@@ -1,5 +1,6 @@
 """Pure parts of the HTTP API: body parsing, response shapes, host and exposure rules.
 No server, no model."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ class FakeTok:
         return self.token_bytes(tid).decode("utf-8", errors="replace")
 
 
-@pytest.mark.parametrize("raw", [b"", b"  ", b"{bad", b"\xff\xfe", b"[1, 2]", b"\"x\"", b"null",
-                                 b"[" * 100000])
+@pytest.mark.parametrize(
+    "raw", [b"", b"  ", b"{bad", b"\xff\xfe", b"[1, 2]", b'"x"', b"null", b"[" * 100000]
+)
 def test_json_body_rejects_non_objects(raw):
     with pytest.raises(HttpError) as e:
         R.parse_json_body(raw)
@@ -39,9 +41,9 @@ def test_json_body_rejects_non_objects(raw):
 def test_prompt_forms():
     tok = FakeTok()
     assert R.parse_prompt("ab", tok) == [1, 97, 98]
-    assert R.parse_prompt([5, 6], tok) == [5, 6]                      # tokens: no BOS
+    assert R.parse_prompt([5, 6], tok) == [5, 6]  # tokens: no BOS
     assert R.parse_prompt(["ab"], tok) == [1, 97, 98]
-    assert R.parse_prompt(["a", 5, "b"], tok) == [1, 97, 5, 98]       # BOS only for leading text
+    assert R.parse_prompt(["a", 5, "b"], tok) == [1, 97, 5, 98]  # BOS only for leading text
     assert R.parse_prompt([5, "a"], tok) == [5, 97]
     assert R.parse_prompt({"prompt_string": "a"}, tok) == [1, 97]
     for bad in (None, 3, [], [True], [1.5], ["a", "b"], {"x": 1}):
@@ -55,9 +57,17 @@ def test_sampling_fields_are_type_checked():
     assert R.parse_sampling({}, n_predict_default=7).n_predict == 7
     assert R.parse_sampling({"max_tokens": 3}, oai=True).n_predict == 3
     assert R.parse_sampling({"max_completion_tokens": 2, "max_tokens": 3}, oai=True).n_predict == 2
-    for body in ({"temperature": "hot"}, {"n_predict": 1.5}, {"top_k": True}, {"stop": [1]},
-                 {"top_p": 2}, {"n_probs": 1000}, {"ignore_eos": "yes"}, {"seed": "1"},
-                 {"temperature": float("nan")}):
+    for body in (
+        {"temperature": "hot"},
+        {"n_predict": 1.5},
+        {"top_k": True},
+        {"stop": [1]},
+        {"top_p": 2},
+        {"n_probs": 1000},
+        {"ignore_eos": "yes"},
+        {"seed": "1"},
+        {"temperature": float("nan")},
+    ):
         with pytest.raises(HttpError):
             R.parse_sampling(body)
     with pytest.raises(HttpError):
@@ -68,9 +78,14 @@ def test_sampling_fields_are_type_checked():
 
 def test_messages_and_tokens_validation():
     assert R.parse_messages({"messages": [{"role": "user", "content": "hi"}]})
-    for body in ({}, {"messages": []}, {"messages": ["hi"]}, {"messages": [{"content": "x"}]},
-                 {"messages": [{"role": "user", "content": 3}]},
-                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+    for body in (
+        {},
+        {"messages": []},
+        {"messages": ["hi"]},
+        {"messages": [{"content": "x"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    ):
         with pytest.raises(HttpError):
             R.parse_messages(body)
     assert R.parse_token_list([1, 2], 10) == [1, 2]
@@ -82,39 +97,74 @@ def test_messages_and_tokens_validation():
 def test_probability_shapes():
     tok = FakeTok()
     e = R.completion_probability(tok, 65, -0.5, [(65, -0.5), (7, -1.0)])
-    assert e == {"id": 65, "token": "A", "logprob": -0.5, "bytes": [65],
-                 "top_logprobs": [{"id": 65, "token": "A", "logprob": -0.5, "bytes": [65]},
-                                  {"id": 7, "token": "\ufffd", "logprob": -1.0,
-                                   "bytes": [0xE2, 0x82]}]}
+    assert e == {
+        "id": 65,
+        "token": "A",
+        "logprob": -0.5,
+        "bytes": [65],
+        "top_logprobs": [
+            {"id": 65, "token": "A", "logprob": -0.5, "bytes": [65]},
+            {"id": 7, "token": "\ufffd", "logprob": -1.0, "bytes": [0xE2, 0x82]},
+        ],
+    }
     assert R.token_piece(tok, 65) == "A" and R.token_piece(tok, 7) == [0xE2, 0x82]
     c = R.oai_chat_logprob(tok, 65, -0.5, [(65, -0.5), (66, -2.0)], 1)
     assert c["token"] == "A" and len(c["top_logprobs"]) == 1
 
 
 def _done(stop="limit"):
-    return DoneEvent(stop, "hi", [5, 6], Timings(prompt_n=3, prompt_ms=1.0, predicted_n=2,
-                                                  predicted_ms=2.0, cache_n=1), ((1, 0.5),))
+    return DoneEvent(
+        stop,
+        "hi",
+        [5, 6],
+        Timings(prompt_n=3, prompt_ms=1.0, predicted_n=2, predicted_ms=2.0, cache_n=1),
+        ((1, 0.5),),
+    )
 
 
 def test_completion_and_openai_shapes():
     d = _done()
-    out = R.completion_final(d, prompt_n=4, model="m", all_ids=[0, 1], return_tokens=True,
-                             probs=[], settings={})
-    for k in ("content", "tokens", "stop", "stop_type", "tokens_cached", "timings",
-              "completion_probabilities"):
+    out = R.completion_final(
+        d, prompt_n=4, model="m", all_ids=[0, 1], return_tokens=True, probs=[], settings={}
+    )
+    for k in (
+        "content",
+        "tokens",
+        "stop",
+        "stop_type",
+        "tokens_cached",
+        "timings",
+        "completion_probabilities",
+    ):
         assert k in out
     assert out["tokens"] == [5, 6] and out["stop_type"] == "limit" and out["tokens_cached"] == 1
     assert out["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.5}]
-    for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-              "predicted_per_second", "cache_n"):
+    for k in (
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "cache_n",
+    ):
         assert k in out["timings"]
-    assert R.completion_final(d, prompt_n=4, model="m", all_ids=[], return_tokens=False,
-                              probs=None, settings={})["tokens"] == []
-    chat = R.oai_chat(_done("eos"), cid="c", created=1, model="m", prompt_n=4, all_ids=[1],
-                      logprobs=None)
+    assert (
+        R.completion_final(
+            d, prompt_n=4, model="m", all_ids=[], return_tokens=False, probs=None, settings={}
+        )["tokens"]
+        == []
+    )
+    chat = R.oai_chat(
+        _done("eos"), cid="c", created=1, model="m", prompt_n=4, all_ids=[1], logprobs=None
+    )
     assert chat["choices"][0]["finish_reason"] == "stop"
-    assert chat["usage"] == {"completion_tokens": 2, "prompt_tokens": 4, "total_tokens": 6,
-                             "prompt_tokens_details": {"cached_tokens": 1}}
+    assert chat["usage"] == {
+        "completion_tokens": 2,
+        "prompt_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     cmpl = R.oai_completion(d, cid="c", created=1, model="m", prompt_n=4, all_ids=[], logprobs=None)
     assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["finish_reason"] == "length"
     assert R.sse({"a": "é"}) == 'data: {"a": "é"}\n\n'.encode()
@@ -122,22 +172,33 @@ def test_completion_and_openai_shapes():
 
 
 def test_models_list_includes_adapters():
-    m = R.models_list("base", {"n_vocab": 3}, [{"id": 0, "name": "pirate", "path": "/p",
-                                                "scale": 0.0}])
+    m = R.models_list(
+        "base", {"n_vocab": 3}, [{"id": 0, "name": "pirate", "path": "/p", "scale": 0.0}]
+    )
     assert [d["id"] for d in m["data"]] == ["base", "pirate"]
     assert m["data"][1]["parent"] == "base" and m["object"] == "list"
 
 
-@pytest.mark.parametrize("header,bind,ok", [
-    ("localhost:8080", "127.0.0.1", True), ("LOCALHOST", "127.0.0.1", True),
-    ("localhost.:8080", "127.0.0.1", True),
-    ("127.0.0.1:8080", "127.0.0.1", True), ("127.1.2.3", "127.0.0.1", True),
-    ("[::1]:8080", "127.0.0.1", True), ("evil.example:8080", "127.0.0.1", False),
-    ("localhost.evil.example", "127.0.0.1", False), ("192.168.1.5:8080", "127.0.0.1", False),
-    ("192.168.1.5:8080", "192.168.1.5", True), ("mybox.lan:8080", "mybox.lan", True),
-    ("192.168.1.5:8080", "0.0.0.0", True), ("evil.example", "0.0.0.0", False),
-    ("", "127.0.0.1", False), (None, "127.0.0.1", False),
-])
+@pytest.mark.parametrize(
+    "header,bind,ok",
+    [
+        ("localhost:8080", "127.0.0.1", True),
+        ("LOCALHOST", "127.0.0.1", True),
+        ("localhost.:8080", "127.0.0.1", True),
+        ("127.0.0.1:8080", "127.0.0.1", True),
+        ("127.1.2.3", "127.0.0.1", True),
+        ("[::1]:8080", "127.0.0.1", True),
+        ("evil.example:8080", "127.0.0.1", False),
+        ("localhost.evil.example", "127.0.0.1", False),
+        ("192.168.1.5:8080", "127.0.0.1", False),
+        ("192.168.1.5:8080", "192.168.1.5", True),
+        ("mybox.lan:8080", "mybox.lan", True),
+        ("192.168.1.5:8080", "0.0.0.0", True),
+        ("evil.example", "0.0.0.0", False),
+        ("", "127.0.0.1", False),
+        (None, "127.0.0.1", False),
+    ],
+)
 def test_host_allowed(header, bind, ok):
     assert host_allowed(header, bind) is ok
 

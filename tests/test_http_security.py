@@ -1,5 +1,6 @@
 """Browser-facing defences against a real server: API keys, Host (DNS rebinding),
 Origin/CORS, body size. After every attack the server keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,13 +15,24 @@ from core.http import ServerSettings, ServerThread
 KEY = "s3cret-key"
 ALLOWED = "http://app.allowed.example"
 
-ENDPOINTS = [("GET", "/props"), ("GET", "/v1/models"), ("GET", "/models"),
-             ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
-             ("POST", "/lora-adapters/load"), ("POST", "/lora-adapters/unload"),
-             ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
-             ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
-             ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-             ("POST", "/apply-template")]
+ENDPOINTS = [
+    ("GET", "/props"),
+    ("GET", "/v1/models"),
+    ("GET", "/models"),
+    ("GET", "/lora-adapters"),
+    ("POST", "/lora-adapters"),
+    ("POST", "/lora-adapters/load"),
+    ("POST", "/lora-adapters/unload"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/completion"),
+    ("POST", "/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/apply-template"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +48,9 @@ def engine(smollm_path, ref_dir):
 @pytest.fixture(scope="module")
 def locked(engine):
     """API key and a CORS allow-list."""
-    srv = ServerThread(engine, ServerSettings(port=0, api_keys=["other-key", KEY],
-                                              cors_origins=[ALLOWED])).start()
+    srv = ServerThread(
+        engine, ServerSettings(port=0, api_keys=["other-key", KEY], cors_origins=[ALLOWED])
+    ).start()
     yield srv
     srv.stop()
 
@@ -61,6 +74,7 @@ def send(srv, method, path, body=None, raw=None, headers=None):
                 except ValueError:
                     payload = text
                 return r.status, payload, r.headers
+
     return asyncio.run(go())
 
 
@@ -69,12 +83,14 @@ def auth(key=KEY):
 
 
 def still_serving(srv, headers=None):
-    st, body, _ = send(srv, "POST", "/completion", {"prompt": "Hi", "n_predict": 1},
-                       headers=headers)
+    st, body, _ = send(
+        srv, "POST", "/completion", {"prompt": "Hi", "n_predict": 1}, headers=headers
+    )
     assert st == 200 and body["tokens_predicted"] == 1
 
 
 # ---- API key ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("method,path", ENDPOINTS)
 def test_every_endpoint_but_health_needs_the_key(locked, method, path):
@@ -106,60 +122,100 @@ def test_openai_client_with_key(locked):
 
 # ---- Host header (DNS rebinding) -------------------------------------------------------
 
-@pytest.mark.parametrize("host,ok", [("evil.example", False), ("evil.example:{port}", False),
-                                     ("localhost.evil.example:{port}", False),
-                                     ("10.1.2.3:{port}", False),
-                                     ("localhost:{port}", True), ("127.0.0.1:{port}", True),
-                                     ("[::1]:{port}", True)])
+
+@pytest.mark.parametrize(
+    "host,ok",
+    [
+        ("evil.example", False),
+        ("evil.example:{port}", False),
+        ("localhost.evil.example:{port}", False),
+        ("10.1.2.3:{port}", False),
+        ("localhost:{port}", True),
+        ("127.0.0.1:{port}", True),
+        ("[::1]:{port}", True),
+    ],
+)
 def test_host_header_checked(open_srv, host, ok):
-    st, body, _ = send(open_srv, "GET", "/health",
-                       headers={"Host": host.format(port=open_srv.port)})
+    st, body, _ = send(
+        open_srv, "GET", "/health", headers={"Host": host.format(port=open_srv.port)}
+    )
     if ok:
         assert st == 200
     else:
         assert st == 403 and body["error"]["type"] == "permission_error"
-    st, _, _ = send(open_srv, "POST", "/lora-adapters", [{"id": 0, "scale": 1}],
-                    headers={"Host": host.format(port=open_srv.port)})
+    st, _, _ = send(
+        open_srv,
+        "POST",
+        "/lora-adapters",
+        [{"id": 0, "scale": 1}],
+        headers={"Host": host.format(port=open_srv.port)},
+    )
     assert st == (200 if ok else 403)
     send(open_srv, "POST", "/lora-adapters", [])
 
 
 def test_rebinding_cannot_change_mix(open_srv, engine):
-    st, _, _ = send(open_srv, "POST", "/lora-adapters", [{"id": 0, "scale": 5}],
-                    headers={"Host": "attacker.example"})
+    st, _, _ = send(
+        open_srv,
+        "POST",
+        "/lora-adapters",
+        [{"id": 0, "scale": 5}],
+        headers={"Host": "attacker.example"},
+    )
     assert st == 403 and engine.get_mix() == {0: 0.0}
     still_serving(open_srv)
 
 
 # ---- Origin and CORS ------------------------------------------------------------------
 
+
 def test_no_cors_headers_by_default(open_srv):
     for headers in ({}, {"Origin": f"http://127.0.0.1:{open_srv.port}"}):
         st, _, h = send(open_srv, "GET", "/health", headers=headers)
         assert st == 200 and not any(k.lower().startswith("access-control") for k in h)
-    st, _, h = send(open_srv, "OPTIONS", "/completion",
-                    headers={"Origin": "http://any.example", "Access-Control-Request-Method": "POST"})
+    st, _, h = send(
+        open_srv,
+        "OPTIONS",
+        "/completion",
+        headers={"Origin": "http://any.example", "Access-Control-Request-Method": "POST"},
+    )
     assert st == 403 and not any(k.lower().startswith("access-control") for k in h)
 
 
 def test_cross_site_post_is_refused(open_srv, engine):
     """A page on another site can send a 'simple' POST without preflight: refuse it."""
     for origin in ("http://evil.example", "null"):
-        st, body, h = send(open_srv, "POST", "/lora-adapters", raw=b'[{"id": 0, "scale": 3}]',
-                           headers={"Origin": origin, "Content-Type": "text/plain"})
+        st, body, h = send(
+            open_srv,
+            "POST",
+            "/lora-adapters",
+            raw=b'[{"id": 0, "scale": 3}]',
+            headers={"Origin": origin, "Content-Type": "text/plain"},
+        )
         assert st == 403 and "Access-Control-Allow-Origin" not in h
     assert engine.get_mix() == {0: 0.0}
 
 
 def test_cors_allow_list(locked):
-    st, _, h = send(locked, "OPTIONS", "/v1/chat/completions",
-                    headers={"Origin": ALLOWED, "Access-Control-Request-Method": "POST",
-                             "Access-Control-Request-Headers": "authorization,content-type"})
+    st, _, h = send(
+        locked,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={
+            "Origin": ALLOWED,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert st == 204 and h["Access-Control-Allow-Origin"] == ALLOWED
     assert "POST" in h["Access-Control-Allow-Methods"]
     assert "authorization" in h["Access-Control-Allow-Headers"].lower()
-    st, _, h = send(locked, "OPTIONS", "/v1/chat/completions",
-                    headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    st, _, h = send(
+        locked,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert st == 403 and "Access-Control-Allow-Origin" not in h
     st, _, h = send(locked, "GET", "/props", headers={"Origin": ALLOWED, **auth()})
     assert st == 200 and h["Access-Control-Allow-Origin"] == ALLOWED
@@ -172,29 +228,35 @@ def test_cors_allow_list(locked):
 def test_cors_header_on_streams(locked):
     async def go():
         async with aiohttp.ClientSession() as s:
-            async with s.post(locked.url + "/completion",
-                              json={"prompt": "Hi", "n_predict": 1, "stream": True},
-                              headers={"Origin": ALLOWED, **auth()}) as r:
+            async with s.post(
+                locked.url + "/completion",
+                json={"prompt": "Hi", "n_predict": 1, "stream": True},
+                headers={"Origin": ALLOWED, **auth()},
+            ) as r:
                 await r.read()
                 return r.status, r.headers
+
     st, h = asyncio.run(go())
     assert st == 200 and h["Access-Control-Allow-Origin"] == ALLOWED
 
 
 # ---- body size -------------------------------------------------------------------------
 
+
 def test_body_over_8_mib_is_413(open_srv):
     big = b'{"content": "' + b"a" * (8 << 20) + b'"}'
     st, body, _ = send(open_srv, "POST", "/tokenize", raw=big)
     assert st == 413 and body["error"]["code"] == 413
 
-    async def chunked():                      # no Content-Length: the read limit applies
+    async def chunked():  # no Content-Length: the read limit applies
         async def gen():
             for _ in range(9):
                 yield b"a" * (1 << 20)
+
         async with aiohttp.ClientSession() as s:
             async with s.post(open_srv.url + "/completion", data=gen()) as r:
                 return r.status
+
     assert asyncio.run(chunked()) == 413
     still_serving(open_srv)
 

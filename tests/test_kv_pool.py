@@ -1,6 +1,7 @@
 """The KV pool: running sequences share one pair of arrays, and decoding rows of
 a batch attend in one masked matmul. It must give exactly what standalone caches
 give, commit memory only as positions are used, and every slot must come back."""
+
 from __future__ import annotations
 
 import threading
@@ -17,23 +18,24 @@ from tests.test_model_shapes import build
 
 
 @pytest.mark.parametrize("regime", ["blocked", "gemm", "gemv"])
-@pytest.mark.parametrize("kw", [dict(n_heads=4, n_kv_heads=2), dict(n_heads=8, n_kv_heads=1)],
-                         ids=["gqa2", "mqa"])
+@pytest.mark.parametrize(
+    "kw", [dict(n_heads=4, n_kv_heads=2), dict(n_heads=8, n_kv_heads=1)], ids=["gqa2", "mqa"]
+)
 def test_pooled_decode_equals_standalone_caches(tmp_path, kw, regime):
     model, _ = build(tmp_path, **kw)
-    model.lin.force(regime)          # every small-batch product, whichever calibration chose
+    model.lin.force(regime)  # every small-batch product, whichever calibration chose
     rng = np.random.default_rng(0)
     pool = model.new_pool(6, 48)
     lengths = [3, 11, 7, 1, 20]
     pooled = [pool.acquire() for _ in lengths]
-    pool.release(pooled[2])          # a free slot inside the attended range
+    pool.release(pooled[2])  # a free slot inside the attended range
     alone = [model.new_cache(48) for _ in lengths]
     prompts = [rng.integers(0, 128, size=n) for n in lengths]
     for i, p in enumerate(prompts):
         if i != 2:
             model([BatchItem(p, pooled[i])])
         model([BatchItem(p, alone[i])])
-    for step in range(4):
+    for _step in range(4):
         nxt = [np.array([int(rng.integers(0, 128))]) for _ in lengths]
         # slot 2 is free; the last item runs 3 tokens at once (per-sequence path)
         nxt[-1] = rng.integers(0, 128, size=3)
@@ -54,6 +56,7 @@ def test_pooled_decode_equals_standalone_caches(tmp_path, kw, regime):
 
 def test_pool_commits_memory_only_for_used_positions(smollm_path):
     from core.weights import open_model_file
+
     _, cfg = open_model_file(smollm_path)
 
     def rss_mb() -> float:
@@ -61,14 +64,14 @@ def test_pool_commits_memory_only_for_used_positions(smollm_path):
             return int(f.read().split()[1]) * 4096 / 1e6
 
     r0 = rss_mb()
-    pool = KVPool(cfg, 8, 2048)                          # 755 MB of address space
+    pool = KVPool(cfg, 8, 2048)  # 755 MB of address space
     assert pool.k.nbytes + pool.v.nbytes > 700e6
     caches = [pool.acquire() for _ in range(8)]
     for c in caches:
         c.k[:, :, :16] = 1.0
         c.v[:, :, :16] = 1.0
-    assert rss_mb() - r0 < 40                            # ~12 MB touched, not 755
-    assert not np.any(pool.k[:, :, :, 16:100])           # untouched positions read as zeros
+    assert rss_mb() - r0 < 40  # ~12 MB touched, not 755
+    assert not np.any(pool.k[:, :, :, 16:100])  # untouched positions read as zeros
 
 
 def test_scheduler_returns_every_slot(smollm_path):
@@ -80,8 +83,12 @@ def test_scheduler_returns_every_slot(smollm_path):
 
         def run(i):
             prompt = eng.tokenizer.encode(f"Count to {i}:")
-            results.append(eng.complete(prompt, SamplingParams(n_predict=4 + i, temperature=0,
-                                                               ignore_eos=True)))
+            results.append(
+                eng.complete(
+                    prompt, SamplingParams(n_predict=4 + i, temperature=0, ignore_eos=True)
+                )
+            )
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
         for t in threads:
             t.start()
@@ -89,18 +96,21 @@ def test_scheduler_returns_every_slot(smollm_path):
             t.join(120)
         assert len(results) == 5 and all(r.stop_type == "limit" for r in results)
         # a cancelled request gives its slot back too
-        gen = eng.generate(eng.tokenizer.encode("Tell me a long story."),
-                           SamplingParams(n_predict=200, ignore_eos=True))
-        next(gen)                   # running: it holds a slot
+        gen = eng.generate(
+            eng.tokenizer.encode("Tell me a long story."),
+            SamplingParams(n_predict=200, ignore_eos=True),
+        )
+        next(gen)  # running: it holds a slot
         assert pool.n_free == 2
-        gen.close()                 # cancels
+        gen.close()  # cancels
         deadline = time.time() + 30
         while pool.n_free != 3 and time.time() < deadline:
             time.sleep(0.01)
         assert pool.n_free == 3
         # and the prefix cache kept a compact copy that a later request reuses
-        done = eng.complete(eng.tokenizer.encode("Count to 1:"),
-                            SamplingParams(n_predict=2, temperature=0))
+        done = eng.complete(
+            eng.tokenizer.encode("Count to 1:"), SamplingParams(n_predict=2, temperature=0)
+        )
         assert done.timings.cache_n > 0
     finally:
         eng.stop()
@@ -115,17 +125,17 @@ def test_pool_reclaims_an_untouched_slot_and_refuses_a_reused_one(tmp_path):
     pool.release(a)
     got = pool.reclaim(slot, gen, list(range(5, 10)))
     assert got is not None and got.slot == slot and got.tokens == list(range(5, 10))
-    assert np.array_equal(got.k[:, :, :7], keys)          # the KV was left in place
-    assert pool.reclaim(slot, gen, [1]) is None            # in use now
+    assert np.array_equal(got.k[:, :, :7], keys)  # the KV was left in place
+    assert pool.reclaim(slot, gen, [1]) is None  # in use now
     pool.release(got)
     # the least recently released slot is handed out first, so the other one is reused
     b = pool.acquire()
     assert b.slot != slot
     pool.release(b)
-    c, d = pool.acquire(), pool.acquire()                  # now both slots are handed out again
+    c, d = pool.acquire(), pool.acquire()  # now both slots are handed out again
     pool.release(c)
     pool.release(d)
-    assert pool.reclaim(slot, gen, [1]) is None            # its contents may have changed
+    assert pool.reclaim(slot, gen, [1]) is None  # its contents may have changed
 
 
 def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
@@ -141,13 +151,14 @@ def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
             if self.pool is pool:
                 copies.append(n)
             return real(self, other, n)
+
         prompt = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
         p = SamplingParams(n_predict=2, temperature=0)
         type(pool._caches[0]).copy_prefix_from = counting
         try:
-            eng.complete(prompt, p, mix={})                # A: base model
-            eng.complete(prompt, p, mix={aid: 1.0})        # B: cold under its own mix
-            done = eng.complete(prompt, p, mix={})         # A again
+            eng.complete(prompt, p, mix={})  # A: base model
+            eng.complete(prompt, p, mix={aid: 1.0})  # B: cold under its own mix
+            done = eng.complete(prompt, p, mix={})  # A again
         finally:
             type(pool._caches[0]).copy_prefix_from = real
         assert done.timings.cache_n == len(prompt) - 1
@@ -159,20 +170,27 @@ def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
 def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_path, monkeypatch):
     import core.kv_cache as kv
     from core.engine import ModelLoadError
+
     eng = Engine.from_path(smollm_path, ctx_size=128, n_parallel=2, draft_max=0)
     try:
         old_model, old_sched = eng.model, eng.scheduler
 
         def refuse(shape):
             raise OSError(12, "Cannot allocate memory")
+
         monkeypatch.setattr(kv, "_zero_pages", refuse)
         eng.requested_ctx = 1 << 20
-        with pytest.raises(ModelLoadError, match=r"KV cache for 2 sequences of 1048576 tokens.*"
-                                                 r"-c/--ctx-size"):
+        with pytest.raises(
+            ModelLoadError,
+            match=r"KV cache for 2 sequences of 1048576 tokens.*"
+            r"-c/--ctx-size",
+        ):
             eng.load_model(smollm_path)
         assert eng.model is old_model and eng.scheduler is old_sched and eng.ready
         monkeypatch.undo()
-        done = eng.complete(eng.tokenizer.encode("Hello"), SamplingParams(n_predict=3, temperature=0))
+        done = eng.complete(
+            eng.tokenizer.encode("Hello"), SamplingParams(n_predict=3, temperature=0)
+        )
         assert done.timings.predicted_n == 3
     finally:
         eng.stop()
@@ -183,15 +201,17 @@ def test_a_pool_larger_than_memory_can_be_reserved(smollm_path):
     64 GB maps on a 24 GB machine, where the kernel's overcommit heuristic refuses
     a plain anonymous mapping of that size."""
     import sys
+
     from core.weights import open_model_file
+
     if not sys.platform.startswith("linux"):
         pytest.skip("MAP_NORESERVE semantics are Linux's")
     _, cfg = open_model_file(smollm_path)
-    per_token = 2 * cfg.n_layers * cfg.kv_dim * 4                      # k and v
+    per_token = 2 * cfg.n_layers * cfg.kv_dim * 4  # k and v
     slots = 8
     capacity = (64 << 30) // (per_token * slots)
     pool = KVPool(cfg, slots, capacity)
     assert pool.k.nbytes + pool.v.nbytes >= 63 << 30
     c = pool.acquire()
-    c.k[:, :, :4] = 1.0                                               # and it is usable
+    c.k[:, :, :4] = 1.0  # and it is usable
     assert c.k[0, 0, 3, 0] == 1.0 and pool.v[0, 0, 0, capacity - 1, 0] == 0.0

@@ -1,5 +1,6 @@
 """core/linear.py: every regime computes x @ W.T (gemv, blocked on our threads,
 packed gemm), on awkward shapes and on the real model's matrices."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,12 +14,15 @@ from core.linear import CHUNK, SMALL_ROWS, Linear
 
 def blas_thread_counts() -> list[int]:
     from threadpoolctl import threadpool_info
+
     return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
 
-@pytest.fixture(scope="module", params=[(1, "blocked"), (2, "blocked"), (3, "blocked"),
-                                        (2, "gemm"), (2, "gemv")],
-                ids=lambda p: f"threads={p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(1, "blocked"), (2, "blocked"), (3, "blocked"), (2, "gemm"), (2, "gemv")],
+    ids=lambda p: f"threads={p[0]}-{p[1]}",
+)
 def lin(request):
     threads, small = request.param
     lin = Linear(threads, small=small)
@@ -43,7 +47,7 @@ def test_every_regime_equals_plain_matmul(lin, rows, n_out):
 
 def test_non_contiguous_weights_fall_back_to_plain_matmul(lin):
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((40, 130)).astype(np.float32)[:, ::2]   # (40, 65) strided view
+    w = rng.standard_normal((40, 130)).astype(np.float32)[:, ::2]  # (40, 65) strided view
     x = rng.standard_normal((4, 65)).astype(np.float32)
     np.testing.assert_allclose(lin(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
 
@@ -51,6 +55,7 @@ def test_non_contiguous_weights_fall_back_to_plain_matmul(lin):
 @pytest.mark.parametrize("regime", ["gemv", "gemm", "blocked"])
 def test_real_matrices_every_regime_equals_plain_matmul(smollm_path, regime):
     from core.weights import load_weights, open_model_file
+
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
     lin = Linear(2, small=regime)
@@ -76,13 +81,13 @@ def test_single_blas_restores_the_thread_count():
 def test_split_balances_by_measured_speed_and_covers_every_block_once():
     lin = Linear(3)
     try:
-        lin._rel[False] = [3.0, 1.0, 0.2]          # as if this thread were much faster than the helpers
+        lin._rel[False] = [3.0, 1.0, 0.2]  # as if this thread were much faster than the helpers
         seen = []
         lin.split(50, lambda i, j, last: seen.append((i, j, last)))
         seen.sort()
         assert seen[0][0] == 0 and seen[-1][1] == 50 and seen[-1][2]
-        assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))        # contiguous, no overlap
-        assert seen[0][1] - seen[0][0] > seen[1][1] - seen[1][0]        # the fast thread got more
+        assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # contiguous, no overlap
+        assert seen[0][1] - seen[0][0] > seen[1][1] - seen[1][0]  # the fast thread got more
         # products stay exact whatever the shares, ragged tail included
         rng = np.random.default_rng(3)
         w = rng.standard_normal((5 * CHUNK + 7, 40)).astype(np.float32)
@@ -122,13 +127,15 @@ def test_blocked_product_takes_strided_rows(lin, rows):
     x = rng.standard_normal((rows, 192)).astype(np.float32)[:, ::2]  # (rows, 96) view
     with lin.single_blas():
         got = lin(x, w)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch):
     from core.linear import BLOCKED_MARGIN, CALIBRATE_ROWS, GEMV_ROWS
     from core.weights import load_weights, open_model_file
+
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
     mats = [m for lw in w.layers[:2] for m in lw.projections]
@@ -138,8 +145,9 @@ def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch)
         times = lin.calibrate(mats, rounds=1)
         assert sorted(times) == sorted(CALIBRATE_ROWS)
         for t, by in times.items():
-            assert set(by) == ({"gemv", "gemm", "blocked"} if t <= GEMV_ROWS
-                               else {"gemm", "blocked"})
+            assert set(by) == (
+                {"gemv", "gemm", "blocked"} if t <= GEMV_ROWS else {"gemm", "blocked"}
+            )
             assert all(0 < s < 10 for s in by.values())
             plain = min((r for r in by if r != "blocked"), key=by.get)
             want = "blocked" if by["blocked"] * BLOCKED_MARGIN < by[plain] else plain
@@ -160,8 +168,7 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
     try:
         w = np.ones((CHUNK, 8), dtype=np.float32)
         outside = blas_thread_counts()
-        for regime, want in (("gemm", outside), ("gemv", outside),
-                             ("blocked", [1] * len(outside))):
+        for regime, want in (("gemm", outside), ("gemv", outside), ("blocked", [1] * len(outside))):
             monkeypatch.setenv("MIXDESK_SMALL_BATCH", regime)
             assert lin.calibrate([w]) == {}
             assert {lin.regime(t) for t in range(2, 33)} == {regime}
@@ -179,21 +186,25 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
         lin.close()
 
 
-@pytest.mark.parametrize("cost, want", [
-    # ms per pass for (regime, rows): gemv grows with the rows, the others do not
-    (dict(gemv=3, gemm=8, blocked=12), "2-4 rows gemv, 5-32 rows gemm"),
-    (dict(gemv=4, gemm=8, blocked=4), "2 rows gemv, 3-32 rows blocked"),
-    (dict(gemv=9, gemm=8, blocked=7), "2-32 rows gemm"),        # blocked not 1.3x faster
-])
+@pytest.mark.parametrize(
+    "cost, want",
+    [
+        # ms per pass for (regime, rows): gemv grows with the rows, the others do not
+        (dict(gemv=3, gemm=8, blocked=12), "2-4 rows gemv, 5-32 rows gemm"),
+        (dict(gemv=4, gemm=8, blocked=4), "2 rows gemv, 3-32 rows blocked"),
+        (dict(gemv=9, gemm=8, blocked=7), "2-32 rows gemm"),  # blocked not 1.3x faster
+    ],
+)
 def test_calibrate_keeps_the_fastest_regime_per_row_count(monkeypatch, cost, want):
     monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
     lin = Linear(2)
 
-    def fake_product(regime, x, w, side=None):      # a product that takes a set time
+    def fake_product(regime, x, w, side=None):  # a product that takes a set time
         ms = cost[regime] * (len(x) / 2 if regime == "gemv" else 1)
         end = time.perf_counter() + ms / 1e3
         while time.perf_counter() < end:
             pass
+
     monkeypatch.setattr(lin, "small_product", fake_product)
     try:
         times = lin.calibrate([np.ones((CHUNK, 8), dtype=np.float32)], rounds=2)

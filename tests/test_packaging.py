@@ -1,6 +1,7 @@
 """Packaging checks that stay fast (no PyInstaller build; `make package` does that):
 pyproject pins == requirements.txt, the .desktop file and its icons, the PyInstaller
 spec's data dirs, and a real wheel build + `pip install --target` of this checkout."""
+
 from __future__ import annotations
 
 import ast
@@ -57,8 +58,11 @@ def test_requirements_package_pins_pyinstaller_on_top_of_runtime():
 
 def test_pyproject_ships_every_package_and_the_entry_point():
     st = PYPROJECT["tool"]["setuptools"]
-    found = {str(p.parent.relative_to(REPO)).replace(os.sep, ".")
-             for top in ("core", "ui") for p in (REPO / top).rglob("__init__.py")}
+    found = {
+        str(p.parent.relative_to(REPO)).replace(os.sep, ".")
+        for top in ("core", "ui")
+        for p in (REPO / top).rglob("__init__.py")
+    }
     assert found <= set(st["packages"]), "a new sub-package is missing from pyproject.toml"
     assert "resources" in st["packages"] and st["py-modules"] == ["main"]
     assert PYPROJECT["project"]["scripts"] == {"mixdesk": "main:main"}
@@ -78,12 +82,14 @@ def test_desktop_file_keys_and_icon():
     for key in ("Type", "Name", "Exec", "Icon", "Categories", "Terminal"):
         assert entry.get(key), f"{DESKTOP.name}: missing {key}"
     assert entry["Type"] == "Application"
-    assert entry["Exec"].split()[0] == "mixdesk"          # the console script name
-    assert entry["StartupWMClass"] == "mixdesk"           # ui/app.py setDesktopFileName
+    assert entry["Exec"].split()[0] == "mixdesk"  # the console script name
+    assert entry["StartupWMClass"] == "mixdesk"  # ui/app.py setDesktopFileName
     icon = entry["Icon"]
     assert "/" not in icon and "." not in icon, "Icon is a theme name, not a path"
     icons = REPO / "resources" / "icons"
-    assert (icons / f"{icon}.svg").read_text(encoding="utf-8").lstrip().startswith(("<svg", "<?xml"))
+    assert (
+        (icons / f"{icon}.svg").read_text(encoding="utf-8").lstrip().startswith(("<svg", "<?xml"))
+    )
     for s in ICON_SIZES:
         assert _png_size(icons / f"{icon}-{s}.png") == (s, s)
     validator = shutil.which("desktop-file-validate")
@@ -94,7 +100,9 @@ def test_desktop_file_keys_and_icon():
 
 def _spec_assign(tree: ast.Module, name: str):
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == name for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise AssertionError(f"{SPEC.name}: no {name} = ... literal")
 
@@ -108,7 +116,11 @@ def test_pyinstaller_spec_parses_and_bundles_the_resources():
     for src, _ in data_dirs:
         assert list((REPO / src).glob(patterns[src])), f"{src}/{patterns[src]} matches nothing"
     assert "torch" in _spec_assign(tree, "excludes")
-    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    calls = {
+        n.func.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
     assert {"Analysis", "PYZ", "EXE", "COLLECT"} <= calls
 
 
@@ -116,9 +128,11 @@ def _can_build_without_isolation() -> bool:
     """setuptools >= 70.1 builds wheels itself; older needs `wheel` (else use isolation)."""
     try:
         import setuptools
+
         if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (70, 1):
             return True
         import wheel  # noqa: F401
+
         return True
     except Exception:
         return False
@@ -135,8 +149,18 @@ def built_wheel(tmp_path_factory) -> Path:
         shutil.copy2(REPO / name, src / name)
     for name in ("core", "ui", "resources"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check",
-           "-w", str(tmp / "out"), str(src)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--quiet",
+        "--disable-pip-version-check",
+        "-w",
+        str(tmp / "out"),
+        str(src),
+    ]
     if _can_build_without_isolation():
         cmd.insert(4, "--no-build-isolation")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -151,8 +175,11 @@ def test_wheel_contains_packages_resources_and_entry_point(built_wheel):
     for top in ("core", "ui"):
         expected |= {p.relative_to(REPO).as_posix() for p in (REPO / top).rglob("*.py")}
     for d in RESOURCE_DIRS:
-        expected |= {p.relative_to(REPO).as_posix() for p in (REPO / d).iterdir()
-                     if p.is_file() and p.suffix != ".py"}
+        expected |= {
+            p.relative_to(REPO).as_posix()
+            for p in (REPO / d).iterdir()
+            if p.is_file() and p.suffix != ".py"
+        }
     assert expected - names == set()
     assert not [n for n in names if n.split("/")[0] in ("tests", "tools", "bench", "packaging")]
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -162,24 +189,53 @@ def test_wheel_contains_packages_resources_and_entry_point(built_wheel):
 
 def test_installed_wheel_finds_resources_and_runs(built_wheel, tmp_path):
     target = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-                        "--disable-pip-version-check", "--no-index", "--target", str(target),
-                        str(built_wheel)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--target",
+            str(target),
+            str(built_wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     # Run from elsewhere with only the installed copy on the path (not the checkout).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(target), QT_QPA_PLATFORM="offscreen")
-    probe = ("import ui.util as u, main; "
-             "print(u.RESOURCES); print(main.__file__); "
-             "print(sorted(p.name for p in (u.RESOURCES / 'adapters').glob('*.gguf')))")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=60)
+    probe = (
+        "import ui.util as u, main; "
+        "print(u.RESOURCES); print(main.__file__); "
+        "print(sorted(p.name for p in (u.RESOURCES / 'adapters').glob('*.gguf')))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res, main_file, adapters = r.stdout.splitlines()
     assert Path(res) == target / "resources" and Path(main_file).parent == target
     assert adapters == str(sorted(p.name for p in (REPO / "resources" / "adapters").glob("*.gguf")))
     script = target / "bin" / "mixdesk"
     assert script.is_file()
-    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "--headless" in r.stdout, r.stderr[-3000:]

@@ -5,6 +5,7 @@ the same float32 function we compute: top-1 must agree at every step and the top
 logprobs must be within 0.05 (teacher-forced), and free-running greedy decoding
 must reproduce llama.cpp's 16 tokens exactly, for all 32 cases (4 prompts x 8 mixes).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,6 +21,7 @@ N_CASES = 32
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir, reference):
     from core.engine import Engine
+
     eng = Engine.from_path(smollm_path, ctx_size=512)
     for name in reference["adapters"]:
         eng.add_adapter(ref_dir / "adapters" / name)
@@ -39,8 +41,9 @@ def test_reference_has_32_cases(reference):
 @pytest.mark.parametrize("i", range(N_CASES))
 def test_teacher_forced_logprobs(engine, reference, i):
     case = reference["greedy"][i]
-    mw = engine.mixes.get(mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"])
-                                                      for a in engine.adapters()})
+    mw = engine.mixes.get(
+        mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
+    )
     cache = engine.model.new_cache(64)
     toks = np.array(case["prompt_tokens"] + case["tokens"])
     logits = engine.model([BatchItem(toks, cache, mix=mw, all_logits=True)])[0]
@@ -65,8 +68,11 @@ def test_n_probs_match_reference(engine, reference):
     """The logprobs reported to API clients are the same numbers, normalized over the vocab."""
     case = reference["greedy"][5]
     params = SamplingParams(temperature=0, n_predict=4, ignore_eos=True, n_probs=10)
-    got = [ev for ev in engine.generate(case["prompt_tokens"], params, mix=case_mix(case))
-           if ev.kind == "token"]
+    got = [
+        ev
+        for ev in engine.generate(case["prompt_tokens"], params, mix=case_mix(case))
+        if ev.kind == "token"
+    ]
     for ev, ref_top in zip(got, case["top_logprobs"]):
         assert [t for t, _ in ev.top[:3]] == [t for t, _ in ref_top[:3]]
         assert ev.logprob == pytest.approx(ref_top[0][1], abs=0.05)
@@ -79,8 +85,9 @@ def test_q4_reference_is_only_noise(engine, reference_q4):
     for case in reference_q4["greedy"][:8]:
         cache = engine.model.new_cache(64)
         toks = np.array(case["prompt_tokens"] + case["tokens"])
-        mw = engine.mixes.get(mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"])
-                                                          for a in engine.adapters()})
+        mw = engine.mixes.get(
+            mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
+        )
         logits = engine.model([BatchItem(toks, cache, mix=mw, all_logits=True)])[0]
         n = len(case["prompt_tokens"])
         for step, top in enumerate(case["top_logprobs"]):

@@ -1,12 +1,20 @@
 """Sampling: seeds reproduce, filters do what they say, stop strings cut exactly."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from core.engine import Engine, EngineError
-from core.sampling import (SamplingError, SamplingParams, StopMatcher, apply_penalties,
-                           make_sampler, top_logprobs, validate)
+from core.sampling import (
+    SamplingError,
+    SamplingParams,
+    StopMatcher,
+    apply_penalties,
+    make_sampler,
+    top_logprobs,
+    validate,
+)
 
 
 def logits_for(probs):
@@ -51,8 +59,10 @@ def test_temperature_sharpens():
 def test_penalties():
     lg = np.array([2.0, -1.0, 1.0], dtype=np.float32)
     out = apply_penalties(lg, [0, 1, 0], SamplingParams(repeat_penalty=2.0))
-    assert out.tolist() == [1.0, -2.0, 1.0]          # positive divided, negative multiplied
-    out = apply_penalties(lg, [0, 0, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    assert out.tolist() == [1.0, -2.0, 1.0]  # positive divided, negative multiplied
+    out = apply_penalties(
+        lg, [0, 0, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    )
     assert out.tolist() == pytest.approx([2.0 - 0.5 - 0.5, -1.0, 1.0 - 0.5 - 0.25])
 
 
@@ -71,8 +81,17 @@ def test_top_logprobs_normalized_over_vocab():
     assert [v for _, v in top] == pytest.approx(full[np.argsort(-lg)[:5]], abs=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=1.5),
-                                 dict(seed="x"), dict(n_probs=-1), dict(stop="###")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=float("nan")),
+        dict(top_p=1.5),
+        dict(top_k=1.5),
+        dict(seed="x"),
+        dict(n_probs=-1),
+        dict(stop="###"),
+    ],
+)
 def test_validate_rejects(bad):
     with pytest.raises(SamplingError):
         validate(SamplingParams(**bad))
@@ -80,9 +99,9 @@ def test_validate_rejects(bad):
 
 def test_stop_matcher_cuts_exactly_and_holds_back_partials():
     m = StopMatcher(["</end>", "\n\n"])
-    assert m.feed("Hello <") == "Hello "       # "<" might start "</end>"
+    assert m.feed("Hello <") == "Hello "  # "<" might start "</end>"
     assert m.feed("/e") == ""
-    assert m.feed("x") == "</ex"               # no longer a prefix: released
+    assert m.feed("x") == "</ex"  # no longer a prefix: released
     assert m.feed(" ok</en") == " ok"
     assert m.feed("d> tail") == ""
     assert m.hit == "</end>" and m.text == "Hello </ex ok"
@@ -106,7 +125,9 @@ def test_engine_seeded_sampling_is_reproducible(engine):
     p = SamplingParams(temperature=1.0, seed=1234, n_predict=12, ignore_eos=True)
     a, b = engine.complete(prompt, p), engine.complete(prompt, p)
     assert a.tokens == b.tokens
-    c = engine.complete(prompt, SamplingParams(temperature=1.0, seed=99, n_predict=12, ignore_eos=True))
+    c = engine.complete(
+        prompt, SamplingParams(temperature=1.0, seed=99, n_predict=12, ignore_eos=True)
+    )
     assert c.tokens != a.tokens
 
 
@@ -117,9 +138,12 @@ def test_engine_stop_string_cuts_exactly(engine):
     assert "3" in free
     done = engine.complete(prompt, SamplingParams(temperature=0, n_predict=24, stop=["3"]))
     assert done.stop_type == "word" and done.stopping_word == "3"
-    assert done.content == free[:free.index("3")]
-    streamed = "".join(ev.text for ev in engine.generate(
-        prompt, SamplingParams(temperature=0, n_predict=24, stop=["3"])) if ev.kind != "done")
+    assert done.content == free[: free.index("3")]
+    streamed = "".join(
+        ev.text
+        for ev in engine.generate(prompt, SamplingParams(temperature=0, n_predict=24, stop=["3"]))
+        if ev.kind != "done"
+    )
     assert streamed == done.content
 
 

@@ -1,5 +1,6 @@
 """Prompt-lookup speculative decoding: drafts are verified with the request's own
 sampler, so the output is token-for-token what plain greedy decoding gives."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,15 +9,17 @@ from core.engine import Engine
 from core.sampling import SamplingParams
 from core.scheduler import prompt_lookup
 
-TEXT = ("The mixing desk has three faders. The first fader controls the pirate voice. "
-        "The second fader controls the terse voice. The third fader controls the hype voice.")
+TEXT = (
+    "The mixing desk has three faders. The first fader controls the pirate voice. "
+    "The second fader controls the terse voice. The third fader controls the hype voice."
+)
 
 
 def test_prompt_lookup_finds_the_latest_continuation():
     h = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 7, 8, 5, 1, 2, 3, 4]
-    assert prompt_lookup(h, 3) == [7, 8, 5]          # the most recent earlier match wins
+    assert prompt_lookup(h, 3) == [7, 8, 5]  # the most recent earlier match wins
     assert prompt_lookup(h, 1) == [7]
-    assert prompt_lookup([1, 2, 3, 4, 5], 4) == []    # no earlier occurrence
+    assert prompt_lookup([1, 2, 3, 4, 5], 4) == []  # no earlier occurrence
     assert prompt_lookup([5, 6, 7, 0, 6, 7], 2) == []  # 2-grams are too weak to draft from
 
 
@@ -31,12 +34,16 @@ def engines(smollm_path, ref_dir):
     spec.stop()
 
 
-@pytest.mark.parametrize("params", [
-    dict(n_predict=64),
-    dict(n_predict=48, ignore_eos=True, n_probs=3),
-    dict(n_predict=64, stop=["third"]),
-    dict(n_predict=64, repeat_penalty=1.05, repeat_last_n=16),
-], ids=["greedy", "logprobs", "stop", "penalty"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(n_predict=64),
+        dict(n_predict=48, ignore_eos=True, n_probs=3),
+        dict(n_predict=64, stop=["third"]),
+        dict(n_predict=64, repeat_penalty=1.05, repeat_last_n=16),
+    ],
+    ids=["greedy", "logprobs", "stop", "penalty"],
+)
 @pytest.mark.parametrize("mix", [None, {0: 0.8}], ids=["base", "lora"])
 def test_speculation_reproduces_plain_greedy(engines, params, mix):
     plain, spec = engines
@@ -74,8 +81,9 @@ def test_drafts_that_keep_failing_back_off(engines, monkeypatch):
     before drafting again, so a long reply pays for a handful of drafts, not one
     in five steps, and still equals plain decoding."""
     import core.scheduler as sched
+
     plain, spec = engines
-    bad = spec.config.vocab_size - 1                     # a token greedy decoding never picks
+    bad = spec.config.vocab_size - 1  # a token greedy decoding never picks
     monkeypatch.setattr(sched, "prompt_lookup", lambda history, k: [bad] * k)
     prompt = plain.chat_prompt([{"role": "user", "content": "Tell me about the moon."}])
     p = SamplingParams(temperature=0, n_predict=120, ignore_eos=True)

@@ -1,17 +1,12 @@
 """Tokenizer tests: SmolLM2 against llama.cpp's own tokenizations, plus tiny
 hand-made vocabularies for SPM and for pre-tokenizer differences."""
+
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import gguf
 import pytest
-
-# pytest.ini does not put the repo root on sys.path (no `pythonpath = .`), so a plain
-# `pytest` run cannot import `core` without this.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.gguf_file import GGUFFile  # noqa: E402
 from core.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError  # noqa: E402
@@ -25,6 +20,7 @@ def tok(smollm_meta) -> Tokenizer:
 
 
 # --- SmolLM2 vs llama.cpp -------------------------------------------------------------
+
 
 def test_reference_sizes(reference):
     assert len(reference["tokenize"]) == N_REFERENCE
@@ -79,8 +75,10 @@ def test_smollm_eog_ids_follow_llamacpp(tok):
 
 # --- incremental decoding ---------------------------------------------------------------
 
-@pytest.mark.parametrize("text", ["emoji 🙂🚀 and flags 🇫🇷", "日本語のテキストと中文字符",
-                                  "naïve café — déjà vu"])
+
+@pytest.mark.parametrize(
+    "text", ["emoji 🙂🚀 and flags 🇫🇷", "日本語のテキストと中文字符", "naïve café — déjà vu"]
+)
 def test_incremental_decode_is_exact_and_never_half_a_char(tok, text):
     ids = tok.encode(text)
     dec = tok.decoder()
@@ -114,8 +112,10 @@ def test_speed(smollm_meta, reference):
     t0 = time.perf_counter()
     fresh = Tokenizer.from_metadata(smollm_meta)
     build = time.perf_counter() - t0
-    text = (" ".join(c["text"] for c in reference["tokenize"]) + " ".join(
-        g["prompt"] for g in reference["greedy"][::8]) * 8)[:2048]
+    text = (
+        " ".join(c["text"] for c in reference["tokenize"])
+        + " ".join(g["prompt"] for g in reference["greedy"][::8]) * 8
+    )[:2048]
     t0 = time.perf_counter()
     fresh.encode(text)  # cold BPE cache: the slow case
     encode = time.perf_counter() - t0
@@ -186,9 +186,13 @@ def test_spm_space_prefix_and_bos(spm):
 
 def test_spm_without_space_prefix(tmp_path):
     tokens, types = _spm_tokens()
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_space_prefix": False,
-            "tokenizer.ggml.scores": [0.0] * len(tokens)}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+    }
     t = Tokenizer.from_metadata(meta)
     assert t.encode("ab") == _ids(t, "ab")
     assert t.decode(t.encode(" ab")) == " ab"
@@ -202,24 +206,33 @@ def test_spm_parse_special(spm):
 
 # --- BPE pre-tokenizers on a tiny byte-level vocabulary ----------------------------------
 
+
 def _bpe_meta(pre: str, words: list[str], merges: list[str], **extra) -> dict:
     tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + words
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.token_type": [1] * len(tokens), **extra}
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": [1] * len(tokens),
+        **extra,
+    }
 
 
 _DIGIT_MERGES = ["1 2", "12 3", "123 4", "4 5"]
 _DIGIT_WORDS = ["12", "123", "1234", "45"]
 
 
-@pytest.mark.parametrize("pre, pieces", [
-    ("llama-bpe", ["123", "45"]),          # \p{N}{1,3}: groups of up to three digits
-    ("default", ["123", "45"]),            # its [0-9][0-9][0-9] pass does the same
-    ("gpt2", ["1234", "5"]),               # \p{N}+: one piece, merges run across it
-    ("smollm", ["1", "2", "3", "4", "5"]),  # \p{N}: every digit alone
-    ("qwen2", ["1", "2", "3", "4", "5"]),
-])
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        ("llama-bpe", ["123", "45"]),  # \p{N}{1,3}: groups of up to three digits
+        ("default", ["123", "45"]),  # its [0-9][0-9][0-9] pass does the same
+        ("gpt2", ["1234", "5"]),  # \p{N}+: one piece, merges run across it
+        ("smollm", ["1", "2", "3", "4", "5"]),  # \p{N}: every digit alone
+        ("qwen2", ["1", "2", "3", "4", "5"]),
+    ],
+)
 def test_pre_tokenizer_digit_splitting(pre, pieces):
     t = Tokenizer.from_metadata(_bpe_meta(pre, _DIGIT_WORDS, _DIGIT_MERGES))
     assert t.encode("12345") == _ids(t, *pieces)
@@ -252,12 +265,19 @@ def test_user_defined_tokens_are_parsed_even_without_parse_special():
 
 def test_gpt2_has_no_bos_or_eos_for_a_tiny_vocab():
     # llama.cpp's BPE default BOS/EOS id 11 only applies when it exists in the vocab
-    t = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-                                 "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []})
+    t = Tokenizer.from_metadata(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": ["a", "b"],
+            "tokenizer.ggml.merges": [],
+        }
+    )
     assert (t.bos_id, t.eos_id, t.eog_ids) == (None, None, frozenset())
 
 
 # --- unsupported input -------------------------------------------------------------------
+
 
 def test_unsupported_model_is_named():
     with pytest.raises(TokenizerError, match="'t5'"):
@@ -270,7 +290,12 @@ def test_unsupported_pre_tokenizer_is_named():
 
 
 def test_add_bos_without_bos_token_is_rejected():
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
-            "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.add_bos_token": True}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": ["a", "b"],
+        "tokenizer.ggml.add_bos_token": True,
+    }
     with pytest.raises(TokenizerError, match="BOS"):
         Tokenizer.from_metadata(meta)

@@ -1,10 +1,11 @@
 """Write tiny random llama GGUF models with gguf.GGUFWriter, for shape/edge-case tests."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 BYTE_VOCAB = [f"<0x{i:02X}>" for i in range(256)]
 
@@ -20,10 +21,24 @@ def quantize_or_random(a: np.ndarray, qtype, rng) -> np.ndarray:
         return rng.integers(0, 0x3C, size=(*a.shape[:-1], n_bytes), dtype=np.uint8)
 
 
-def write_tiny_llama(path: Path, *, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn=96,
-                     vocab=300, tied=True, rope_base=10000.0, rope_scale=None,
-                     rope_freqs=False, qtype=GGMLQuantizationType.F32, arch="llama",
-                     seed=0, ctx=256) -> Path:
+def write_tiny_llama(
+    path: Path,
+    *,
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    ffn=96,
+    vocab=300,
+    tied=True,
+    rope_base=10000.0,
+    rope_scale=None,
+    rope_freqs=False,
+    qtype=GGMLQuantizationType.F32,
+    arch="llama",
+    seed=0,
+    ctx=256,
+) -> Path:
     rng = np.random.default_rng(seed)
     hd = dim // n_heads
     w = GGUFWriter(str(path), arch)
@@ -52,8 +67,9 @@ def write_tiny_llama(path: Path, *, dim=64, n_heads=4, n_kv_heads=2, n_layers=2,
     w.add_eos_token_id(2)
 
     def t(name, shape, scale=0.2, norm=False):
-        a = (1.0 + 0.1 * rng.standard_normal(shape) if norm
-             else scale * rng.standard_normal(shape)).astype(np.float32)
+        a = (
+            1.0 + 0.1 * rng.standard_normal(shape) if norm else scale * rng.standard_normal(shape)
+        ).astype(np.float32)
         if not norm and qtype != GGMLQuantizationType.F32:
             if qtype == GGMLQuantizationType.F16:
                 w.add_tensor(name, a.astype(np.float16))
@@ -86,8 +102,13 @@ def write_tiny_llama(path: Path, *, dim=64, n_heads=4, n_kv_heads=2, n_layers=2,
     return path
 
 
-def write_lora_gguf(path: Path, tensors: dict[str, np.ndarray], kv: dict | None = None,
-                    arch: str = "llama", general_type: str = "adapter") -> Path:
+def write_lora_gguf(
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    kv: dict | None = None,
+    arch: str = "llama",
+    general_type: str = "adapter",
+) -> Path:
     """A llama.cpp-format LoRA adapter. ``tensors`` by full name
     ("blk.0.attn_q.weight.lora_a"); ``kv`` metadata: floats as f32, lists as arrays,
     anything else as strings."""

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Measure the demo adapters' effects on 20 held-out prompts.
 
-    .venv/bin/python tools/eval_demo_adapters.py                    # Mixdesk engine if present
-    .venv/bin/python tools/eval_demo_adapters.py --backend torch    # the training script's model
+    .venv/bin/python -m tools.eval_demo_adapters                    # Mixdesk engine if present
+    .venv/bin/python -m tools.eval_demo_adapters --backend torch    # the training script's model
 
 For every prompt in ``tools/demo_data/heldout.txt`` (none of them is in the
 training data) it generates a greedy reply (temperature 0, at most 64 tokens,
@@ -28,6 +28,7 @@ Backends: ``engine`` uses Mixdesk's numpy engine (``core.engine.Engine``);
 (same math: W + scale*alpha/rank*B@A, checked against llama-server's outputs by
 ``train_demo_adapters.py --check``). ``auto`` picks the engine if it imports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 HELDOUT = ROOT / "tools" / "demo_data" / "heldout.txt"
 ADAPTER_DIR = ROOT / "resources" / "adapters"
@@ -46,8 +46,10 @@ MAX_TOKENS = 64
 
 PIRATE_WORDS = re.compile(
     r"\b(arr+|arrgh|matey|mateys|ahoy|aye|ye|yer|ye'll|ye've|hearty|hearties|landlubbers?|"
-    r"shiver me timbers|scallywags?|buccaneers?|doubloons?|booty|grog)\b", re.I)
-EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B50\u2B55\u2190-\u21FF\u2300-\u23FF]")
+    r"shiver me timbers|scallywags?|buccaneers?|doubloons?|booty|grog)\b",
+    re.I,
+)
+EMOJI = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf\u2b50\u2b55\u2190-\u21ff\u2300-\u23ff]")
 TERSE_MAX_WORDS = 30
 
 
@@ -85,6 +87,7 @@ class EngineBackend:
 
     def __init__(self, model_path: Path):
         from core.engine import Engine
+
         self.eng = Engine.from_path(model_path, n_parallel=self.parallel)
         self.ids: dict[str, int] = {}
 
@@ -93,8 +96,9 @@ class EngineBackend:
 
     def reply(self, prompt: str, mix: dict[str, float]) -> str:
         m = {self.ids[s]: v for s, v in mix.items()}
-        return self.eng.chat([{"role": "user", "content": prompt}], mix=m,
-                             max_tokens=MAX_TOKENS, temperature=0.0)
+        return self.eng.chat(
+            [{"role": "user", "content": prompt}], mix=m, max_tokens=MAX_TOKENS, temperature=0.0
+        )
 
     def close(self) -> None:
         self.eng.stop()
@@ -106,7 +110,9 @@ class TorchBackend:
 
     def __init__(self, model_path: Path):
         import torch
-        import train_demo_adapters as T
+
+        from tools import train_demo_adapters as T
+
         torch.set_grad_enabled(False)
         torch.set_num_threads(1)  # see train_demo_adapters.py: 1 thread on a shared 2-core box
         self.T = T
@@ -151,8 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("--adapters", type=Path, default=ADAPTER_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "tools" / "demo_data" / "eval_replies.json")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke test)")
-    ap.add_argument("--table-only", action="store_true",
-                    help="recompute the table from the saved replies (--out) without generating")
+    ap.add_argument(
+        "--table-only",
+        action="store_true",
+        help="recompute the table from the saved replies (--out) without generating",
+    )
     args = ap.parse_args(argv)
     if args.table_only:
         saved = json.loads(args.out.read_text(encoding="utf-8"))
@@ -160,8 +169,8 @@ def main(argv=None) -> int:
         return 0
     if args.model is None:
         from core.default_model import default_model_path
+
         args.model = default_model_path()
-    sys.path.insert(0, str(ROOT / "tools"))
 
     backend = None
     if args.backend in ("auto", "engine"):
@@ -176,7 +185,9 @@ def main(argv=None) -> int:
     for style in MARKERS:
         backend.add(style, args.adapters / f"{style}.gguf")
 
-    prompts = [l.strip() for l in HELDOUT.read_text(encoding="utf-8").splitlines() if l.strip()]
+    prompts = [
+        line.strip() for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     prompts = prompts[: args.limit] if args.limit else prompts
     results = []
     t0 = time.time()
@@ -185,20 +196,34 @@ def main(argv=None) -> int:
             replies = backend.replies(prompts, mix)
         elif backend.parallel > 1:  # the engine batches concurrent requests
             from concurrent.futures import ThreadPoolExecutor
+
             with ThreadPoolExecutor(backend.parallel) as ex:
-                replies = list(ex.map(lambda p: backend.reply(p, mix), prompts))
+                replies = list(ex.map(lambda p, mix=mix: backend.reply(p, mix), prompts))
         else:
             replies = [backend.reply(p, mix) for p in prompts]
         rates = {m: sum(f(r) for r in replies) / len(replies) for m, f in MARKERS.items()}
         words = sum(len(r.split()) for r in replies) / len(replies)
-        results.append({"config": label, "mix": mix, "rates": rates, "mean_words": words,
-                        "replies": dict(zip(prompts, replies))})
+        results.append(
+            {
+                "config": label,
+                "mix": mix,
+                "rates": rates,
+                "mean_words": words,
+                "replies": dict(zip(prompts, replies)),
+            }
+        )
         print(f"{label}: {rates} words={words:.1f} ({time.time() - t0:.0f}s)", file=sys.stderr)
 
     backend.close()
-    args.out.write_text(json.dumps({"backend": backend.name, "max_tokens": MAX_TOKENS,
-                                    "results": results}, indent=1, ensure_ascii=False) + "\n",
-                        encoding="utf-8")
+    args.out.write_text(
+        json.dumps(
+            {"backend": backend.name, "max_tokens": MAX_TOKENS, "results": results},
+            indent=1,
+            ensure_ascii=False,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     print_table(backend.name, results)
     return 0
 
@@ -210,8 +235,9 @@ def print_table(backend_name: str, results: list[dict]) -> None:
     print("|---|---|---|---|---|---|")
     for r in results:
         replies = list(r["replies"].values())
-        cells = " | ".join(f"{100 * sum(MARKERS[m](x) for x in replies) / len(replies):.0f}%"
-                           for m in MARKERS)
+        cells = " | ".join(
+            f"{100 * sum(MARKERS[m](x) for x in replies) / len(replies):.0f}%" for m in MARKERS
+        )
         words = sum(len(x.split()) for x in replies) / len(replies)
         bangs = sum(x.count("!") for x in replies) / len(replies)
         print(f"| {r['config']} | {cells} | {words:.1f} | {bangs:.1f} |")

@@ -1,10 +1,11 @@
 """Drive the real window (run_gui's setup) and grab docs/screenshot.png.
 
-    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python tools/screenshot.py
+    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python -m tools.screenshot
 
 Loads the default model and the demo adapters, sets a mix, saves two presets,
 chats twice at temperature 0 and grabs the window while the second reply streams.
 """
+
 import argparse
 import asyncio
 import os
@@ -13,66 +14,90 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-os.environ["MIXDESK_HOME"] = tempfile.mkdtemp(prefix="mixdesk-shot-")
-from PySide6.QtWidgets import QApplication
-from PySide6.QtCore import QTimer
-import qasync
-from ui.app import app_icon, create_window, load_stylesheet
 
-app = QApplication(sys.argv[:1])
-app.setApplicationName("Mixdesk"); app.setWindowIcon(app_icon()); app.setStyle("Fusion")
-app.setStyleSheet(load_stylesheet())
-loop = qasync.QEventLoop(app); asyncio.set_event_loop(loop)
-args = argparse.Namespace(model=None, adapters=[], ctx_size=2048, parallel=4,
-                          host="127.0.0.1", port=8080, api_key=[], cors_origins=[])
-win = create_window(args)
-win.resize(1400, 900); win.move(0, 0); win.show()
-state = {"n": 0}
 
-def ready():
-    if len(win.mixer.strips) < 3:
-        return QTimer.singleShot(300, ready)
-    ids = {s.info["name"]: a for a, s in win.mixer.strips.items()}
-    m = win.mixer
-    m.strips[ids["terse"]].spin.setValue(0.9)
-    m.save_preset("Terse")
-    m.zero_all()
-    m.strips[ids["pirate"]].spin.setValue(1.0)
-    m.strips[ids["hype"]].spin.setValue(0.35)
-    m.save_preset("Pirate + a little hype")
-    m.strips[ids["terse"]].spin.setValue(0.5)
-    m.strips[ids["terse"]].on.setChecked(False)
-    win.sampling.set_values({"temperature": 0.0, "n_predict": int(os.environ.get("N1", "70")),
-                             "repeat_penalty": 1.1})
-    win.sampling.system_prompt.setPlainText("You are a helpful assistant.")
-    win.chat.reply_finished.connect(after_first)
-    win.chat.send(os.environ.get("P1", "How do I print a list in Python?"))
+def main() -> None:
+    # before any ui import: the shot must never touch the user's settings
+    os.environ["MIXDESK_HOME"] = tempfile.mkdtemp(prefix="mixdesk-shot-")
+    import qasync
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
 
-def after_first(_):
-    win.chat.reply_finished.disconnect(after_first)
-    win.sampling.set_values({"n_predict": 60})
-    win.chat.input.setPlainText("")
-    win.chat.send(os.environ.get("P2", "And how do I sort it first?"))
-    win.chat.gen.token.connect(count)
+    from ui.app import app_icon, create_window, load_stylesheet, teardown
 
-def count(t):
-    state["n"] += 1
-    if state["n"] == int(os.environ.get("N2", "14")):
-        QTimer.singleShot(200, grab)
+    app = QApplication(sys.argv[:1])
+    app.setApplicationName("Mixdesk")
+    app.setWindowIcon(app_icon())
+    app.setStyle("Fusion")
+    app.setStyleSheet(load_stylesheet())
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    args = argparse.Namespace(
+        model=None,
+        adapters=[],
+        ctx_size=2048,
+        parallel=4,
+        host="127.0.0.1",
+        port=8080,
+        api_key=[],
+        cors_origins=[],
+    )
+    win = create_window(args)
+    win.resize(1400, 900)
+    win.move(0, 0)
+    win.show()
+    state = {"n": 0}
 
-def grab():
-    win.grab().save(str(REPO / "docs" / "screenshot.png"))
-    print("saved", flush=True)
-    win.chat.stop()
-    QTimer.singleShot(500, win.close)
+    def ready():
+        if len(win.mixer.strips) < 3:
+            return QTimer.singleShot(300, ready)
+        ids = {s.info["name"]: a for a, s in win.mixer.strips.items()}
+        m = win.mixer
+        m.strips[ids["terse"]].spin.setValue(0.9)
+        m.save_preset("Terse")
+        m.zero_all()
+        m.strips[ids["pirate"]].spin.setValue(1.0)
+        m.strips[ids["hype"]].spin.setValue(0.35)
+        m.save_preset("Pirate + a little hype")
+        m.strips[ids["terse"]].spin.setValue(0.5)
+        m.strips[ids["terse"]].on.setChecked(False)
+        win.sampling.set_values(
+            {
+                "temperature": 0.0,
+                "n_predict": int(os.environ.get("N1", "70")),
+                "repeat_penalty": 1.1,
+            }
+        )
+        win.sampling.system_prompt.setPlainText("You are a helpful assistant.")
+        win.chat.reply_finished.connect(after_first)
+        win.chat.send(os.environ.get("P1", "How do I print a list in Python?"))
 
-QTimer.singleShot(500, ready)
-app.aboutToQuit.connect(win.shutdown)
-with loop:
-    loop.run_forever()
-print("loop done", flush=True)
-from ui.app import teardown
-teardown(app, win)
-del win
-print("teardown done", flush=True)
+    def after_first(_):
+        win.chat.reply_finished.disconnect(after_first)
+        win.sampling.set_values({"n_predict": 60})
+        win.chat.input.setPlainText("")
+        win.chat.send(os.environ.get("P2", "And how do I sort it first?"))
+        win.chat.gen.token.connect(count)
+
+    def count(_t):
+        state["n"] += 1
+        if state["n"] == int(os.environ.get("N2", "14")):
+            QTimer.singleShot(200, grab)
+
+    def grab():
+        win.grab().save(str(REPO / "docs" / "screenshot.png"))
+        print("saved", flush=True)
+        win.chat.stop()
+        QTimer.singleShot(500, win.close)
+
+    QTimer.singleShot(500, ready)
+    app.aboutToQuit.connect(win.shutdown)
+    with loop:
+        loop.run_forever()
+    print("loop done", flush=True)
+    teardown(app, win)
+    print("teardown done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

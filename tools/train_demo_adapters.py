@@ -5,9 +5,9 @@ Dev-only tool. It needs PyTorch (CPU):
 
     .venv/bin/pip install -r requirements-train.txt
 
-    .venv/bin/python tools/train_demo_adapters.py --check     # torch forward == llama.cpp?
-    .venv/bin/python tools/train_demo_adapters.py             # train all three adapters
-    .venv/bin/python tools/train_demo_adapters.py --only pirate
+    .venv/bin/python -m tools.train_demo_adapters --check     # torch forward == llama.cpp?
+    .venv/bin/python -m tools.train_demo_adapters             # train all three adapters
+    .venv/bin/python -m tools.train_demo_adapters --only pirate
 
 What it does
 ------------
@@ -19,7 +19,7 @@ What it does
   pairs ``(x[2i], x[2i+1])``; we do the same, so the LoRA B matrices learnt for
   ``attn_q``/``attn_k`` are already in GGUF layout and need no permutation.
 * ``--check`` reproduces the first no-adapter case of
-  ``/work/shared/reference/smollm2_f32_llamacpp.json`` (llama-server on the
+  ``tests/data/llamacpp/smollm2_f32_llamacpp.json`` (llama-server on the
   dequantized-F32 model): all 16 greedy tokens must match and every top-10
   logprob must be within 0.05. Training refuses to start if this fails.
 * Trains one rank-8 LoRA per style on the hand-written pairs in
@@ -36,6 +36,7 @@ Time here (2 shared CPU cores, torch 2.13 CPU, 1 thread): ~50 s per epoch, 4 epo
 adapter, ~12 min for all three on an idle machine (1222 s measured while shared); see
 the README section "Demo adapters".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,19 +51,21 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402  (dev-only dependency, see requirements-train.txt)
 import torch.nn.functional as F  # noqa: E402
 
 from core.gguf_file import GGUFFile  # noqa: E402
+from tests.reference import reference_dir  # noqa: E402
 
-TIMING = ("measured here: pirate 271 s, terse 466 s, hype 482 s, 1222 s in all on 2 shared "
-          "cores; ~50 s per epoch, ~12 min for all three when the machine is otherwise idle")
+TIMING = (
+    "measured here: pirate 271 s, terse 466 s, hype 482 s, 1222 s in all on 2 shared "
+    "cores; ~50 s per epoch, ~12 min for all three when the machine is otherwise idle"
+)
 
 DATA_DIR = ROOT / "tools" / "demo_data"
 OUT_DIR = ROOT / "resources" / "adapters"
-REFERENCE = Path("/work/shared/reference/smollm2_f32_llamacpp.json")
+REFERENCE = reference_dir() / "smollm2_f32_llamacpp.json"
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 IM_END = 2
@@ -86,8 +89,10 @@ SEED = 1234
 
 # --------------------------------------------------------------------------- model
 
+
 def dequantize(g: GGUFFile, name: str) -> np.ndarray:
     from gguf.quants import dequantize as dq
+
     info = g.tensors[name]
     return np.array(dq(g.raw(name), info.qtype).reshape(info.shape), dtype=np.float32, copy=True)
 
@@ -169,8 +174,13 @@ class Llama(torch.nn.Module):
         r1 = x0 * sin + x1 * cos
         return torch.stack((r0, r1), dim=-1).flatten(-2)
 
-    def hidden(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None,
-               cache: list | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: list | None = None,
+        pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """ids (B, T) -> final normed hidden states (B, T, dim). attn_mask (B, T) bool: real tokens
         (right padding only). ``cache``: a list that holds per-layer (k, v) across calls
         (inference only; pass [] for the prompt, then the same list for each new token)."""
@@ -239,13 +249,13 @@ class Llama(torch.nn.Module):
         pad = torch.tensor([L - len(p) for p in prompts])
         ids = torch.full((B, L), stop, dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, L - len(p):] = torch.tensor(p)
+            ids[r, L - len(p) :] = torch.tensor(p)
         valid = torch.arange(L)[None, :] >= pad[:, None]
         pos = (torch.arange(L)[None, :] - pad[:, None]).clamp(min=0)
         cache: list = []
         out = [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
-        for step in range(n):
+        for _step in range(n):
             h = self.hidden(ids, valid, cache=cache, pos=pos)[:, -1]
             nxt = self.logits(h).argmax(-1)
             for r in range(B):
@@ -263,6 +273,7 @@ class Llama(torch.nn.Module):
 
 
 # --------------------------------------------------------------------------- adapters
+
 
 def load_adapter(path: Path) -> dict:
     """Read a llama.cpp LoRA GGUF the way llama.cpp does: lora_a (rank, in), lora_b (out, rank),
@@ -283,9 +294,14 @@ def load_adapter(path: Path) -> dict:
         rank = a.shape[0]
     alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
     g.close()
-    return {"path": str(path), "alpha": alpha, "rank": rank,
-            "task": meta.get("adapter.lora.task_name"), "tensors": tensors,
-            "factor": alpha / rank if alpha else 1.0}
+    return {
+        "path": str(path),
+        "alpha": alpha,
+        "rank": rank,
+        "task": meta.get("adapter.lora.task_name"),
+        "tensors": tensors,
+        "factor": alpha / rank if alpha else 1.0,
+    }
 
 
 # --------------------------------------------------------------------------- llama.cpp format
@@ -306,6 +322,7 @@ def verify_llamacpp_adapter(path: Path, base_path: Path, demo: bool = True) -> l
     a.ne[1] == b.ne[0] (A is (rank, in), B is (out, rank) in numpy order)."""
     from gguf import GGUFReader, GGUFValueType
     from gguf.constants import GGMLQuantizationType as Q
+
     problems = []
     r = GGUFReader(str(path))
     base = GGUFFile(base_path)
@@ -369,6 +386,7 @@ def verify_llamacpp_adapter(path: Path, base_path: Path, demo: bool = True) -> l
 
 # --------------------------------------------------------------------------- check
 
+
 def check(model: Llama, tol: float = 0.05, with_adapters: bool = True) -> bool:
     """Reproduce llama-server's greedy tokens + top-10 logprobs: the first no-adapter case, and
     (if the reference adapters are there) a few cases with the reference LoRAs mixed in, which
@@ -383,7 +401,7 @@ def check(model: Llama, tol: float = 0.05, with_adapters: bool = True) -> bool:
     ok = True
     for ci in cases:
         case = ref["greedy"][ci]
-        scales = {l["id"]: float(l["scale"]) for l in case.get("lora", [])}
+        scales = {e["id"]: float(e["scale"]) for e in case.get("lora", [])}
         model.mix = [(adapters[i], s) for i, s in scales.items() if s and adapters]
         t0 = time.time()
         toks, lps = model.greedy(case["prompt_tokens"], len(case["tokens"]))
@@ -393,19 +411,26 @@ def check(model: Llama, tol: float = 0.05, with_adapters: bool = True) -> bool:
             for tid, lp in top:
                 worst = max(worst, abs(float(lps[step][tid]) - lp))
         same = toks == case["tokens"]
-        label = ", ".join(f"{ref['adapters'][i]}@{s:g}" for i, s in scales.items() if s) or "no adapter"
-        print(f"check case {ci} ({label}): greedy tokens match: {same} "
-              f"({sum(a == b for a, b in zip(toks, case['tokens']))}/{len(case['tokens'])}), "
-              f"worst |dlogprob| over top-10 = {worst:.4f} (tol {tol}), {time.time() - t0:.1f}s")
+        label = (
+            ", ".join(f"{ref['adapters'][i]}@{s:g}" for i, s in scales.items() if s) or "no adapter"
+        )
+        print(
+            f"check case {ci} ({label}): greedy tokens match: {same} "
+            f"({sum(a == b for a, b in zip(toks, case['tokens']))}/{len(case['tokens'])}), "
+            f"worst |dlogprob| over top-10 = {worst:.4f} (tol {tol}), {time.time() - t0:.1f}s"
+        )
         ok = ok and same and worst <= tol
     return ok
 
 
 # --------------------------------------------------------------------------- data
 
+
 def chatml(user: str, reply: str | None = None, system: str = DEFAULT_SYSTEM) -> str:
-    s = (f"<|im_start|>system\n{system}<|im_end|>\n"
-         f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+    s = (
+        f"<|im_start|>system\n{system}<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
     return s if reply is None else s + reply
 
 
@@ -422,6 +447,7 @@ def load_pairs(style: str) -> list[dict]:
 
 def get_tokenizer(meta):
     from core.tokenizer import Tokenizer
+
     return Tokenizer.from_metadata(meta)
 
 
@@ -437,6 +463,7 @@ def encode_pairs(tok, pairs: list[dict]) -> list[tuple[list[int], int]]:
 
 # --------------------------------------------------------------------------- train
 
+
 def train_style(model: Llama, tok, style: str, log=print) -> dict:
     torch.manual_seed(SEED)
     random.seed(SEED)
@@ -446,7 +473,13 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
     data = encode_pairs(tok, load_pairs(style))
     steps_total = EPOCHS * math.ceil(len(data) / BATCH)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * min(s, steps_total) / steps_total)))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / 5)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, steps_total) / steps_total))
+        ),
+    )
     t0 = time.time()
     step = 0
     for ep in range(EPOCHS):
@@ -454,9 +487,12 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
         order = list(range(len(data)))
         random.shuffle(order)
         chunk = BATCH * 8
-        order = [i for c in range(0, len(order), chunk)
-                 for i in sorted(order[c:c + chunk], key=lambda j: len(data[j][0]))]
-        batches = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+        order = [
+            i
+            for c in range(0, len(order), chunk)
+            for i in sorted(order[c : c + chunk], key=lambda j: len(data[j][0]))
+        ]
+        batches = [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
         random.shuffle(batches)
         ep_loss, ep_n = 0.0, 0
         for bidx in batches:
@@ -466,9 +502,9 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
             am = torch.zeros(len(items), T, dtype=torch.bool)
             tgt_mask = torch.zeros(len(items), T, dtype=torch.bool)
             for r, (x, n_prompt) in enumerate(items):
-                ids[r, :len(x)] = torch.tensor(x)
-                am[r, :len(x)] = True
-                tgt_mask[r, n_prompt - 1:len(x) - 1] = True  # position t predicts t+1
+                ids[r, : len(x)] = torch.tensor(x)
+                am[r, : len(x)] = True
+                tgt_mask[r, n_prompt - 1 : len(x) - 1] = True  # position t predicts t+1
             h = model.hidden(ids, am)
             sel = h[tgt_mask]
             targets = ids[:, 1:][tgt_mask[:, :-1]]
@@ -482,14 +518,19 @@ def train_style(model: Llama, tok, style: str, log=print) -> dict:
             ep_loss += float(loss.detach()) * len(targets)
             ep_n += len(targets)
             if step % 5 == 0:
-                log(f"[{style}]   step {step}/{steps_total} loss {float(loss.detach()):.3f}"
-                    f"  ({time.time() - t0:.0f}s)")
-        log(f"[{style}] epoch {ep + 1}/{EPOCHS} loss {ep_loss / ep_n:.3f}  ({time.time() - t0:.0f}s)")
+                log(
+                    f"[{style}]   step {step}/{steps_total} loss {float(loss.detach()):.3f}"
+                    f"  ({time.time() - t0:.0f}s)"
+                )
+        log(
+            f"[{style}] epoch {ep + 1}/{EPOCHS} loss {ep_loss / ep_n:.3f}  ({time.time() - t0:.0f}s)"
+        )
     return {"seconds": time.time() - t0, "examples": len(data), "final_loss": ep_loss / ep_n}
 
 
 def save_adapter(model: Llama, style: str, path: Path) -> None:
     import gguf
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".gguf.tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
@@ -516,12 +557,19 @@ def save_adapter(model: Llama, style: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="base GGUF (default: Mixdesk's default model)")
-    ap.add_argument("--check", action="store_true", help="only verify the torch forward against llama.cpp")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="base GGUF (default: Mixdesk's default model)"
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="only verify the torch forward against llama.cpp"
+    )
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--verify", action="store_true",
-                    help="only check the adapters in --out (and the reference ones) against "
-                         "llama.cpp's LoRA loader rules")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="only check the adapters in --out (and the reference ones) against "
+        "llama.cpp's LoRA loader rules",
+    )
     ap.add_argument("--only", choices=sorted(STYLES), action="append")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     ap.add_argument("--out", type=Path, default=OUT_DIR)
@@ -531,15 +579,22 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads or 1)
     if args.model is None:
         from core.default_model import default_model_path
+
         args.model = default_model_path()
     if args.verify:
         ok = True
         ref = sorted((REFERENCE.parent / "adapters").glob("*.gguf"))
         for path in ref + [args.out / f"{s}.gguf" for s in STYLES]:
             demo = path not in ref
-            probs = verify_llamacpp_adapter(path, args.model, demo=demo) if path.exists() else ["missing"]
-            print(f"verify {path.name}: {'OK' if not probs else probs}"
-                  f"{'' if demo else ' (reference adapter, llama.cpp rules only)'}")
+            probs = (
+                verify_llamacpp_adapter(path, args.model, demo=demo)
+                if path.exists()
+                else ["missing"]
+            )
+            print(
+                f"verify {path.name}: {'OK' if not probs else probs}"
+                f"{'' if demo else ' (reference adapter, llama.cpp rules only)'}"
+            )
             ok = ok and not probs
         return 0 if ok else 1
     t0 = time.time()

@@ -2,14 +2,25 @@
 with each adapter's rank, alpha, targets, size, task name and base-model check.
 A file that fails to load becomes a red row with the engine's message; the
 adapters already loaded keep working."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
-                               QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QTreeWidget,
+    QTreeWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.settings import Settings
 
@@ -42,7 +53,7 @@ class AdapterPanel(FileDropMixin, QWidget):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
-        self.errors: dict[str, str] = {}          # path -> message of adapters that failed
+        self.errors: dict[str, str] = {}  # path -> message of adapters that failed
         self._adapters: list[dict] = []
         self._model_name = ""
         self.setAcceptDrops(True)
@@ -93,8 +104,12 @@ class AdapterPanel(FileDropMixin, QWidget):
         self._rebuild()
 
     def _add_files(self) -> None:
-        files, _ = QFileDialog.getOpenFileNames(self, "Add LoRA adapters", self._start_dir(),
-                                                "LoRA adapters (*.gguf *.safetensors);;All files (*)")
+        files, _ = QFileDialog.getOpenFileNames(
+            self,
+            "Add LoRA adapters",
+            self._start_dir(),
+            "LoRA adapters (*.gguf *.safetensors);;All files (*)",
+        )
         self.add_paths(files)
 
     def _add_folder(self) -> None:
@@ -139,9 +154,17 @@ class AdapterPanel(FileDropMixin, QWidget):
         for a in self._adapters:
             alpha = "—" if a.get("alpha") in (None, 0) else f"{a['alpha']:g}"
             targets = compact_targets(a.get("targets") or [])
-            item = QTreeWidgetItem([a["name"], str(a.get("rank", "")), alpha,
-                                    human_bytes(a.get("size_bytes", 0)), a.get("task_name") or "—",
-                                    "✓ fits base", targets])
+            item = QTreeWidgetItem(
+                [
+                    a["name"],
+                    str(a.get("rank", "")),
+                    alpha,
+                    human_bytes(a.get("size_bytes", 0)),
+                    a.get("task_name") or "—",
+                    "✓ fits base",
+                    targets,
+                ]
+            )
             item.setToolTip(BASE_COL, f"shapes and targets match {self._model_name or 'the model'}")
             item.setData(0, Qt.UserRole, a["id"])
             item.setToolTip(0, f"{a.get('path', '')}\nformat: {a.get('format', '')}")

@@ -5,6 +5,7 @@ GUI thread's loop and the GUI's engine), the one Engine, and the window; then
 loads the model (the default SmolLM2 when none is given, plus the demo
 adapters at scale 0) in the background with progress.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,11 @@ def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
     if pairs is None:
         pairs = []
         for item in getattr(args, "lora", None) or []:
-            pairs.append((str(item[0]), float(item[1])) if isinstance(item, (tuple, list))
-                         else (str(item), 1.0))
+            pairs.append(
+                (str(item[0]), float(item[1]))
+                if isinstance(item, (tuple, list))
+                else (str(item), 1.0)
+            )
     if getattr(args, "lora_init_without_apply", False):
         pairs = [(p, 0.0) for p, _ in pairs]
     if not pairs and not getattr(args, "model", None):
@@ -42,6 +46,7 @@ def load_stylesheet() -> str:
 
 def app_icon():
     from PySide6.QtGui import QIcon
+
     icon = QIcon()
     d = RESOURCES / "icons"
     for size in (16, 32, 48, 128, 256):
@@ -61,13 +66,17 @@ def create_window(args: argparse.Namespace):
 
     from .main_window import MainWindow
 
-    engine = Engine(ctx_size=getattr(args, "ctx_size", 4096) or 0,
-                    n_parallel=getattr(args, "parallel", 4) or 4)
+    engine = Engine(
+        ctx_size=getattr(args, "ctx_size", 4096) or 0, n_parallel=getattr(args, "parallel", 4) or 4
+    )
     win = MainWindow(engine, Settings(), cors_origins=list(getattr(args, "cors_origins", []) or []))
     # Flags override the saved server settings only when they differ from main.py's
     # defaults (argparse cannot tell "--port 8080" from no flag at all).
-    host, port, keys = (getattr(args, "host", None), getattr(args, "port", None),
-                        getattr(args, "api_key", None))
+    host, port, keys = (
+        getattr(args, "host", None),
+        getattr(args, "port", None),
+        getattr(args, "api_key", None),
+    )
     if host and host != CLI_DEFAULT_HOST:
         win.server.host.setText(host)
     if port and int(port) != CLI_DEFAULT_PORT:
@@ -84,11 +93,12 @@ def create_window(args: argparse.Namespace):
 def run_gui(args: argparse.Namespace) -> int:
     """Raises ValueError, before any Qt object exists, when no window can open here."""
     from .display import display_problem
+
     problem = display_problem()
     if problem:
         raise ValueError(problem)
-    from PySide6.QtWidgets import QApplication
     import qasync
+    from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Mixdesk")
@@ -102,12 +112,13 @@ def run_gui(args: argparse.Namespace) -> int:
     asyncio.set_event_loop(loop)
     win = create_window(args)
 
-    def excepthook(etype, value, tb):      # a bug in a slot shows a message, not a crash
+    def excepthook(etype, value, tb):  # a bug in a slot shows a message, not a crash
         log.error("unhandled error:\n%s", "".join(traceback.format_exception(etype, value, tb)))
         try:
             win.show_error(f"Internal error: {value}")
         except Exception:
             pass
+
     sys.excepthook = excepthook
 
     win.show()
@@ -123,16 +134,18 @@ def _quit_on_signals(app) -> None:
     """Ctrl+C / SIGTERM close the window cleanly (saving state) instead of killing it.
     Python only runs signal handlers between bytecodes, so a timer wakes it up."""
     import signal
+
     from PySide6.QtCore import QTimer
 
-    def quit_(*_):          # closing the last window quits (after the server stops)
+    def quit_(*_):  # closing the last window quits (after the server stops)
         for w in app.topLevelWidgets():
             if w.isVisible():
                 w.close()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             signal.signal(sig, quit_)
-        except (ValueError, OSError):       # not the main thread
+        except (ValueError, OSError):  # not the main thread
             pass
     timer = QTimer(app)
     timer.timeout.connect(lambda: None)
@@ -146,10 +159,11 @@ def teardown(app, win) -> None:
     import gc
 
     from PySide6.QtCore import QEvent
+
     win.shutdown()
     win.deleteLater()
     app.processEvents()
     app.sendPostedEvents(None, QEvent.DeferredDelete)
     del win
     gc.collect()
-    gc.freeze()                         # nothing left for the final collection to reorder
+    gc.freeze()  # nothing left for the final collection to reorder

@@ -9,13 +9,15 @@
 * :class:`Generation` wraps one submitted request; its ``token`` and
   ``finished`` signals arrive on the GUI thread.
 """
+
 from __future__ import annotations
 
 import logging
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal
 
@@ -41,13 +43,13 @@ class EngineThread(QThread):
         ran = None
         while not self._quit.is_set():
             sched = self.engine.scheduler
-            if sched is None or sched is ran:     # no model yet, or a reload in progress
+            if sched is None or sched is ran:  # no model yet, or a reload in progress
                 self._quit.wait(0.02)
                 continue
             ran = sched
             try:
                 self.engine.run_loop()
-            except Exception:                      # never let the engine thread die silently
+            except Exception:  # never let the engine thread die silently
                 log.exception("engine loop failed")
                 self._quit.wait(0.2)
                 ran = None
@@ -64,7 +66,7 @@ class Generation(QObject):
     ``_raw_*`` signals, which Qt queues to this object's thread)."""
 
     token = Signal(str)
-    finished = Signal(object)          # core.scheduler.DoneEvent
+    finished = Signal(object)  # core.scheduler.DoneEvent
     _raw_token = Signal(str)
     _raw_done = Signal(object)
 
@@ -81,7 +83,7 @@ class Generation(QObject):
         self._raw_token.connect(self._append)
         self._raw_done.connect(self._store)
 
-    def _on_event(self, ev) -> None:       # scheduler thread
+    def _on_event(self, ev) -> None:  # scheduler thread
         if isinstance(ev, DoneEvent):
             self._raw_done.emit(ev)
         elif ev.text:
@@ -104,7 +106,7 @@ class Generation(QObject):
             self.token.emit(text)
 
     def _store(self, done: DoneEvent) -> None:
-        self._append()                      # tokens still buffered come first
+        self._append()  # tokens still buffered come first
         if self.done is None:
             self.done = done
             self.finished.emit(done)
@@ -114,7 +116,7 @@ class Generation(QObject):
         return self.done is None
 
     def cancel(self) -> None:
-        self._cancel_early = True          # if the worker has not submitted it yet
+        self._cancel_early = True  # if the worker has not submitted it yet
         if self.request is not None:
             self.request.cancel()
 
@@ -124,12 +126,12 @@ class EngineBridge(QObject):
     model_loaded = Signal(object)
     model_error = Signal(str)
     adapters_changed = Signal(object)
-    mix_changed = Signal(object, str)          # {id: scale}, source
+    mix_changed = Signal(object, str)  # {id: scale}, source
     request_started = Signal(object)
     request_finished = Signal(object)
-    adapter_added = Signal(int, str)         # id, path
-    adapter_error = Signal(str, str)         # path, message
-    error = Signal(str)                      # anything else worth a message
+    adapter_added = Signal(int, str)  # id, path
+    adapter_error = Signal(str, str)  # path, message
+    error = Signal(str)  # anything else worth a message
 
     def __init__(self, engine: Engine, parent: QObject | None = None):
         super().__init__(parent)
@@ -144,7 +146,9 @@ class EngineBridge(QObject):
     # -- engine events (any thread) -> signals -------------------------------------
     def _on_engine_event(self, name: str, payload: dict) -> None:
         if name == "model_loading":
-            self.model_loading.emit(float(payload.get("progress", 0.0)), str(payload.get("message", "")))
+            self.model_loading.emit(
+                float(payload.get("progress", 0.0)), str(payload.get("message", ""))
+            )
         elif name == "model_loaded":
             self.model_loaded.emit(dict(payload.get("info") or {}))
         elif name == "model_error":
@@ -183,7 +187,7 @@ class EngineBridge(QObject):
         def work() -> None:
             try:
                 target = path
-                if callable(path):      # e.g. ensure_default_model: may download once
+                if callable(path):  # e.g. ensure_default_model: may download once
                     self.model_loading.emit(0.0, "fetching the default model")
                     try:
                         target = path()
@@ -192,8 +196,10 @@ class EngineBridge(QObject):
                         return
                 try:
                     self.engine.load_model(target, cancel=cancel)
-                except BaseException as e:   # the engine already sent model_error
-                    log.info("model load failed%s: %s", " (cancelled)" if cancel.is_set() else "", e)
+                except BaseException as e:  # the engine already sent model_error
+                    log.info(
+                        "model load failed%s: %s", " (cancelled)" if cancel.is_set() else "", e
+                    )
                     return
             finally:
                 if self._cancel_load is cancel:
@@ -208,8 +214,9 @@ class EngineBridge(QObject):
             self._cancel_load.set()
 
     def add_adapter(self, path: str | Path, scale: float = 0.0) -> None:
-        threading.Thread(target=self._add_adapter_now, args=(path, scale),
-                         name="mixdesk-adapter", daemon=True).start()
+        threading.Thread(
+            target=self._add_adapter_now, args=(path, scale), name="mixdesk-adapter", daemon=True
+        ).start()
 
     def _add_adapter_now(self, path, scale: float) -> None:
         try:
@@ -232,25 +239,40 @@ class EngineBridge(QObject):
             self.error.emit(f"could not apply the mix: {e}")
 
     # -- generation --------------------------------------------------------------------------
-    def chat(self, messages: list[dict], params: SamplingParams,
-             mix: Mapping[int, float] | None = None, tag: Any = None) -> Generation:
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams,
+        mix: Mapping[int, float] | None = None,
+        tag: Any = None,
+    ) -> Generation:
         return self.chat_many([(messages, params, mix, tag)])[0]
 
-    def chat_many(self, jobs: list[tuple[list[dict], SamplingParams, Mapping | None, Any]]
-                  ) -> list[Generation]:
+    def chat_many(
+        self, jobs: list[tuple[list[dict], SamplingParams, Mapping | None, Any]]
+    ) -> list[Generation]:
         """Submit chat requests together (A/B compare) from a worker thread: templating
         and building a new mix's stacked weights can take tens of ms, which must not
         stall the GUI. Each request snapshots the global mix at submission when its mix
         is None. A refused request finishes at once with stop_type "error"."""
-        gens = [Generation(tag) for *_, tag in jobs]     # owned by the caller
+        gens = [Generation(tag) for *_, tag in jobs]  # owned by the caller
 
         def work() -> None:
             prepared = []
             for (messages, params, mix, _), gen in zip(jobs, gens):
                 try:
-                    prepared.append((gen, dict(prompt=self.engine.chat_prompt(messages),
-                                               params=params, on_event=gen._on_event, mix=mix,
-                                               source="gui")))
+                    prepared.append(
+                        (
+                            gen,
+                            dict(
+                                prompt=self.engine.chat_prompt(messages),
+                                params=params,
+                                on_event=gen._on_event,
+                                mix=mix,
+                                source="gui",
+                            ),
+                        )
+                    )
                 except Exception as e:
                     self._refuse(gen, e)
             try:
@@ -269,7 +291,7 @@ class EngineBridge(QObject):
                     got.cancel()
 
         worker = threading.Thread(target=work, name="mixdesk-submit", daemon=True)
-        QTimer.singleShot(0, worker.start)     # after the caller has connected its slots
+        QTimer.singleShot(0, worker.start)  # after the caller has connected its slots
         return gens
 
     def _refuse(self, gen: Generation, e: Exception) -> None:

@@ -1,13 +1,29 @@
 """Chat pane: a Markdown transcript that streams, Stop (Esc), Send (Ctrl+Enter),
 regenerate, edit-and-resend, clear, and saved conversations. Under each reply:
 tokens, tok/s and the mix it was generated with."""
+
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (QColor, QKeySequence, QShortcut, QTextBlockFormat, QTextCharFormat,
-                           QTextCursor, QTextFormat)
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
-                               QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtGui import (
+    QColor,
+    QKeySequence,
+    QShortcut,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFormat,
+)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.settings import Conversations, Settings
 
@@ -29,13 +45,17 @@ def render_markdown(conv: dict, streaming: bool = False) -> str:
         else:
             body = m["content"] or ("…" if streaming and i == len(msgs) - 1 else "*(empty reply)*")
             if body.count("```") % 2:
-                body += "\n```"          # close a code fence that is still streaming
+                body += "\n```"  # close a code fence that is still streaming
             out.append(f"#### Assistant\n\n{body}\n")
             meta = m.get("meta")
             if meta:
-                stop = "" if meta.get("stop") in ("eos", "word", None) else f" · stop: {meta['stop']}"
-                out.append(f"*{meta.get('tokens', 0)} tokens · {meta.get('tps', 0.0):.1f} tok/s · "
-                           f"mix: {meta.get('mix', '')}{stop}*\n")
+                stop = (
+                    "" if meta.get("stop") in ("eos", "word", None) else f" · stop: {meta['stop']}"
+                )
+                out.append(
+                    f"*{meta.get('tokens', 0)} tokens · {meta.get('tps', 0.0):.1f} tok/s · "
+                    f"mix: {meta.get('mix', '')}{stop}*\n"
+                )
         out.append("\n---\n")
     return "\n".join(out)
 
@@ -45,7 +65,9 @@ def shade_code_blocks(doc) -> None:
     block = doc.begin()
     while block.isValid():
         fmt = block.blockFormat()
-        if fmt.hasProperty(QTextFormat.BlockCodeFence) or fmt.hasProperty(QTextFormat.BlockCodeLanguage):
+        if fmt.hasProperty(QTextFormat.BlockCodeFence) or fmt.hasProperty(
+            QTextFormat.BlockCodeLanguage
+        ):
             cur = QTextCursor(block)
             fmt.setBackground(QColor(CODE_BG))
             fmt.setLeftMargin(8)
@@ -54,11 +76,17 @@ def shade_code_blocks(doc) -> None:
 
 
 class ChatPane(QWidget):
-    reply_finished = Signal(object)          # the assistant message, with meta
+    reply_finished = Signal(object)  # the assistant message, with meta
     message = Signal(str)
 
-    def __init__(self, bridge: EngineBridge, settings: Settings, sampling: SamplingForm,
-                 conversations: Conversations | None = None, parent: QWidget | None = None):
+    def __init__(
+        self,
+        bridge: EngineBridge,
+        settings: Settings,
+        sampling: SamplingForm,
+        conversations: Conversations | None = None,
+        parent: QWidget | None = None,
+    ):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
@@ -177,7 +205,7 @@ class ChatPane(QWidget):
         if not self.generating or not msgs or msgs[-1]["role"] != "assistant":
             return
         text = msgs[-1]["content"]
-        new, self._streamed = text[self._streamed:], len(text)
+        new, self._streamed = text[self._streamed :], len(text)
         if new:
             cur = QTextCursor(self.view.document())
             cur.movePosition(QTextCursor.End)
@@ -194,7 +222,7 @@ class ChatPane(QWidget):
             return False
         msgs = self.conversation["messages"]
         if self.edit_index is not None:
-            del msgs[self.edit_index:]
+            del msgs[self.edit_index :]
             self.cancel_edit()
         msgs.append({"role": "user", "content": text.strip()})
         self.input.clear()
@@ -233,8 +261,10 @@ class ChatPane(QWidget):
         self.edit_index = index
         self.input.setPlainText(msgs[index]["content"])
         self.input.setFocus()
-        self.edit_banner.setText(f"Editing message {index + 1}: sending resends the chat from "
-                                 f"here (later messages are replaced). Esc cancels.")
+        self.edit_banner.setText(
+            f"Editing message {index + 1}: sending resends the chat from "
+            f"here (later messages are replaced). Esc cancels."
+        )
         self.edit_banner.show()
 
     def cancel_edit(self) -> None:
@@ -251,7 +281,8 @@ class ChatPane(QWidget):
     # -- generation --------------------------------------------------------------------------
     def _generate(self) -> bool:
         prompt_msgs = self.sampling.system_messages() + [
-            {"role": m["role"], "content": m["content"]} for m in self.conversation["messages"]]
+            {"role": m["role"], "content": m["content"]} for m in self.conversation["messages"]
+        ]
         try:
             params = self.sampling.params()
         except ValueError as e:
@@ -277,16 +308,23 @@ class ChatPane(QWidget):
         self.gen = None
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
         t = done.timings.as_dict()
-        reply["content"] = done.content if done.content or not reply["content"] else reply["content"]
-        reply["meta"] = {"tokens": t["predicted_n"], "tps": round(t["predicted_per_second"], 2),
-                         "mix": format_mix(done.mix, names),
-                         "mix_ids": [[int(a), float(s)] for a, s in done.mix],
-                         "stop": done.stop_type}
+        reply["content"] = (
+            done.content if done.content or not reply["content"] else reply["content"]
+        )
+        reply["meta"] = {
+            "tokens": t["predicted_n"],
+            "tps": round(t["predicted_per_second"], 2),
+            "mix": format_mix(done.mix, names),
+            "mix_ids": [[int(a), float(s)] for a, s in done.mix],
+            "stop": done.stop_type,
+        }
         if done.stop_type == "error":
             self.message.emit(f"Generation failed: {done.error}")
             reply["content"] = reply["content"] or f"*Error: {done.error}*"
-        self.status.setText(f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s"
-                            + (" · stopped" if done.stop_type == "cancel" else ""))
+        self.status.setText(
+            f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s"
+            + (" · stopped" if done.stop_type == "cancel" else "")
+        )
         self._render_timer.stop()
         self._save()
         self.render()

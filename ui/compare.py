@@ -1,11 +1,21 @@
 """A/B compare: one prompt under two mixes (preset A, preset B), both submitted at
 once so the engine batches them, replies streaming side by side."""
+
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QComboBox, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
-                               QPushButton, QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 from .bridge import EngineBridge, Generation
 from .mixer import MixerPanel
@@ -34,10 +44,15 @@ class Side:
 
 
 class ComparePane(QWidget):
-    finished = Signal()            # both sides done
+    finished = Signal()  # both sides done
 
-    def __init__(self, bridge: EngineBridge, mixer: MixerPanel, sampling: SamplingForm,
-                 parent: QWidget | None = None):
+    def __init__(
+        self,
+        bridge: EngineBridge,
+        mixer: MixerPanel,
+        sampling: SamplingForm,
+        parent: QWidget | None = None,
+    ):
         super().__init__(parent)
         self.bridge = bridge
         self.mixer = mixer
@@ -78,8 +93,12 @@ class ComparePane(QWidget):
         lay.addLayout(grid, 1)
         lay.addLayout(row)
 
-        QShortcut(QKeySequence("Ctrl+Return"), self, lambda: self.run(),
-                  context=Qt.WidgetWithChildrenShortcut)
+        QShortcut(
+            QKeySequence("Ctrl+Return"),
+            self,
+            lambda: self.run(),
+            context=Qt.WidgetWithChildrenShortcut,
+        )
         QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
         self._timer = QTimer(self, singleShot=True, interval=60)
         self._timer.timeout.connect(self._render)
@@ -96,7 +115,9 @@ class ComparePane(QWidget):
             side.combo.clear()
             side.combo.addItems(names)
             i = side.combo.findText(cur)
-            side.combo.setCurrentIndex(max(i, 0) if key == "a" or i >= 0 else min(1, len(names) - 1))
+            side.combo.setCurrentIndex(
+                max(i, 0) if key == "a" or i >= 0 else min(1, len(names) - 1)
+            )
             side.combo.blockSignals(False)
         self._preview()
 
@@ -116,8 +137,9 @@ class ComparePane(QWidget):
             mix = self.mix_of(side)
             side.mix_label.setText("mix: " + (format_mix(mix, names) if mix is not None else "?"))
         if self.a.combo.currentText():
-            self.mixer.settings.set("compare", {"a": self.a.combo.currentText(),
-                                                "b": self.b.combo.currentText()})
+            self.mixer.settings.set(
+                "compare", {"a": self.a.combo.currentText(), "b": self.b.combo.currentText()}
+            )
 
     @property
     def running(self) -> bool:
@@ -134,8 +156,12 @@ class ComparePane(QWidget):
         mixes = [self.mix_of(s) for s in (self.a, self.b)]
         # Submit both before returning to the event loop: the scheduler admits them
         # together and runs them in one batch.
-        gens = self.bridge.chat_many([(messages, params, mix, side.title.text())
-                                      for side, mix in zip((self.a, self.b), mixes)])
+        gens = self.bridge.chat_many(
+            [
+                (messages, params, mix, side.title.text())
+                for side, mix in zip((self.a, self.b), mixes)
+            ]
+        )
         for side, gen in zip((self.a, self.b), gens):
             side.text, side.done, side.gen = "", None, gen
             side.meta.setText("generating…")
@@ -161,8 +187,10 @@ class ComparePane(QWidget):
         side.gen, side.done = None, done
         side.text = done.content or side.text
         t = done.timings.as_dict()
-        side.meta.setText(f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s · "
-                          f"stop: {done.stop_type}" + (f" · {done.error}" if done.error else ""))
+        side.meta.setText(
+            f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s · "
+            f"stop: {done.stop_type}" + (f" · {done.error}" if done.error else "")
+        )
         self._render()
         if not self.running:
             self.run_btn.setEnabled(True)

@@ -8,6 +8,7 @@ then removes its temporary file and nothing is left at the target. What is
 exported is the engine's global mix at the moment the export starts
 (``engine.get_mix()``: faders with mute, solo and bypass applied).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,14 +28,21 @@ from .util import human_bytes
 log = logging.getLogger(__name__)
 
 KINDS = ("lora", "merged", "peft")
-LABELS = {"lora": "As LoRA adapter (.gguf)…", "merged": "As merged model (.gguf)…",
-          "peft": "As PEFT folder…"}
+LABELS = {
+    "lora": "As LoRA adapter (.gguf)…",
+    "merged": "As merged model (.gguf)…",
+    "peft": "As PEFT folder…",
+}
 WHAT = {"lora": "LoRA adapter", "merged": "merged model", "peft": "PEFT folder"}
-OUTTYPES = {"f16": "f16 — half the size of f32, nearly exact (default)",
-            "f32": "f32 — exact, largest",
-            "q8_0": "q8_0 — smallest, slight quality loss"}
-EMPTY_MIX = ("Nothing to export: the mix is empty (every adapter is at 0, muted, "
-             "left out by solo, or bypassed). Raise a fader first.")
+OUTTYPES = {
+    "f16": "f16 — half the size of f32, nearly exact (default)",
+    "f32": "f32 — exact, largest",
+    "q8_0": "q8_0 — smallest, slight quality loss",
+}
+EMPTY_MIX = (
+    "Nothing to export: the mix is empty (every adapter is at 0, muted, "
+    "left out by solo, or bypassed). Raise a fader first."
+)
 
 
 class _Cancelled(Exception):
@@ -46,12 +54,19 @@ class ExportWorker(QThread):
     ``failed(message)`` or ``cancelled()`` is emitted, then QThread.finished."""
 
     progressed = Signal(float, str)
-    succeeded = Signal(object)          # core.export.ExportResult
+    succeeded = Signal(object)  # core.export.ExportResult
     failed = Signal(str)
     cancelled = Signal()
 
-    def __init__(self, engine, kind: str, adapters: list, out: Path, outtype: str = "f16",
-                 parent: QObject | None = None):
+    def __init__(
+        self,
+        engine,
+        kind: str,
+        adapters: list,
+        out: Path,
+        outtype: str = "f16",
+        parent: QObject | None = None,
+    ):
         super().__init__(parent)
         if kind not in KINDS:
             raise ValueError(f"unknown export kind {kind!r}")
@@ -68,7 +83,7 @@ class ExportWorker(QThread):
     def cancel_requested(self) -> bool:
         return self._cancel.is_set()
 
-    def _progress(self, frac: float, msg: str) -> None:       # worker thread, called by core
+    def _progress(self, frac: float, msg: str) -> None:  # worker thread, called by core
         # At 1.0 the file is already in place: a late Cancel does not undo a finished export.
         if self._cancel.is_set() and frac < 1.0:
             raise _Cancelled()
@@ -81,15 +96,20 @@ class ExportWorker(QThread):
             if self.kind == "lora":
                 res = export_lora(self.engine, self.adapters, self.out, progress=self._progress)
             elif self.kind == "merged":
-                res = export_merged(self.engine, self.adapters, self.out, outtype=self.outtype,
-                                    progress=self._progress)
+                res = export_merged(
+                    self.engine,
+                    self.adapters,
+                    self.out,
+                    outtype=self.outtype,
+                    progress=self._progress,
+                )
             else:
                 res = export_peft(self.engine, self.adapters, self.out, progress=self._progress)
         except _Cancelled:
             self.cancelled.emit()
-        except ValueError as e:             # ExportError, AdapterError: one line for the user
+        except ValueError as e:  # ExportError, AdapterError: one line for the user
             self.failed.emit(str(e))
-        except Exception as e:              # a bug or an unexpected I/O error: still no raise
+        except Exception as e:  # a bug or an unexpected I/O error: still no raise
             log.exception("export failed")
             self.failed.emit(f"{type(e).__name__}: {e}")
         else:
@@ -103,7 +123,7 @@ class MixExporter(QObject):
 
     message = Signal(str)
     error = Signal(str)
-    finished = Signal(object)           # ExportResult, or None if cancelled/failed/refused
+    finished = Signal(object)  # ExportResult, or None if cancelled/failed/refused
 
     def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget):
         super().__init__(parent)
@@ -119,7 +139,9 @@ class MixExporter(QObject):
             act.triggered.connect(lambda _=False, k=kind: self.export(k))
             self.actions[kind] = act
         self.actions["lora"].setToolTip("One llama.cpp LoRA GGUF that means this mix at scale 1")
-        self.actions["merged"].setToolTip("The base model with this mix baked in (f16, f32 or q8_0)")
+        self.actions["merged"].setToolTip(
+            "The base model with this mix baked in (f16, f32 or q8_0)"
+        )
         self.actions["peft"].setToolTip("A Hugging Face PEFT LoRA folder (safetensors + config)")
 
     # -- what is exported ----------------------------------------------------------
@@ -131,7 +153,7 @@ class MixExporter(QObject):
             if scale != 0.0:
                 try:
                     out.append((self.engine.adapter(aid), scale))
-                except ValueError:          # removed since get_mix (e.g. over HTTP)
+                except ValueError:  # removed since get_mix (e.g. over HTTP)
                     continue
         return out
 
@@ -147,8 +169,14 @@ class MixExporter(QObject):
         outtype = "f16"
         if kind == "merged":
             labels = list(OUTTYPES.values())
-            choice, ok = QInputDialog.getItem(self.window, "Export merged model",
-                                              "Tensor type of the merged model:", labels, 0, False)
+            choice, ok = QInputDialog.getItem(
+                self.window,
+                "Export merged model",
+                "Tensor type of the merged model:",
+                labels,
+                0,
+                False,
+            )
             if not ok:
                 return None
             outtype = list(OUTTYPES)[labels.index(choice)] if choice in labels else "f16"
@@ -159,17 +187,26 @@ class MixExporter(QObject):
 
     def _ask_path(self, kind: str, outtype: str) -> str:
         stem = Path(self.engine.path).stem if self.engine.path else "model"
-        name = {"lora": f"{stem}-mix-lora.gguf", "merged": f"{stem}-mix-{outtype}.gguf",
-                "peft": f"{stem}-mix-peft"}[kind]
+        name = {
+            "lora": f"{stem}-mix-lora.gguf",
+            "merged": f"{stem}-mix-{outtype}.gguf",
+            "peft": f"{stem}-mix-peft",
+        }[kind]
         start = str(Path(self.settings.get("export_dir") or Path.home()) / name)
         if kind == "peft":
             path, _ = QFileDialog.getSaveFileName(
-                self.window, "Export the mix as a PEFT folder (name of the folder to write)",
-                start, "PEFT folder (*)")
+                self.window,
+                "Export the mix as a PEFT folder (name of the folder to write)",
+                start,
+                "PEFT folder (*)",
+            )
         else:
             path, _ = QFileDialog.getSaveFileName(
-                self.window, f"Export the mix as a {WHAT[kind]}", start,
-                "GGUF files (*.gguf);;All files (*)")
+                self.window,
+                f"Export the mix as a {WHAT[kind]}",
+                start,
+                "GGUF files (*.gguf);;All files (*)",
+            )
         return path
 
     def start(self, kind: str, path: str | Path, outtype: str = "f16") -> ExportWorker | None:
@@ -185,10 +222,11 @@ class MixExporter(QObject):
         worker = self.worker = ExportWorker(self.engine, kind, adapters, out, outtype)
         what = worker.what
 
-        dlg = self.dialog = QProgressDialog(f"Exporting the mix as a {what}…", "Cancel", 0, 1000,
-                                            self.window)
+        dlg = self.dialog = QProgressDialog(
+            f"Exporting the mix as a {what}…", "Cancel", 0, 1000, self.window
+        )
         dlg.setWindowTitle("Export mix")
-        dlg.setWindowModality(Qt.NonModal)      # the desk and chat keep working meanwhile
+        dlg.setWindowModality(Qt.NonModal)  # the desk and chat keep working meanwhile
         dlg.setAutoClose(False)
         dlg.setAutoReset(False)
         dlg.setMinimumDuration(0)
@@ -197,7 +235,7 @@ class MixExporter(QObject):
         dlg.setValue(0)
         dlg.show()
 
-        q = Qt.QueuedConnection                  # emitted on the worker thread
+        q = Qt.QueuedConnection  # emitted on the worker thread
         worker.progressed.connect(self._progressed, q)
         worker.succeeded.connect(self._succeeded, q)
         worker.failed.connect(self._failed, q)
@@ -230,8 +268,11 @@ class MixExporter(QObject):
         if self.dialog is not None and not self.dialog.wasCanceled():
             self.dialog.setValue(int(round(frac * 1000)))
             if msg:
-                self.dialog.setLabelText(f"Exporting the mix as a {self.worker.what}…\n{msg}"
-                                         if self.worker is not None else msg)
+                self.dialog.setLabelText(
+                    f"Exporting the mix as a {self.worker.what}…\n{msg}"
+                    if self.worker is not None
+                    else msg
+                )
 
     def _succeeded(self, res) -> None:
         self._close_dialog()

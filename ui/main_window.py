@@ -1,16 +1,26 @@
 """The Mixdesk window: model bar on top, the mixing desk and adapters on the left,
 chat / A-B compare / server tabs on the right. It only wires widgets together;
 each widget takes the bridge (and settings) and listens to its signals."""
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from PySide6.QtCore import QByteArray, Qt, QTimer
 from PySide6.QtGui import QAction, QIcon, QKeySequence
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QMainWindow, QMessageBox, QSplitter, QTabWidget,
-                               QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QTabWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.engine import Engine
 from core.settings import Conversations, Settings
@@ -56,8 +66,13 @@ class ErrorBanner(QWidget):
 
 
 class MainWindow(FileDropMixin, QMainWindow):
-    def __init__(self, engine: Engine, settings: Settings | None = None,
-                 conversations: Conversations | None = None, cors_origins: list[str] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings | None = None,
+        conversations: Conversations | None = None,
+        cors_origins: list[str] | None = None,
+    ):
         super().__init__()
         self.setWindowTitle(TITLE)
         icon = RESOURCES / "icons" / "mixdesk.svg"
@@ -140,9 +155,14 @@ class MainWindow(FileDropMixin, QMainWindow):
         m.addAction(act)
         h = self.menuBar().addMenu("&Help")
         act = QAction("&About Mixdesk", self)
-        act.triggered.connect(lambda: QMessageBox.about(
-            self, "About Mixdesk", "Mixdesk: a LoRA mixing desk for local LLMs.\n"
-            "Mix adapters live, chat, compare, and serve a llama-server compatible API."))
+        act.triggered.connect(
+            lambda: QMessageBox.about(
+                self,
+                "About Mixdesk",
+                "Mixdesk: a LoRA mixing desk for local LLMs.\n"
+                "Mix adapters live, chat, compare, and serve a llama-server compatible API.",
+            )
+        )
         h.addAction(act)
 
     def status(self, text: str) -> None:
@@ -153,8 +173,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.status(text)
 
     # -- model loading ----------------------------------------------------------------------
-    def open_model(self, path: str | Callable[[], Path],
-                   adapters: list[tuple[str, float]] = ()) -> None:
+    def open_model(
+        self, path: str | Callable[[], Path], adapters: list[tuple[str, float]] = ()
+    ) -> None:
         self.banner.hide()
         self.bridge.load_model(path, adapters)
 
@@ -212,7 +233,7 @@ class MainWindow(FileDropMixin, QMainWindow):
             self.close()
 
     def shutdown(self) -> None:
-        if self.server.runner is not None:          # no loop to stop it on: drop it
+        if self.server.runner is not None:  # no loop to stop it on: drop it
             self.server.runner = self.server.site = None
         self.chat.stop()
         self.compare.stop()

@@ -6,15 +6,28 @@ strips; muted → 0) and pushed to the engine on every change; the next request
 uses it, no reload. Mixes set elsewhere (HTTP ``POST /lora-adapters``) come back
 through ``bridge.mix_changed`` and move the faders.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QInputDialog,
-                               QLabel, QPushButton, QScrollArea, QSizePolicy, QSlider, QToolButton,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QGridLayout,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QSlider,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.lora import effective_scale
 from core.settings import Settings
@@ -22,7 +35,7 @@ from core.settings import Settings
 from .bridge import EngineBridge
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
-TICKS = 100          # slider steps per 1.0
+TICKS = 100  # slider steps per 1.0
 
 
 class Strip:
@@ -46,7 +59,9 @@ class Strip:
         self.slider.setTickInterval(TICKS // 2)
         self.slider.setMinimumWidth(90)
         self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.spin = QDoubleSpinBox(decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX)
+        self.spin = QDoubleSpinBox(
+            decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX
+        )
         self.spin.setKeyboardTracking(False)
         self.spin.setFixedWidth(78)
         self.eff = QLabel()
@@ -69,7 +84,7 @@ class Strip:
 
     def _set(self, value: float, from_slider: bool) -> None:
         if from_slider and abs(round(self.value * TICKS) - value * TICKS) < 0.5:
-            return      # the slider is coarser than the spin box: keep the precise value
+            return  # the slider is coarser than the spin box: keep the precise value
         self.set_value(value)
 
     def set_value(self, value: float, notify: bool = True) -> None:
@@ -102,14 +117,17 @@ class Strip:
         self.eff.setProperty("active", engine_scale != 0.0)
         self.eff.style().unpolish(self.eff)
         self.eff.style().polish(self.eff)
-        self.eff.setToolTip("effective scale = scale × alpha / rank" if a else
-                            "no alpha in the adapter: effective scale = scale")
+        self.eff.setToolTip(
+            "effective scale = scale × alpha / rank"
+            if a
+            else "no alpha in the adapter: effective scale = scale"
+        )
 
 
 class MixerPanel(QWidget):
     """Channel strips for ``bridge.engine``'s adapters, kept in sync both ways."""
 
-    mix_applied = Signal(object)          # the engine mix the desk just set
+    mix_applied = Signal(object)  # the engine mix the desk just set
     presets_changed = Signal()
     message = Signal(str)
 
@@ -132,8 +150,12 @@ class MixerPanel(QWidget):
         self.preset_box.setMinimumWidth(140)
         self.preset_box.setPlaceholderText("Presets…")
         buttons = {}
-        for label, slot in (("Load", self._load_clicked), ("Save…", self._save_clicked),
-                            ("Rename…", self._rename_clicked), ("Delete", self._delete_clicked)):
+        for label, slot in (
+            ("Load", self._load_clicked),
+            ("Save…", self._save_clicked),
+            ("Rename…", self._rename_clicked),
+            ("Delete", self._delete_clicked),
+        ):
             b = buttons[label] = QPushButton(label)
             b.clicked.connect(slot)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
@@ -161,8 +183,9 @@ class MixerPanel(QWidget):
             h = QLabel(text)
             h.setObjectName("gridHeader")
             self.headers.append(h)
-        self.empty = QLabel("No adapters loaded. Add a LoRA (GGUF or PEFT folder) below, "
-                            "or drop one on the window.")
+        self.empty = QLabel(
+            "No adapters loaded. Add a LoRA (GGUF or PEFT folder) below, or drop one on the window."
+        )
         self.empty.setObjectName("hint")
         self.empty.setWordWrap(True)
         scroll = QScrollArea()
@@ -219,7 +242,9 @@ class MixerPanel(QWidget):
         soloing = any(s.solo.isChecked() for s in self.strips.values())
         out = {}
         for aid, s in self.strips.items():
-            live = not self.bypass.isChecked() and not s.muted and (s.solo.isChecked() or not soloing)
+            live = (
+                not self.bypass.isChecked() and not s.muted and (s.solo.isChecked() or not soloing)
+            )
             out[aid] = s.value if live else 0.0
         return out
 
@@ -247,7 +272,9 @@ class MixerPanel(QWidget):
                 if self.bypass.isChecked():
                     self.bypass.setChecked(False)
                 soloing = any(s.solo.isChecked() for s in self.strips.values())
-                if soloing and any(mix[a] and not s.solo.isChecked() for a, s in self.strips.items()):
+                if soloing and any(
+                    mix[a] and not s.solo.isChecked() for a, s in self.strips.items()
+                ):
                     for s in self.strips.values():
                         s.set_flags(solo=False)
             desk = self.desk_mix()
@@ -261,7 +288,7 @@ class MixerPanel(QWidget):
             self._syncing = False
         for aid, s in self.strips.items():
             s.show_effective(desk[aid])
-        if desk != mix and self.strips:        # e.g. solo still hides a fader: make it true
+        if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
 
     def zero_all(self) -> None:
@@ -273,10 +300,18 @@ class MixerPanel(QWidget):
 
     # -- presets ---------------------------------------------------------------------------
     def preset_state(self) -> dict[str, Any]:
-        return {"bypass": self.bypass.isChecked(),
-                "adapters": {s.info["path"]: {"name": s.info["name"], "scale": s.value,
-                                              "muted": s.muted, "solo": s.solo.isChecked()}
-                             for s in self.strips.values()}}
+        return {
+            "bypass": self.bypass.isChecked(),
+            "adapters": {
+                s.info["path"]: {
+                    "name": s.info["name"],
+                    "scale": s.value,
+                    "muted": s.muted,
+                    "solo": s.solo.isChecked(),
+                }
+                for s in self.strips.values()
+            },
+        }
 
     def _entry_for(self, preset: dict, strip: Strip) -> dict | None:
         entries = preset.get("adapters", {})
@@ -294,10 +329,16 @@ class MixerPanel(QWidget):
             return None
         entries = {aid: self._entry_for(preset, s) or {} for aid, s in self.strips.items()}
         soloing = any(e.get("solo") for e in entries.values())
-        return {aid: (float(e.get("scale", 0.0))
-                      if not preset.get("bypass") and not e.get("muted")
-                      and (e.get("solo") or not soloing) else 0.0)
-                for aid, e in entries.items()}
+        return {
+            aid: (
+                float(e.get("scale", 0.0))
+                if not preset.get("bypass")
+                and not e.get("muted")
+                and (e.get("solo") or not soloing)
+                else 0.0
+            )
+            for aid, e in entries.items()
+        }
 
     def save_preset(self, name: str) -> None:
         self.settings.presets.save(name, self.preset_state())
@@ -322,7 +363,8 @@ class MixerPanel(QWidget):
                 s.set_value(float(e.get("scale", 0.0)), notify=False)
                 s.set_flags(muted=bool(e.get("muted")), solo=bool(e.get("solo")))
             missing = len(preset.get("adapters", {})) - sum(
-                self._entry_for(preset, s) is not None for s in self.strips.values())
+                self._entry_for(preset, s) is not None for s in self.strips.values()
+            )
         finally:
             self._syncing = False
         self._apply()
@@ -354,8 +396,9 @@ class MixerPanel(QWidget):
             self.load_preset(self.preset_box.currentText())
 
     def _save_clicked(self) -> None:
-        name, ok = QInputDialog.getText(self, "Save preset", "Preset name:",
-                                        text=self.preset_box.currentText())
+        name, ok = QInputDialog.getText(
+            self, "Save preset", "Preset name:", text=self.preset_box.currentText()
+        )
         if ok and name.strip():
             self.save_preset(name)
 

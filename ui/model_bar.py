@@ -1,12 +1,21 @@
 """Model bar: open a GGUF (button, Ctrl+O, recent list, drag and drop), a cancellable
 progress bar while it loads, and the loaded model's facts."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton,
-                               QToolButton, QWidget)
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMenu,
+    QProgressBar,
+    QPushButton,
+    QToolButton,
+    QWidget,
+)
 
 from core.settings import Settings
 
@@ -16,7 +25,7 @@ from .util import FileDropMixin, human_bytes, human_count
 
 class ModelBar(FileDropMixin, QWidget):
     message = Signal(str)
-    open_requested = Signal(str)        # a path chosen by the user (main window loads it)
+    open_requested = Signal(str)  # a path chosen by the user (main window loads it)
 
     def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget | None = None):
         super().__init__(parent)
@@ -67,8 +76,9 @@ class ModelBar(FileDropMixin, QWidget):
     def choose_file(self) -> None:
         recent = self.settings.recent_models()
         start = str(Path(recent[0]).parent) if recent else str(Path.home())
-        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", start,
-                                              "GGUF models (*.gguf);;All files (*)")
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Open a GGUF model", start, "GGUF models (*.gguf);;All files (*)"
+        )
         if path:
             self.open_requested.emit(path)
 
@@ -100,11 +110,14 @@ class ModelBar(FileDropMixin, QWidget):
             return
         self.name.setText(info.get("name") or Path(info.get("path", "")).name)
         self.name.setToolTip(info.get("path", ""))
-        parts = [info.get("arch", "?"), f"{human_count(info.get('n_params', 0))} params",
-                 str(info.get("quant", "?")),
-                 f"ctx {info.get('n_ctx', 0)}/{info.get('n_ctx_train', 0)}",
-                 f"{human_bytes(info.get('memory_bytes', 0))} RAM",
-                 f"loaded in {info.get('load_ms', 0) / 1000:.2f} s"]
+        parts = [
+            info.get("arch", "?"),
+            f"{human_count(info.get('n_params', 0))} params",
+            str(info.get("quant", "?")),
+            f"ctx {info.get('n_ctx', 0)}/{info.get('n_ctx_train', 0)}",
+            f"{human_bytes(info.get('memory_bytes', 0))} RAM",
+            f"loaded in {info.get('load_ms', 0) / 1000:.2f} s",
+        ]
         self.info.setText("  ·  ".join(parts))
 
     def files_dropped(self, paths: list[str]) -> None:

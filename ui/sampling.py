@@ -1,10 +1,18 @@
 """System prompt and sampling settings (temperature, top-k, top-p, min-p, max tokens,
 repeat penalty, seed), saved to settings on every change."""
+
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QLabel, QPlainTextEdit, QSpinBox,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QFormLayout,
+    QLabel,
+    QPlainTextEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.sampling import SamplingParams
 from core.settings import DEFAULTS, Settings
@@ -23,7 +31,8 @@ class SamplingForm(QWidget):
         self.system_prompt.setPlainText(settings.get("system_prompt") or "")
         self.system_prompt.setMaximumHeight(110)
         self.system_prompt.textChanged.connect(
-            lambda: self.settings.set("system_prompt", self.system_prompt.toPlainText()))
+            lambda: self.settings.set("system_prompt", self.system_prompt.toPlainText())
+        )
 
         def dspin(lo, hi, step, dec=2):
             w = QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=dec)
@@ -45,17 +54,28 @@ class SamplingForm(QWidget):
         self.n_predict = ispin(1, 32768)
         self.repeat_penalty = dspin(0.5, 3.0, 0.05)
         self.seed = ispin(-1, 2**31 - 1, "random")
-        self.fields = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                       "min_p": self.min_p, "n_predict": self.n_predict,
-                       "repeat_penalty": self.repeat_penalty, "seed": self.seed}
+        self.fields = {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "n_predict": self.n_predict,
+            "repeat_penalty": self.repeat_penalty,
+            "seed": self.seed,
+        }
         self.set_values(saved)
 
         form = QFormLayout()
         form.setFieldGrowthPolicy(QFormLayout.AllNonFixedFieldsGrow)
-        for label, w in (("Temperature", self.temperature), ("Top-k", self.top_k),
-                         ("Top-p", self.top_p), ("Min-p", self.min_p),
-                         ("Max tokens", self.n_predict), ("Repeat penalty", self.repeat_penalty),
-                         ("Seed", self.seed)):
+        for label, w in (
+            ("Temperature", self.temperature),
+            ("Top-k", self.top_k),
+            ("Top-p", self.top_p),
+            ("Min-p", self.min_p),
+            ("Max tokens", self.n_predict),
+            ("Repeat penalty", self.repeat_penalty),
+            ("Seed", self.seed),
+        ):
             form.addRow(label, w)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -86,11 +106,15 @@ class SamplingForm(QWidget):
 
     def params(self) -> SamplingParams:
         v = self.values()
-        return SamplingParams(temperature=float(v["temperature"]), top_k=int(v["top_k"]),
-                              top_p=float(v["top_p"]), min_p=float(v["min_p"]),
-                              n_predict=int(v["n_predict"]),
-                              repeat_penalty=float(v["repeat_penalty"]),
-                              seed=None if v["seed"] < 0 else int(v["seed"]))
+        return SamplingParams(
+            temperature=float(v["temperature"]),
+            top_k=int(v["top_k"]),
+            top_p=float(v["top_p"]),
+            min_p=float(v["min_p"]),
+            n_predict=int(v["n_predict"]),
+            repeat_penalty=float(v["repeat_penalty"]),
+            seed=None if v["seed"] < 0 else int(v["seed"]),
+        )
 
     def system_messages(self) -> list[dict]:
         text = self.system_prompt.toPlainText().strip()

@@ -5,6 +5,7 @@ it shares the GUI's engine (one model, one batch). Host, port and an optional
 API key persist in settings; the base URL and a curl example are copyable; a
 live log shows every HTTP request and every generation the engine starts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,17 @@ import time
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
-                               QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.settings import Settings
 
@@ -29,8 +39,13 @@ class ServerPanel(QWidget):
     log_line = Signal(str)
     message = Signal(str)
 
-    def __init__(self, bridge: EngineBridge, settings: Settings, cors_origins: list[str] | None = None,
-                 parent: QWidget | None = None):
+    def __init__(
+        self,
+        bridge: EngineBridge,
+        settings: Settings,
+        cors_origins: list[str] | None = None,
+        parent: QWidget | None = None,
+    ):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
@@ -62,7 +77,9 @@ class ServerPanel(QWidget):
         self.curl.setObjectName("codeBox")
         self.curl.setMaximumHeight(96)
         copy_curl = QPushButton("Copy curl")
-        copy_curl.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.curl.toPlainText()))
+        copy_curl.clicked.connect(
+            lambda: QGuiApplication.clipboard().setText(self.curl.toPlainText())
+        )
 
         form = QFormLayout()
         top = QHBoxLayout()
@@ -99,8 +116,12 @@ class ServerPanel(QWidget):
 
     # -- settings ------------------------------------------------------------------------
     def _save(self) -> None:
-        self.settings.update("server", host=self.host.text().strip() or "127.0.0.1",
-                             port=self.port.value(), api_key=self.api_key.text())
+        self.settings.update(
+            "server",
+            host=self.host.text().strip() or "127.0.0.1",
+            port=self.port.value(),
+            api_key=self.api_key.text(),
+        )
         self._update_texts()
 
     def base_url(self) -> str:
@@ -113,10 +134,15 @@ class ServerPanel(QWidget):
     def _update_texts(self) -> None:
         url = self.base_url()
         self.url.setText(url + "/v1")
-        auth = f' \\\n  -H "Authorization: Bearer {self.api_key.text()}"' if self.api_key.text() else ""
+        auth = (
+            f' \\\n  -H "Authorization: Bearer {self.api_key.text()}"'
+            if self.api_key.text()
+            else ""
+        )
         self.curl.setPlainText(
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            "  -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'")
+            '  -d \'{"messages": [{"role": "user", "content": "Hello!"}]}\''
+        )
 
     # -- log ---------------------------------------------------------------------------------
     def _append(self, line: str) -> None:
@@ -124,16 +150,22 @@ class ServerPanel(QWidget):
 
     def _request_started(self, info: dict) -> None:
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
-        mix = ", ".join(f"{names.get(a, f'#{a}')}×{s:g}"
-                        for a, s in (info.get("mix") or {}).items()) or "no adapters"
-        self.log_line.emit(f"generation #{info.get('id')} from {info.get('source') or '?'}: "
-                           f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}")
+        mix = (
+            ", ".join(f"{names.get(a, f'#{a}')}×{s:g}" for a, s in (info.get("mix") or {}).items())
+            or "no adapters"
+        )
+        self.log_line.emit(
+            f"generation #{info.get('id')} from {info.get('source') or '?'}: "
+            f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}"
+        )
 
     def _request_finished(self, info: dict) -> None:
         t = info.get("timings") or {}
-        self.log_line.emit(f"generation #{info.get('id')} done: {info.get('predicted_n', 0)} tokens, "
-                           f"{t.get('predicted_per_second', 0.0):.1f} tok/s, "
-                           f"stop {info.get('stop_type')}")
+        self.log_line.emit(
+            f"generation #{info.get('id')} done: {info.get('predicted_n', 0)} tokens, "
+            f"{t.get('predicted_per_second', 0.0):.1f} tok/s, "
+            f"stop {info.get('stop_type')}"
+        )
 
     # -- on / off ---------------------------------------------------------------------------------
     @property
@@ -160,12 +192,14 @@ class ServerPanel(QWidget):
         try:
             from core.http.app import ServerSettings, create_app
             from core.http.server import exposure_warnings, start_site
+
             keys = [self.api_key.text()] if self.api_key.text() else []
-            settings = _server_settings(ServerSettings, host, port, keys, self.cors_origins,
-                                        on_log=self.log_line.emit)
+            settings = _server_settings(
+                ServerSettings, host, port, keys, self.cors_origins, on_log=self.log_line.emit
+            )
             app = create_app(self.bridge.engine, settings)
             runner, bound = await start_site(app, host, port)
-        except Exception as e:            # port in use, bad host, missing module...
+        except Exception as e:  # port in use, bad host, missing module...
             log.warning("server did not start: %s", e)
             self.state.setText(f"Not running: {e}")
             self.message.emit(f"The API server did not start: {e}")
@@ -211,6 +245,7 @@ class ServerPanel(QWidget):
 def _server_settings(cls, host: str, port: int, keys: list[str], cors: list[str], **extra):
     """Build core.http's ServerSettings with the fields it has (it is still evolving)."""
     import dataclasses
+
     wanted = {"host": host, "port": port, "api_keys": keys, "cors_origins": cors, **extra}
     try:
         names = {f.name for f in dataclasses.fields(cls)}

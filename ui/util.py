@@ -1,4 +1,5 @@
 """Small helpers shared by the widgets (formatting, dropped files, resources)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,6 +57,7 @@ def is_adapter_path(path: str | Path) -> bool:
         return True
     try:
         from core.gguf_file import GGUFFile
+
         return str(GGUFFile(p).metadata.get("general.type", "")) == "adapter"
     except Exception:
         return False

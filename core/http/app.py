@@ -9,19 +9,21 @@ Generation never blocks the event loop: requests go to the engine's scheduler
 thread, whose events come back through ``loop.call_soon_threadsafe`` into an
 asyncio.Queue. A client that goes away cancels its request, which frees its slot.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 
-from ..scheduler import DoneEvent, TokenEvent
 from ..sampling import SamplingParams
+from ..scheduler import DoneEvent, TokenEvent
 from . import responses as R
 from .responses import HttpError
 from .security import DISCONNECTED, add_cors_on_prepare, make_middlewares
@@ -43,11 +45,17 @@ class ServerSettings:
     on_log: Callable[[str], None] | None = None
 
     @classmethod
-    def from_args(cls, args) -> "ServerSettings":
-        return cls(host=args.host, port=args.port, api_keys=list(args.api_key or []),
-                   cors_origins=list(args.cors_origins or []), alias=args.alias,
-                   n_predict_default=args.n_predict, verbose=bool(args.verbose),
-                   lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)))
+    def from_args(cls, args) -> ServerSettings:
+        return cls(
+            host=args.host,
+            port=args.port,
+            api_keys=list(args.api_key or []),
+            cors_origins=list(args.cors_origins or []),
+            alias=args.alias,
+            n_predict_default=args.n_predict,
+            verbose=bool(args.verbose),
+            lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)),
+        )
 
 
 class _EngineBox:
@@ -64,7 +72,7 @@ ENGINE = web.AppKey("engine", _EngineBox)
 SETTINGS = web.AppKey("settings", ServerSettings)
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 
-POLL_S = 0.25          # how often a non-streaming request checks that its client is still there
+POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TOKENIZE_INLINE_CHARS = 16384
 
 
@@ -79,8 +87,9 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
             except Exception:
                 log.exception("on_log callback failed")
 
-    app = web.Application(middlewares=make_middlewares(settings, on_line),
-                          client_max_size=settings.max_body)
+    app = web.Application(
+        middlewares=make_middlewares(settings, on_line), client_max_size=settings.max_body
+    )
     app[ENGINE] = _EngineBox(engine)
     app[SETTINGS] = settings
     app[LOAD_LOCK] = asyncio.Lock() if _has_loop() else None  # created lazily otherwise
@@ -123,6 +132,7 @@ def _has_loop() -> bool:
 
 # ---- helpers -------------------------------------------------------------------------
 
+
 def _engine(request: web.Request):
     eng = request.app[ENGINE].engine
     if eng is None or not eng.ready:
@@ -150,11 +160,17 @@ def _verbose(request: web.Request, what: str, text: str) -> None:
 
 
 async def _encode_prompt(eng, prompt: Any) -> list[int]:
-    size = len(prompt) if isinstance(prompt, str) else sum(
-        len(x) for x in prompt if isinstance(x, str)) if isinstance(prompt, list) else 0
+    size = (
+        len(prompt)
+        if isinstance(prompt, str)
+        else sum(len(x) for x in prompt if isinstance(x, str))
+        if isinstance(prompt, list)
+        else 0
+    )
     if size > TOKENIZE_INLINE_CHARS:
         return await asyncio.get_running_loop().run_in_executor(
-            None, R.parse_prompt, prompt, eng.tokenizer)
+            None, R.parse_prompt, prompt, eng.tokenizer
+        )
     return R.parse_prompt(prompt, eng.tokenizer)
 
 
@@ -175,29 +191,39 @@ def _resolve_mix(eng, opts: R.GenOptions, oai: bool) -> dict[int, float] | None:
 class _Generation:
     """One submitted request whose engine events arrive on an asyncio.Queue."""
 
-    def __init__(self, request: web.Request, eng, prompt: list[int], params: SamplingParams,
-                 mix, cache_prompt: bool):
+    def __init__(
+        self,
+        request: web.Request,
+        eng,
+        prompt: list[int],
+        params: SamplingParams,
+        mix,
+        cache_prompt: bool,
+    ):
         loop = asyncio.get_running_loop()
         self.request = request
         self.queue: asyncio.Queue = asyncio.Queue()
 
-        def on_event(ev) -> None:          # scheduler thread
+        def on_event(ev) -> None:  # scheduler thread
             try:
                 loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-            except RuntimeError:           # the loop is gone: stop generating
+            except RuntimeError:  # the loop is gone: stop generating
                 r = getattr(self, "req", None)
                 if r is not None:
                     r.cancel()
 
         self.done: DoneEvent | None = None
         try:
-            self.req = eng.submit(prompt, params, on_event, mix=mix, cache_prompt=cache_prompt,
-                                  source="http")
+            self.req = eng.submit(
+                prompt, params, on_event, mix=mix, cache_prompt=cache_prompt, source="http"
+            )
         except Exception as e:
             from ..engine import EngineError
+
             if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
-                raise HttpError(str(e), 400, e.type, n_prompt_tokens=len(prompt),
-                                n_ctx=eng.ctx_size) from None
+                raise HttpError(
+                    str(e), 400, e.type, n_prompt_tokens=len(prompt), n_ctx=eng.ctx_size
+                ) from None
             raise
 
     def _client_gone(self) -> bool:
@@ -208,12 +234,15 @@ class _Generation:
         """The next event; cancels the request if the client disconnected meanwhile."""
         while True:
             try:
-                ev = await asyncio.wait_for(self.queue.get(), POLL_S) if watch_client \
+                ev = (
+                    await asyncio.wait_for(self.queue.get(), POLL_S)
+                    if watch_client
                     else await self.queue.get()
-            except asyncio.TimeoutError:
+                )
+            except TimeoutError:
                 if self._client_gone():
                     self.cancel()
-                    raise ConnectionResetError("client disconnected")
+                    raise ConnectionResetError("client disconnected") from None
                 continue
             if isinstance(ev, DoneEvent):
                 self.done = ev
@@ -238,8 +267,13 @@ class _Generation:
 
 
 async def _open_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     await resp.prepare(request)
     return resp
 
@@ -248,18 +282,21 @@ def _raise_for_done(done: DoneEvent) -> None:
     if done.stop_type == "error":
         raise HttpError(done.error or "generation failed", 500, done.error_type or "server_error")
     if done.stop_type == "cancel":
-        raise HttpError("the request was cancelled (server shutting down)", 503,
-                        "unavailable_error")
+        raise HttpError(
+            "the request was cancelled (server shutting down)", 503, "unavailable_error"
+        )
 
 
 def _stream_error(done: DoneEvent) -> dict:
     if done.stop_type == "error":
-        return R.error_body(done.error or "generation failed", 500,
-                            done.error_type or "server_error")
+        return R.error_body(
+            done.error or "generation failed", 500, done.error_type or "server_error"
+        )
     return R.error_body("the request was cancelled", 503, "unavailable_error")
 
 
 # ---- simple endpoints ----------------------------------------------------------------
+
 
 async def health(request: web.Request) -> web.Response:
     _engine(request)
@@ -272,30 +309,36 @@ async def props(request: web.Request) -> web.Response:
     mid = _model_id(request, eng)
     params = SamplingParams(n_predict=s.n_predict_default)
     lora = R.mix_to_lora(eng.get_mix())
-    return web.json_response({
-        "default_generation_settings": {
-            "id": 0, "id_task": -1, "n_ctx": eng.ctx_size, "speculative": False,
-            "is_processing": False,
-            "params": R.generation_settings(params, eng.ctx_size, mid, False, lora),
-        },
-        "total_slots": eng.n_parallel,
-        "model_path": str(eng.path),
-        "model_alias": mid,
-        "chat_template": eng.chat_template.source if eng.chat_template else "",
-        "chat_template_caps": {},
-        "bos_token": eng.chat_template.bos_token if eng.chat_template else "",
-        "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
-        "modalities": {"vision": False, "audio": False},
-        "build_info": "mixdesk",
-        "is_sleeping": False,
-        "lora_init_without_apply": s.lora_init_without_apply,
-    })
+    return web.json_response(
+        {
+            "default_generation_settings": {
+                "id": 0,
+                "id_task": -1,
+                "n_ctx": eng.ctx_size,
+                "speculative": False,
+                "is_processing": False,
+                "params": R.generation_settings(params, eng.ctx_size, mid, False, lora),
+            },
+            "total_slots": eng.n_parallel,
+            "model_path": str(eng.path),
+            "model_alias": mid,
+            "chat_template": eng.chat_template.source if eng.chat_template else "",
+            "chat_template_caps": {},
+            "bos_token": eng.chat_template.bos_token if eng.chat_template else "",
+            "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": "mixdesk",
+            "is_sleeping": False,
+            "lora_init_without_apply": s.lora_init_without_apply,
+        }
+    )
 
 
 async def models(request: web.Request) -> web.Response:
     eng = _engine(request)
-    return web.json_response(R.models_list(_model_id(request, eng),
-                                           request.app[ENGINE].model_info(), eng.adapters()))
+    return web.json_response(
+        R.models_list(_model_id(request, eng), request.app[ENGINE].model_info(), eng.adapters())
+    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -305,12 +348,15 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = R.get_bool(body, "add_special", False)
     parse_special = R.get_bool(body, "parse_special", True)
     with_pieces = R.get_bool(body, "with_pieces", False)
-    ids = await _run(eng.tokenizer.encode, content, add_special, parse_special) \
-        if len(content) > TOKENIZE_INLINE_CHARS else \
-        eng.tokenizer.encode(content, add_special, parse_special)
+    ids = (
+        await _run(eng.tokenizer.encode, content, add_special, parse_special)
+        if len(content) > TOKENIZE_INLINE_CHARS
+        else eng.tokenizer.encode(content, add_special, parse_special)
+    )
     if with_pieces:
-        return web.json_response({"tokens": [{"id": t, "piece": R.token_piece(eng.tokenizer, t)}
-                                             for t in ids]})
+        return web.json_response(
+            {"tokens": [{"id": t, "piece": R.token_piece(eng.tokenizer, t)} for t in ids]}
+        )
     return web.json_response({"tokens": ids})
 
 
@@ -334,6 +380,7 @@ async def _run(fn, *args):
 
 # ---- adapters --------------------------------------------------------------------------
 
+
 async def get_lora(request: web.Request) -> web.Response:
     eng = _engine(request)
     return web.json_response([R.lora_adapter_entry(a) for a in eng.adapters()])
@@ -356,7 +403,7 @@ def _load_lock(app: web.Application) -> asyncio.Lock:
 
 async def _load_adapter(request: web.Request, path: str, scale: float, name: str | None) -> dict:
     eng = _engine(request)
-    async with _load_lock(request.app):      # one load at a time: names stay unique
+    async with _load_lock(request.app):  # one load at a time: names stay unique
         if name is not None and any(a.get("name") == name for a in eng.adapters()):
             raise HttpError(f"an adapter named {name!r} is already loaded")
         aid = await _run(eng.add_adapter, path, scale, name)
@@ -380,7 +427,7 @@ async def lora_unload(request: web.Request) -> web.Response:
     body = await _body(request)
     aid = R.get_int(body, "id", None)
     if aid is None:
-        raise HttpError("\"id\" is required")
+        raise HttpError('"id" is required')
     eng.remove_adapter(aid)
     return web.json_response({"success": True})
 
@@ -403,17 +450,24 @@ async def vllm_unload(request: web.Request) -> web.Response:
     name = R.get_str(body, "lora_name")
     aid = R.get_int(body, "lora_int_id", None)
     if name is None and aid is None:
-        raise HttpError("\"lora_name\" is required")
-    found = [a for a in eng.adapters() if (name is not None and a.get("name") == name)
-             or (name is None and a["id"] == aid)]
+        raise HttpError('"lora_name" is required')
+    found = [
+        a
+        for a in eng.adapters()
+        if (name is not None and a.get("name") == name) or (name is None and a["id"] == aid)
+    ]
     if not found:
-        raise HttpError(f"The lora adapter '{name if name is not None else aid}' cannot be found.",
-                        404, "not_found_error")
+        raise HttpError(
+            f"The lora adapter '{name if name is not None else aid}' cannot be found.",
+            404,
+            "not_found_error",
+        )
     eng.remove_adapter(found[0]["id"])
     return web.Response(text=f"Success: LoRA adapter '{found[0]['name']}' removed successfully.")
 
 
 # ---- generation ------------------------------------------------------------------------
+
 
 async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool = False):
     eng = _engine(request)
@@ -433,7 +487,7 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
         _verbose(request, "prompt", text)
     else:
         if "prompt" not in body:
-            raise HttpError("\"prompt\" is required")
+            raise HttpError('"prompt" is required')
         prompt = await _encode_prompt(eng, body["prompt"])
         _verbose(request, "prompt", eng.tokenizer.decode(prompt))
     gen = _Generation(request, eng, prompt, opts.params, mix, opts.cache_prompt)
@@ -443,11 +497,20 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
 async def _start_oai(request: web.Request, id_prefix: str, chat: bool = False) -> tuple:
     """_start for the OpenAI routes, plus what their responses all carry:
     (eng, opts, prompt, gen, model id, all adapter ids, response id, created, n_top)."""
-    eng, opts, prompt, gen = await _start(request, "messages" if chat else "prompt",
-                                          oai=True, chat=chat)
-    return (eng, opts, prompt, gen, opts.model or _model_id(request, eng),
-            [a["id"] for a in eng.adapters()], R.new_id(id_prefix), int(time.time()),
-            opts.extra["n_top"])
+    eng, opts, prompt, gen = await _start(
+        request, "messages" if chat else "prompt", oai=True, chat=chat
+    )
+    return (
+        eng,
+        opts,
+        prompt,
+        gen,
+        opts.model or _model_id(request, eng),
+        [a["id"] for a in eng.adapters()],
+        R.new_id(id_prefix),
+        int(time.time()),
+        opts.extra["n_top"],
+    )
 
 
 def _oai_final(last: dict, prompt_n: int, ev: DoneEvent, all_ids) -> list[bytes]:
@@ -458,8 +521,9 @@ def _oai_final(last: dict, prompt_n: int, ev: DoneEvent, all_ids) -> list[bytes]
     return [R.sse(last), R.SSE_DONE]
 
 
-async def _stream(request: web.Request, gen, token_chunk, final_chunks,
-                  first: dict | None = None) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, gen, token_chunk, final_chunks, first: dict | None = None
+) -> web.StreamResponse:
     """Write one SSE chunk per event until the request is done. A client that goes
     away cancels the request, which frees its slot in the batch."""
     resp = await _open_sse(request)
@@ -495,31 +559,54 @@ async def completion(request: web.Request) -> web.StreamResponse:
     all_ids = [a["id"] for a in eng.adapters()]
 
     def settings_for(done):
-        return R.generation_settings(opts.params, eng.ctx_size, mid, opts.stream,
-                                     R.mix_to_lora(done.mix, all_ids))
+        return R.generation_settings(
+            opts.params, eng.ctx_size, mid, opts.stream, R.mix_to_lora(done.mix, all_ids)
+        )
 
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
         _verbose(request, "content", done.content)
-        probs = [R.completion_probability(tok, t.token, t.logprob, t.top) for t in toks] \
-            if n_probs else None
-        return web.json_response(R.completion_final(
-            done, prompt_n=len(prompt), model=mid, all_ids=all_ids,
-            return_tokens=opts.return_tokens, probs=probs, settings=settings_for(done)))
+        probs = (
+            [R.completion_probability(tok, t.token, t.logprob, t.top) for t in toks]
+            if n_probs
+            else None
+        )
+        return web.json_response(
+            R.completion_final(
+                done,
+                prompt_n=len(prompt),
+                model=mid,
+                all_ids=all_ids,
+                return_tokens=opts.return_tokens,
+                probs=probs,
+                settings=settings_for(done),
+            )
+        )
 
     def token_chunk(ev):
         if ev.kind == "token":
-            probs = [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] \
-                if n_probs else None
+            probs = (
+                [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] if n_probs else None
+            )
             return R.completion_chunk(ev.text, [ev.token], probs)
         return R.completion_chunk(ev.text, [], [] if n_probs else None) if ev.text else None
 
     def final_chunks(ev):
-        return [R.sse(R.completion_final(
-            ev, prompt_n=len(prompt), model=mid, all_ids=all_ids,
-            return_tokens=opts.return_tokens, probs=None,
-            settings=settings_for(ev), streaming=True))]
+        return [
+            R.sse(
+                R.completion_final(
+                    ev,
+                    prompt_n=len(prompt),
+                    model=mid,
+                    all_ids=all_ids,
+                    return_tokens=opts.return_tokens,
+                    probs=None,
+                    settings=settings_for(ev),
+                    streaming=True,
+                )
+            )
+        ]
 
     return await _stream(request, gen, token_chunk, final_chunks)
 
@@ -532,20 +619,39 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
-        lp = R.oai_completion_logprobs(tok, [(t.token, t.logprob, t.top) for t in toks], n_top) \
-            if n_top else None
-        return web.json_response(R.oai_completion(done, cid=cid, created=created, model=mid,
-                                                  prompt_n=len(prompt), all_ids=all_ids,
-                                                  logprobs=lp))
+        lp = (
+            R.oai_completion_logprobs(tok, [(t.token, t.logprob, t.top) for t in toks], n_top)
+            if n_top
+            else None
+        )
+        return web.json_response(
+            R.oai_completion(
+                done,
+                cid=cid,
+                created=created,
+                model=mid,
+                prompt_n=len(prompt),
+                all_ids=all_ids,
+                logprobs=lp,
+            )
+        )
+
     def token_chunk(ev):
-        lp = R.oai_completion_logprobs(tok, [(ev.token, ev.logprob, ev.top)], n_top) \
-            if n_top and ev.kind == "token" else None
-        return R.oai_completion_chunk(ev.text, cid=cid, created=created, model=mid,
-                                      logprobs=lp) if ev.text or lp else None
+        lp = (
+            R.oai_completion_logprobs(tok, [(ev.token, ev.logprob, ev.top)], n_top)
+            if n_top and ev.kind == "token"
+            else None
+        )
+        return (
+            R.oai_completion_chunk(ev.text, cid=cid, created=created, model=mid, logprobs=lp)
+            if ev.text or lp
+            else None
+        )
 
     def final_chunks(ev):
-        last = R.oai_completion_chunk("", cid=cid, created=created, model=mid,
-                                      finish=R.finish_reason(ev.stop_type))
+        last = R.oai_completion_chunk(
+            "", cid=cid, created=created, model=mid, finish=R.finish_reason(ev.stop_type)
+        )
         return _oai_final(last, len(prompt), ev, all_ids)
 
     return await _stream(request, gen, token_chunk, final_chunks)
@@ -554,28 +660,50 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/chat/completions, with llama-server's timings and lora extras."""
     eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(
-        request, "chatcmpl", chat=True)
+        request, "chatcmpl", chat=True
+    )
     tok = eng.tokenizer
 
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
         _verbose(request, "content", done.content)
-        lp = [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks] \
-            if n_top else None
-        return web.json_response(R.oai_chat(done, cid=cid, created=created, model=mid,
-                                            prompt_n=len(prompt), all_ids=all_ids, logprobs=lp))
+        lp = (
+            [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
+            if n_top
+            else None
+        )
+        return web.json_response(
+            R.oai_chat(
+                done,
+                cid=cid,
+                created=created,
+                model=mid,
+                prompt_n=len(prompt),
+                all_ids=all_ids,
+                logprobs=lp,
+            )
+        )
+
     def token_chunk(ev):
-        lp = [R.oai_chat_logprob(tok, ev.token, ev.logprob, ev.top, n_top)] \
-            if n_top and ev.kind == "token" else None
-        return R.oai_chat_chunk({"content": ev.text}, cid=cid, created=created, model=mid,
-                                logprobs=lp) if ev.text or lp else None
+        lp = (
+            [R.oai_chat_logprob(tok, ev.token, ev.logprob, ev.top, n_top)]
+            if n_top and ev.kind == "token"
+            else None
+        )
+        return (
+            R.oai_chat_chunk({"content": ev.text}, cid=cid, created=created, model=mid, logprobs=lp)
+            if ev.text or lp
+            else None
+        )
 
     def final_chunks(ev):
-        last = R.oai_chat_chunk({}, cid=cid, created=created, model=mid,
-                                finish=R.finish_reason(ev.stop_type))
+        last = R.oai_chat_chunk(
+            {}, cid=cid, created=created, model=mid, finish=R.finish_reason(ev.stop_type)
+        )
         return _oai_final(last, len(prompt), ev, all_ids)
 
-    first = R.oai_chat_chunk({"role": "assistant", "content": ""}, cid=cid, created=created,
-                             model=mid)
+    first = R.oai_chat_chunk(
+        {"role": "assistant", "content": ""}, cid=cid, created=created, model=mid
+    )
     return await _stream(request, gen, token_chunk, final_chunks, first=first)

@@ -6,14 +6,16 @@ shapes can be tested without a server. The shapes follow llama.cpp's
 llama-server (``/completion``, ``/lora-adapters``, ``/tokenize`` ...) and the
 OpenAI API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import secrets
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..sampling import SamplingError, SamplingParams, validate
 
@@ -21,8 +23,9 @@ from ..sampling import SamplingError, SamplingParams, validate
 class HttpError(Exception):
     """An error answered as ``{"error": {"code", "message", "type"}}``."""
 
-    def __init__(self, message: str, code: int = 400, type: str = "invalid_request_error",
-                 **extra: Any):
+    def __init__(
+        self, message: str, code: int = 400, type: str = "invalid_request_error", **extra: Any
+    ):
         super().__init__(message)
         self.message, self.code, self.type, self.extra = message, code, type, extra
 
@@ -30,8 +33,9 @@ class HttpError(Exception):
         return error_body(self.message, self.code, self.type, **self.extra)
 
 
-def error_body(message: str, code: int = 400, type: str = "invalid_request_error",
-               **extra: Any) -> dict:
+def error_body(
+    message: str, code: int = 400, type: str = "invalid_request_error", **extra: Any
+) -> dict:
     return {"error": {"code": code, "message": message, "type": type, **extra}}
 
 
@@ -44,6 +48,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 # ---- reading request bodies --------------------------------------------------------
+
 
 def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object; 400 for anything else."""
@@ -84,13 +89,17 @@ def get_bool(body: Mapping, name: str, default: bool) -> bool:
     return v
 
 
-def get_int(body: Mapping, name: str, default: int | None, lo: int | None = None,
-            hi: int | None = None) -> int | None:
+def get_int(
+    body: Mapping, name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            isinstance(v, float) and (not math.isfinite(v) or v != int(v))):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (isinstance(v, float) and (not math.isfinite(v) or v != int(v)))
+    ):
         raise HttpError(f"{name} must be an integer, got {v!r}")
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -108,11 +117,13 @@ def get_float(body: Mapping, name: str, default: float) -> float:
     return float(v)
 
 
-def get_str(body: Mapping, name: str, default: str | None = None, required: bool = False) -> str | None:
+def get_str(
+    body: Mapping, name: str, default: str | None = None, required: bool = False
+) -> str | None:
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         if required:
-            raise HttpError(f"\"{name}\" is required")
+            raise HttpError(f'"{name}" is required')
         return default
     if not isinstance(v, str):
         raise HttpError(f"{name} must be a string, got {type(v).__name__}")
@@ -133,11 +144,12 @@ def get_stop(body: Mapping) -> list[str]:
 @dataclass
 class GenOptions:
     """A generation request as read from a body (any of the three endpoints)."""
+
     params: SamplingParams
     stream: bool = False
     cache_prompt: bool = True
     return_tokens: bool = False
-    lora: Any = None                 # the raw "lora" field; None if absent
+    lora: Any = None  # the raw "lora" field; None if absent
     model: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -171,7 +183,7 @@ def parse_sampling(body: Mapping, n_predict_default: int = -1, oai: bool = False
         n_probs=get_int(body, "n_probs", 0, lo=0, hi=100),
     )
     try:
-        return validate(p)        # the engine's range rules, reported as a 400
+        return validate(p)  # the engine's range rules, reported as a 400
     except SamplingError as e:
         raise HttpError(str(e)) from None
 
@@ -181,14 +193,16 @@ def parse_generation(body: Mapping, n_predict_default: int = -1, oai: bool = Fal
     n = get_int(body, "n", 1)
     if n != 1:
         raise HttpError("only n = 1 is supported")
-    opts = GenOptions(params=params,
-                      stream=get_bool(body, "stream", False),
-                      cache_prompt=get_bool(body, "cache_prompt", True),
-                      return_tokens=get_bool(body, "return_tokens", False),
-                      lora=body.get("lora"),
-                      model=get_str(body, "model"))
+    opts = GenOptions(
+        params=params,
+        stream=get_bool(body, "stream", False),
+        cache_prompt=get_bool(body, "cache_prompt", True),
+        return_tokens=get_bool(body, "return_tokens", False),
+        lora=body.get("lora"),
+        model=get_str(body, "model"),
+    )
     if "lora" in body and body["lora"] is None:
-        raise HttpError("lora must be a list of {\"id\", \"scale\"} objects, got null")
+        raise HttpError('lora must be a list of {"id", "scale"} objects, got null')
     return opts
 
 
@@ -219,8 +233,9 @@ def parse_prompt(prompt: Any, tokenizer) -> list[int]:
         if all(isinstance(x, (str, list, dict)) for x in prompt):
             if len(prompt) == 1:
                 return parse_prompt(prompt[0], tokenizer)
-            raise HttpError("multiple prompts in one request are not supported; "
-                            "send one request per prompt")
+            raise HttpError(
+                "multiple prompts in one request are not supported; send one request per prompt"
+            )
         out: list[int] = []
         for i, x in enumerate(prompt):
             if isinstance(x, bool):
@@ -237,31 +252,34 @@ def parse_prompt(prompt: Any, tokenizer) -> list[int]:
             raise HttpError("multimodal prompts are not supported")
         return parse_prompt(prompt["prompt_string"], tokenizer)
     if prompt is None:
-        raise HttpError("\"prompt\" is required")
+        raise HttpError('"prompt" is required')
     raise HttpError("prompt must be a string, a list of token ids, or a list mixing both")
 
 
 def parse_messages(body: Mapping) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise HttpError("\"messages\" must be a non-empty list of {\"role\", \"content\"} objects")
+        raise HttpError('"messages" must be a non-empty list of {"role", "content"} objects')
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HttpError(f"messages[{i}] must be an object with a string \"role\"")
+            raise HttpError(f'messages[{i}] must be an object with a string "role"')
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise HttpError(f"messages[{i}].content must be a string or a list of parts")
         if isinstance(c, list):
             for j, part in enumerate(c):
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
                     raise HttpError(f"messages[{i}].content[{j}]: only text parts are supported")
     return msgs
 
 
 def parse_token_list(v: Any, n_vocab: int, what: str = "tokens") -> list[int]:
     if not isinstance(v, list):
-        raise HttpError(f"\"{what}\" must be a list of token ids")
+        raise HttpError(f'"{what}" must be a list of token ids')
     for i, t in enumerate(v):
         if isinstance(t, bool) or not isinstance(t, int):
             raise HttpError(f"{what}[{i}] must be an integer token id, got {t!r}")
@@ -272,8 +290,10 @@ def parse_token_list(v: Any, n_vocab: int, what: str = "tokens") -> list[int]:
 
 # ---- building responses ------------------------------------------------------------
 
-def mix_to_lora(mix: Iterable[tuple[int, float]] | Mapping[int, float],
-                all_ids: Iterable[int] = ()) -> list[dict]:
+
+def mix_to_lora(
+    mix: Iterable[tuple[int, float]] | Mapping[int, float], all_ids: Iterable[int] = ()
+) -> list[dict]:
     """A mix as llama-server's ``[{"id", "scale"}]`` list, listing every known adapter."""
     d = dict(mix.items() if isinstance(mix, Mapping) else mix)
     ids = sorted(set(all_ids) | set(d))
@@ -282,9 +302,14 @@ def mix_to_lora(mix: Iterable[tuple[int, float]] | Mapping[int, float],
 
 def lora_adapter_entry(info: Mapping) -> dict:
     """GET /lora-adapters entry: llama-server's five fields plus our adapter name."""
-    return {"id": info["id"], "path": info["path"], "scale": info["scale"],
-            "task_name": info.get("task_name", ""), "prompt_prefix": info.get("prompt_prefix", ""),
-            "name": info.get("name", "")}
+    return {
+        "id": info["id"],
+        "path": info["path"],
+        "scale": info["scale"],
+        "task_name": info.get("task_name", ""),
+        "prompt_prefix": info.get("prompt_prefix", ""),
+        "name": info.get("name", ""),
+    }
 
 
 def token_piece(tokenizer, tid: int) -> str | list[int]:
@@ -298,24 +323,36 @@ def token_piece(tokenizer, tid: int) -> str | list[int]:
 
 def _prob_entry(tokenizer, tid: int, logprob: float) -> dict:
     b = tokenizer.token_bytes(tid)
-    return {"id": tid, "token": b.decode("utf-8", errors="replace"), "logprob": logprob,
-            "bytes": list(b)}
+    return {
+        "id": tid,
+        "token": b.decode("utf-8", errors="replace"),
+        "logprob": logprob,
+        "bytes": list(b),
+    }
 
 
-def completion_probability(tokenizer, token: int, logprob: float | None,
-                           top: Sequence[tuple[int, float]] | None) -> dict:
+def completion_probability(
+    tokenizer, token: int, logprob: float | None, top: Sequence[tuple[int, float]] | None
+) -> dict:
     """One ``completion_probabilities`` item of llama-server's /completion."""
     e = _prob_entry(tokenizer, token, logprob if logprob is not None else 0.0)
     e["top_logprobs"] = [_prob_entry(tokenizer, t, lp) for t, lp in (top or [])]
     return e
 
 
-def oai_chat_logprob(tokenizer, token: int, logprob: float | None,
-                     top: Sequence[tuple[int, float]] | None, n_top: int) -> dict:
+def oai_chat_logprob(
+    tokenizer,
+    token: int,
+    logprob: float | None,
+    top: Sequence[tuple[int, float]] | None,
+    n_top: int,
+) -> dict:
     """One ``choices[0].logprobs.content`` item of OpenAI chat completions."""
+
     def one(t, lp):
         b = tokenizer.token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
     e = one(token, logprob if logprob is not None else 0.0)
     e["top_logprobs"] = [one(t, lp) for t, lp in (top or [])[:n_top]]
     return e
@@ -331,14 +368,25 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_n: int, done) -> dict:
     t = done.timings
-    return {"completion_tokens": len(done.tokens), "prompt_tokens": prompt_n,
-            "total_tokens": prompt_n + len(done.tokens),
-            "prompt_tokens_details": {"cached_tokens": t.cache_n}}
+    return {
+        "completion_tokens": len(done.tokens),
+        "prompt_tokens": prompt_n,
+        "total_tokens": prompt_n + len(done.tokens),
+        "prompt_tokens_details": {"cached_tokens": t.cache_n},
+    }
 
 
-def completion_final(done, *, prompt_n: int, model: str, all_ids: Iterable[int],
-                     return_tokens: bool, probs: list[dict] | None, settings: dict,
-                     streaming: bool = False) -> dict:
+def completion_final(
+    done,
+    *,
+    prompt_n: int,
+    model: str,
+    all_ids: Iterable[int],
+    return_tokens: bool,
+    probs: list[dict] | None,
+    settings: dict,
+    streaming: bool = False,
+) -> dict:
     """llama-server's /completion response (or its last stream chunk)."""
     out = {
         "index": 0,
@@ -371,37 +419,84 @@ def completion_chunk(text: str, tokens: list[int], probs: list[dict] | None) -> 
     return out
 
 
-def generation_settings(p: SamplingParams, n_ctx: int, model: str, stream: bool,
-                        lora: list[dict]) -> dict:
-    return {"n_ctx": n_ctx, "model": model, "n_predict": p.n_predict, "seed": p.seed if p.seed
-            is not None else 4294967295, "temperature": p.temperature, "top_k": p.top_k,
-            "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
-            "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty, "stop": list(p.stop),
-            "max_tokens": p.n_predict, "ignore_eos": p.ignore_eos, "stream": stream,
-            "n_probs": p.n_probs, "samplers": ["penalties", "top_k", "top_p", "min_p",
-                                               "temperature"], "lora": lora}
+def generation_settings(
+    p: SamplingParams, n_ctx: int, model: str, stream: bool, lora: list[dict]
+) -> dict:
+    return {
+        "n_ctx": n_ctx,
+        "model": model,
+        "n_predict": p.n_predict,
+        "seed": p.seed if p.seed is not None else 4294967295,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "stop": list(p.stop),
+        "max_tokens": p.n_predict,
+        "ignore_eos": p.ignore_eos,
+        "stream": stream,
+        "n_probs": p.n_probs,
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        "lora": lora,
+    }
 
 
-def oai_completion(done, *, cid: str, created: int, model: str, prompt_n: int,
-                   all_ids: Iterable[int], logprobs: dict | None) -> dict:
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": "mixdesk",
-            "choices": [{"text": done.content, "index": 0, "logprobs": logprobs,
-                         "finish_reason": finish_reason(done.stop_type)}],
-            "usage": usage(prompt_n, done), "timings": done.timings.as_dict(),
-            "lora": mix_to_lora(done.mix, all_ids)}
+def oai_completion(
+    done,
+    *,
+    cid: str,
+    created: int,
+    model: str,
+    prompt_n: int,
+    all_ids: Iterable[int],
+    logprobs: dict | None,
+) -> dict:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "mixdesk",
+        "choices": [
+            {
+                "text": done.content,
+                "index": 0,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(done.stop_type),
+            }
+        ],
+        "usage": usage(prompt_n, done),
+        "timings": done.timings.as_dict(),
+        "lora": mix_to_lora(done.mix, all_ids),
+    }
 
 
-def oai_completion_chunk(text: str, *, cid: str, created: int, model: str,
-                         finish: str | None = None, logprobs: dict | None = None) -> dict:
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": "mixdesk",
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+def oai_completion_chunk(
+    text: str,
+    *,
+    cid: str,
+    created: int,
+    model: str,
+    finish: str | None = None,
+    logprobs: dict | None = None,
+) -> dict:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "mixdesk",
+        "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+    }
 
 
-def oai_completion_logprobs(tokenizer, items: list[tuple[int, float | None, list]], n: int,
-                            text_offset0: int = 0) -> dict:
+def oai_completion_logprobs(
+    tokenizer, items: list[tuple[int, float | None, list]], n: int, text_offset0: int = 0
+) -> dict:
     """OpenAI legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     toks, lps, tops, offs = [], [], [], []
     off = text_offset0
@@ -415,40 +510,93 @@ def oai_completion_logprobs(tokenizer, items: list[tuple[int, float | None, list
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def oai_chat(done, *, cid: str, created: int, model: str, prompt_n: int,
-             all_ids: Iterable[int], logprobs: list[dict] | None) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": "mixdesk",
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": done.content},
-                         "logprobs": {"content": logprobs} if logprobs is not None else None,
-                         "finish_reason": finish_reason(done.stop_type)}],
-            "usage": usage(prompt_n, done), "timings": done.timings.as_dict(),
-            "lora": mix_to_lora(done.mix, all_ids)}
+def oai_chat(
+    done,
+    *,
+    cid: str,
+    created: int,
+    model: str,
+    prompt_n: int,
+    all_ids: Iterable[int],
+    logprobs: list[dict] | None,
+) -> dict:
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "mixdesk",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.content},
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": finish_reason(done.stop_type),
+            }
+        ],
+        "usage": usage(prompt_n, done),
+        "timings": done.timings.as_dict(),
+        "lora": mix_to_lora(done.mix, all_ids),
+    }
 
 
-def oai_chat_chunk(delta: dict, *, cid: str, created: int, model: str,
-                   finish: str | None = None, logprobs: list[dict] | None = None) -> dict:
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": "mixdesk",
-            "choices": [{"index": 0, "delta": delta,
-                         "logprobs": {"content": logprobs} if logprobs is not None else None,
-                         "finish_reason": finish}]}
+def oai_chat_chunk(
+    delta: dict,
+    *,
+    cid: str,
+    created: int,
+    model: str,
+    finish: str | None = None,
+    logprobs: list[dict] | None = None,
+) -> dict:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "mixdesk",
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": finish,
+            }
+        ],
+    }
 
 
-def models_list(base_id: str, model_info: Mapping, adapters: Sequence[Mapping],
-                created: int | None = None) -> dict:
+def models_list(
+    base_id: str, model_info: Mapping, adapters: Sequence[Mapping], created: int | None = None
+) -> dict:
     """GET /v1/models: the base model (llama-server's entry) and every loaded adapter
     (vLLM's shape: ``parent`` is the base, ``root`` the adapter's path)."""
     created = int(created if created is not None else time.time())
-    data = [{"id": base_id, "object": "model", "created": created, "owned_by": "llamacpp",
-             "meta": {"n_vocab": model_info.get("n_vocab"),
-                      "n_ctx_train": model_info.get("n_ctx_train"),
-                      "n_embd": model_info.get("dim"),
-                      "n_params": model_info.get("n_params"),
-                      "size": model_info.get("memory_bytes")}}]
+    data = [
+        {
+            "id": base_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "llamacpp",
+            "meta": {
+                "n_vocab": model_info.get("n_vocab"),
+                "n_ctx_train": model_info.get("n_ctx_train"),
+                "n_embd": model_info.get("dim"),
+                "n_params": model_info.get("n_params"),
+                "size": model_info.get("memory_bytes"),
+            },
+        }
+    ]
     for a in adapters:
-        data.append({"id": a["name"], "object": "model", "created": created,
-                     "owned_by": "mixdesk", "parent": base_id, "root": a["path"],
-                     "lora": {"id": a["id"], "scale": a["scale"]}})
+        data.append(
+            {
+                "id": a["name"],
+                "object": "model",
+                "created": created,
+                "owned_by": "mixdesk",
+                "parent": base_id,
+                "root": a["path"],
+                "lora": {"id": a["id"], "scale": a["scale"]},
+            }
+        )
     return {"object": "list", "data": data}

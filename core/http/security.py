@@ -16,6 +16,7 @@ can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
   enforces the same limit for chunked bodies.
 * API key (401) with ``hmac.compare_digest`` on every endpoint but /health.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,7 @@ import hmac
 import ipaddress
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -89,7 +90,7 @@ def api_key_ok(request: web.Request, keys: list[str]) -> bool:
         given = request.headers["x-api-key"].strip()
     ok = False
     g = given.encode("utf-8")
-    for k in keys:    # compare against every key so timing says nothing about which matched
+    for k in keys:  # compare against every key so timing says nothing about which matched
         ok |= hmac.compare_digest(g, k.encode("utf-8"))
     return ok and bool(given)
 
@@ -138,6 +139,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every failure becomes llama-server's {"error": {...}} JSON; the server lives on."""
         from ..engine import EngineError
+
         try:
             return await handler(request)
         except HttpError as e:
@@ -145,16 +147,20 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
         except EngineError as e:
             return json_error(str(e), e.code, e.type)
         except web.HTTPRequestEntityTooLarge:
-            return json_error(f"request body too large (limit {settings.max_body} bytes)", 413,
-                              "invalid_request_error")
+            return json_error(
+                f"request body too large (limit {settings.max_body} bytes)",
+                413,
+                "invalid_request_error",
+            )
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status,
-                                                                            "invalid_request_error")
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+                e.status, "invalid_request_error"
+            )
             msg = "no such endpoint" if e.status == 404 else e.reason
             return json_error(f"{msg}: {request.method} {request.path}", e.status, kind)
-        except ValueError as e:   # AdapterError, SamplingError, ChatTemplateError, TokenizerError
+        except ValueError as e:  # AdapterError, SamplingError, ChatTemplateError, TokenizerError
             return json_error(str(e), 400, "invalid_request_error")
         except (ConnectionError, TimeoutError):
             raise
@@ -166,25 +172,38 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host")
         if not host_allowed(host, settings.host):
-            return json_error("Host header not allowed (DNS rebinding protection); use "
-                              "localhost or 127.0.0.1", 403, "permission_error")
+            return json_error(
+                "Host header not allowed (DNS rebinding protection); use localhost or 127.0.0.1",
+                403,
+                "permission_error",
+            )
         origin = request.headers.get("Origin")
-        if (request.method == "OPTIONS" and origin is not None
-                and "Access-Control-Request-Method" in request.headers):
+        if (
+            request.method == "OPTIONS"
+            and origin is not None
+            and "Access-Control-Request-Method" in request.headers
+        ):
             if not allowed_origins or not origin_listed(origin):
                 return json_error("CORS origin not allowed", 403, "permission_error")
             return web.Response(status=204, headers=cors_headers(origin, preflight=True))
         if origin is not None and not origin_listed(origin) and not same_origin(origin, host):
-            return json_error(f"Origin {origin} not allowed (see --cors-origins)", 403,
-                              "permission_error")
+            return json_error(
+                f"Origin {origin} not allowed (see --cors-origins)", 403, "permission_error"
+            )
         if origin is not None and allowed_origins and origin_listed(origin):
             request[CORS_ORIGIN] = origin
         length = request.content_length
         if length is not None and length > settings.max_body:
-            return json_error(f"request body too large ({length} bytes, limit "
-                              f"{settings.max_body})", 413, "invalid_request_error")
-        if settings.api_keys and request.path not in PUBLIC_PATHS \
-                and not api_key_ok(request, settings.api_keys):
+            return json_error(
+                f"request body too large ({length} bytes, limit {settings.max_body})",
+                413,
+                "invalid_request_error",
+            )
+        if (
+            settings.api_keys
+            and request.path not in PUBLIC_PATHS
+            and not api_key_ok(request, settings.api_keys)
+        ):
             return json_error("Invalid API Key", 401, "authentication_error")
         return await handler(request)
 
@@ -194,9 +213,13 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
 def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
     h = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
     if preflight:
-        h.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                  "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Api-Key",
-                  "Access-Control-Max-Age": "600"})
+        h.update(
+            {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Api-Key",
+                "Access-Control-Max-Age": "600",
+            }
+        )
     return h
 
 

@@ -7,6 +7,7 @@
 * :class:`ServerThread` runs the app on its own loop in a daemon thread (tests,
   scripts, notebooks).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,7 @@ log = logging.getLogger("mixdesk.http")
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving ``app``; returns (runner, the bound port). port 0 picks a free one.
     A client that disconnects cancels its handler (which frees its engine slot)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=2.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -49,11 +49,14 @@ def exposure_warnings(settings: ServerSettings) -> list[str]:
     host = split_host(settings.host) if settings.host not in WILDCARD_HOSTS else settings.host
     if not is_loopback(host):
         where = "every network interface" if settings.host in WILDCARD_HOSTS else settings.host
-        out.append(f"WARNING: listening on {where}: other machines on the network can use "
-                   f"this server")
+        out.append(
+            f"WARNING: listening on {where}: other machines on the network can use this server"
+        )
         if not settings.api_keys:
-            out.append("WARNING: no --api-key set: anyone who can reach this address can "
-                       "generate text and load or change adapters")
+            out.append(
+                "WARNING: no --api-key set: anyone who can reach this address can "
+                "generate text and load or change adapters"
+            )
     return out
 
 
@@ -80,23 +83,29 @@ async def _serve_headless(args, settings: ServerSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):   # Windows: KeyboardInterrupt instead
+        except (NotImplementedError, RuntimeError):  # Windows: KeyboardInterrupt instead
             pass
     eng = None
     try:
-        load = loop.run_in_executor(None, lambda: engine_from_args(
-            args, say=lambda m: log.info("%s", m)))
+        load = loop.run_in_executor(
+            None, lambda: engine_from_args(args, say=lambda m: log.info("%s", m))
+        )
         waiter = asyncio.ensure_future(stop.wait())
         finished, _ = await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if load not in finished:
             log.info("interrupted while loading the model")
             return 0
-        eng = load.result()                 # raises the load error (a ValueError) as is
+        eng = load.result()  # raises the load error (a ValueError) as is
         eng.start()
         set_engine(app, eng)
         info = eng.model_info()
-        log.info("model %s loaded: n_ctx %d, %d slots, %d adapter(s); ready",
-                 info.get("name"), eng.ctx_size, eng.n_parallel, len(eng.adapters()))
+        log.info(
+            "model %s loaded: n_ctx %d, %d slots, %d adapter(s); ready",
+            info.get("name"),
+            eng.ctx_size,
+            eng.n_parallel,
+            len(eng.adapters()),
+        )
         await waiter
         log.info("shutting down")
         return 0
@@ -109,9 +118,9 @@ async def _serve_headless(args, settings: ServerSettings) -> int:
 class ServerThread:
     """The app served from a daemon thread with its own event loop.
 
-        srv = ServerThread(engine, ServerSettings(port=0)).start()
-        ... srv.url ...
-        srv.stop()
+    srv = ServerThread(engine, ServerSettings(port=0)).start()
+    ... srv.url ...
+    srv.stop()
     """
 
     def __init__(self, engine, settings: ServerSettings | None = None):
@@ -130,7 +139,7 @@ class ServerThread:
         host = self.settings.host if self.settings.host not in WILDCARD_HOSTS else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread = threading.Thread(target=self._run, name="mixdesk-http", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -146,8 +155,10 @@ class ServerThread:
 
         async def boot():
             self.app = create_app(self.engine, self.settings)
-            self._runner, self.port = await start_site(self.app, self.settings.host,
-                                                       self.settings.port)
+            self._runner, self.port = await start_site(
+                self.app, self.settings.host, self.settings.port
+            )
+
         try:
             loop.run_until_complete(boot())
         except BaseException as e:

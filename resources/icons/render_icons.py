@@ -1,4 +1,5 @@
 """Render mixdesk.svg to the PNG sizes the desktop wants: python resources/icons/render_icons.py"""
+
 import os
 from pathlib import Path
 

@@ -1,12 +1,13 @@
 """GUI test fixtures: offscreen Qt, one real SmolLM2 engine for the session, the
 reference adapters, and a fresh MainWindow per test (settings isolated by the
 autouse MIXDESK_HOME fixture in tests/conftest.py)."""
+
 from __future__ import annotations
 
 import asyncio
 import os
 
-os.environ["QT_QPA_PLATFORM"] = "offscreen"     # before anything imports Qt
+os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before anything imports Qt
 
 import pytest  # noqa: E402
 
@@ -16,6 +17,7 @@ ADAPTERS = ("lora_all_q8", "lora_attn", "lora_ffn")
 @pytest.fixture(scope="session")
 def engine(smollm_path):
     from core.engine import Engine
+
     eng = Engine(ctx_size=1024, n_parallel=4)
     eng.load_model(smollm_path)
     yield eng
@@ -34,6 +36,7 @@ def clean_engine(engine):
 def make_window(qtbot, clean_engine):
     from core.settings import Settings
     from ui.main_window import MainWindow
+
     made = []
 
     def make():
@@ -43,7 +46,7 @@ def make_window(qtbot, clean_engine):
         return win
 
     yield make
-    for win in made:          # closed here, not by qtbot: the server must stop first
+    for win in made:  # closed here, not by qtbot: the server must stop first
         try:
             if win.server.runner is not None:
                 fut = asyncio.ensure_future(win.server.stop(remember=False))
@@ -70,8 +73,17 @@ def loaded(window, qtbot, ref_dir):
 
 
 def _greedy(window, n_predict: int = 6) -> None:
-    window.sampling.set_values({"temperature": 0.0, "n_predict": n_predict, "seed": 0,
-                                "repeat_penalty": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0})
+    window.sampling.set_values(
+        {
+            "temperature": 0.0,
+            "n_predict": n_predict,
+            "seed": 0,
+            "repeat_penalty": 1.0,
+            "top_k": 40,
+            "top_p": 1.0,
+            "min_p": 0.0,
+        }
+    )
 
 
 @pytest.fixture
@@ -86,7 +98,9 @@ def _tidy_qt_at_exit(qapp):
     shiboken can abort while collecting them (PySide6 6.12, seen intermittently)."""
     yield
     import gc
+
     from PySide6.QtCore import QCoreApplication, QEvent
+
     qapp.processEvents()
     QCoreApplication.sendPostedEvents(None, QEvent.DeferredDelete)
     gc.collect()

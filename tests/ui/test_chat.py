@@ -1,5 +1,6 @@
 """Chat pane on the real model: streaming round trip recording the mix, Stop,
 regenerate, edit-and-resend, and the GUI staying responsive while tokens stream."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,11 @@ def test_chat_round_trip_streams_and_records_the_mix(loaded, qtbot, greedy):
     assert "lora_attn ×0.80" in meta["mix"]
     # the same request straight to the engine gives the same text (greedy)
     msgs = [{"role": "user", "content": "Name a colour."}]
-    direct = w.engine.complete(w.engine.chat_prompt(msgs), SamplingParams(
-        temperature=0.0, n_predict=6, top_p=1.0, min_p=0.0), mix={ids["lora_attn"]: 0.8})
+    direct = w.engine.complete(
+        w.engine.chat_prompt(msgs),
+        SamplingParams(temperature=0.0, n_predict=6, top_p=1.0, min_p=0.0),
+        mix={ids["lora_attn"]: 0.8},
+    )
     assert direct.content == reply["content"]
     # the transcript shows it, with the stats line
     text = w.chat.view.toPlainText()
@@ -68,7 +72,7 @@ def test_regenerate_and_edit_resend(window, qtbot, greedy):
     with qtbot.waitSignal(w.chat.reply_finished, timeout=120000):
         assert w.chat.regenerate()
     msgs = w.chat.conversation["messages"]
-    assert len(msgs) == 4 and msgs[-1]["content"] == first          # greedy: same reply
+    assert len(msgs) == 4 and msgs[-1]["content"] == first  # greedy: same reply
     w.chat.edit_message(0)
     assert w.chat.input.toPlainText() == "Hello" and w.chat.edit_banner.isVisibleTo(w)
     w.chat.input.setPlainText("Hi there")
@@ -108,8 +112,10 @@ def test_event_loop_never_blocks_during_generation(window, qtbot, greedy):
         assert n_tokens >= 2, "the reply did not stream"
         assert len(gaps) > 20
         runs.append(sorted(gaps)[-5:])
-        print(f"timer gaps run {attempt + 1}: n={len(gaps)} worst={runs[-1]} ms, "
-              f"load={os.getloadavg()[0]:.1f}/{os.cpu_count()} cpus")
+        print(
+            f"timer gaps run {attempt + 1}: n={len(gaps)} worst={runs[-1]} ms, "
+            f"load={os.getloadavg()[0]:.1f}/{os.cpu_count()} cpus"
+        )
         if max(gaps) <= 50 or os.getloadavg()[0] <= (os.cpu_count() or 1):
             break
     assert max(runs[-1]) <= 50, f"event loop blocked for {max(runs[-1])} ms (worst gaps {runs})"

@@ -1,4 +1,5 @@
 """A/B compare: both mixes stream together, each side equals that mix alone."""
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,9 @@ def test_ab_compare_matches_each_mix_alone(loaded, qtbot, greedy):
     with qtbot.waitSignal(w.compare.finished, timeout=120000):
         assert w.compare.run("Describe the moon in one sentence.")
         for side in (w.compare.a, w.compare.b):
-            side.gen.token.connect(lambda _t, k=side.title.text(): stamps[k].append(time.perf_counter()))
+            side.gen.token.connect(
+                lambda _t, k=side.title.text(): stamps[k].append(time.perf_counter())
+            )
     a, b = w.compare.a.done, w.compare.b.done
     assert a.stop_type == b.stop_type == "limit"
     assert dict(a.mix) == {ids["lora_attn"]: 1.0}
@@ -34,7 +37,9 @@ def test_ab_compare_matches_each_mix_alone(loaded, qtbot, greedy):
     assert stamps["B"][0] < stamps["A"][-1] and stamps["A"][0] < stamps["B"][-1]
 
     params = SamplingParams(temperature=0.0, n_predict=8, top_p=1.0, min_p=0.0, seed=0)
-    prompt = w.engine.chat_prompt([{"role": "user", "content": "Describe the moon in one sentence."}])
+    prompt = w.engine.chat_prompt(
+        [{"role": "user", "content": "Describe the moon in one sentence."}]
+    )
     alone_a = w.engine.complete(prompt, params, mix=mix_a, cache_prompt=False)
     alone_b = w.engine.complete(prompt, params, mix=mix_b, cache_prompt=False)
     assert a.tokens == alone_a.tokens

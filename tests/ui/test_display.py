@@ -1,5 +1,6 @@
 """ui/display.py: a window that cannot open is reported in one line, before Qt
 would abort the process with "no Qt platform plugin could be initialized"."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,14 @@ from ui.display import XCB_PACKAGES, display_problem, xcb_plugin_error
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("env, platform", [
-    ({}, "darwin"),                                            # not Linux: Qt's own business
-    ({"QT_QPA_PLATFORM": "offscreen"}, "linux"),               # a platform the user chose
-    ({"WAYLAND_DISPLAY": "wayland-0"}, "linux"),               # a Wayland session
-])
+@pytest.mark.parametrize(
+    "env, platform",
+    [
+        ({}, "darwin"),  # not Linux: Qt's own business
+        ({"QT_QPA_PLATFORM": "offscreen"}, "linux"),  # a platform the user chose
+        ({"WAYLAND_DISPLAY": "wayland-0"}, "linux"),  # a Wayland session
+    ],
+)
 def test_nothing_to_report(env, platform):
     assert display_problem(env, platform) is None
 
@@ -44,17 +48,25 @@ def test_plugin_load_errors_come_from_the_real_loader(tmp_path):
     bad = tmp_path / "libqxcb.so"
     bad.write_bytes(b"not an ELF file")
     err = xcb_plugin_error(bad)
-    assert err and str(bad) in err                   # the loader's own words, path included
+    assert err and str(bad) in err  # the loader's own words, path included
     assert xcb_plugin_error(tmp_path / "absent.so") is None
 
 
 def test_main_without_a_display_exits_with_one_line_before_loading_anything(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")
+    }
     env["MIXDESK_HOME"] = str(tmp_path)
-    r = subprocess.run([sys.executable, str(REPO / "main.py")], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "main.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [
-        "mixdesk: error: " + display_problem({}, "linux")]
+    assert r.stderr.strip().splitlines() == ["mixdesk: error: " + display_problem({}, "linux")]
     assert "Aborted" not in r.stderr and "Traceback" not in r.stderr

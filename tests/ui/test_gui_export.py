@@ -1,5 +1,6 @@
 """File → Export mix: the desk's effective mix is exported off the GUI thread, the
 result reproduces the mix, Cancel leaves nothing behind, and an empty mix is refused."""
+
 from __future__ import annotations
 
 import threading
@@ -31,8 +32,10 @@ def save_to(monkeypatch):
         def fake(*args, **kwargs):
             calls.append(args)
             return (str(path) if path else "", "")
+
         monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(fake))
         return calls
+
     return install
 
 
@@ -44,14 +47,17 @@ def desk(w, attn=0.0, ffn=0.0, allq=0.0):
 def test_export_lora_from_the_menu_reproduces_the_desk_mix(loaded, qtbot, tmp_path, save_to):
     w, ids = loaded, loaded.ids
     desk(w, attn=0.6, ffn=-0.4, allq=1.0)
-    w.mixer.strips[ids["lora_all_q8"]].on.setChecked(False)        # muted: not in the export
+    w.mixer.strips[ids["lora_all_q8"]].on.setChecked(False)  # muted: not in the export
     mix = w.engine.get_mix()
     assert mix == {ids["lora_attn"]: 0.6, ids["lora_ffn"]: -0.4, ids["lora_all_q8"]: 0.0}
     out = tmp_path / "desk_mix.gguf"
     calls = save_to(out)
     assert w.exporter.menu.title() == "&Export mix"
     assert [a.text() for a in w.exporter.menu.actions()] == [
-        "As LoRA adapter (.gguf)…", "As merged model (.gguf)…", "As PEFT folder…"]
+        "As LoRA adapter (.gguf)…",
+        "As merged model (.gguf)…",
+        "As PEFT folder…",
+    ]
 
     seen, gui = [], threading.get_ident()
     with qtbot.waitSignal(w.exporter.finished, timeout=20000) as blocker:
@@ -61,11 +67,11 @@ def test_export_lora_from_the_menu_reproduces_the_desk_mix(loaded, qtbot, tmp_pa
         worker.progressed.connect(lambda f, m: seen.append((f, threading.get_ident())))
     res = blocker.args[0]
     assert len(calls) == 1 and res is not None and res.path == out and out.is_file()
-    assert seen and seen[-1][0] == 1.0 and {t for _, t in seen} == {gui}   # queued to the GUI
+    assert seen and seen[-1][0] == 1.0 and {t for _, t in seen} == {gui}  # queued to the GUI
     assert not w.banner.isVisible()
     status = w.statusBar().currentMessage()
     assert str(out) in status and ("KB" in status or "MB" in status)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["desk_mix.gguf"]   # no temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["desk_mix.gguf"]  # no temp file
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=5000)
     assert w.exporter.actions["lora"].isEnabled()
 
@@ -74,10 +80,10 @@ def test_export_lora_from_the_menu_reproduces_the_desk_mix(loaded, qtbot, tmp_pa
     assert ad.rank == 16 and set(ad.tensors) >= {"blk.0.attn_q.weight", "blk.0.ffn_up.weight"}
     tokens = eng.tokenizer.encode(PROMPT)
     want = logits(eng, mix, tokens)
-    aid = eng.add_adapter(out)                     # the export alone, at scale 1
+    aid = eng.add_adapter(out)  # the export alone, at scale 1
     got = logits(eng, {aid: 1.0}, tokens)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert np.abs(want - logits(eng, {}, tokens)).max() > 0.1       # the mix does change them
+    assert np.abs(want - logits(eng, {}, tokens)).max() > 0.1  # the mix does change them
 
 
 def test_cancel_during_merged_export_leaves_nothing(loaded, qtbot, tmp_path, save_to, monkeypatch):
@@ -90,7 +96,8 @@ def test_cancel_during_merged_export_leaves_nothing(loaded, qtbot, tmp_path, sav
 
     def pick_type(parent, title, label, items, current, editable):
         asked.append(items[current])
-        return items[current], True                # the default: f16
+        return items[current], True  # the default: f16
+
     monkeypatch.setattr(QInputDialog, "getItem", staticmethod(pick_type))
 
     during = []
@@ -98,15 +105,16 @@ def test_cancel_during_merged_export_leaves_nothing(loaded, qtbot, tmp_path, sav
     def on_progress(frac, msg):
         if frac > 0 and not during and w.exporter.dialog is not None:
             during.append(sorted(p.name for p in target.iterdir()))
-            w.exporter.dialog.findChild(QPushButton).click()     # the dialog's Cancel button
+            w.exporter.dialog.findChild(QPushButton).click()  # the dialog's Cancel button
+
     with qtbot.waitSignal(w.exporter.finished, timeout=30000) as blocker:
         w.exporter.actions["merged"].trigger()
         assert w.exporter.worker.outtype == "f16" and asked[0].startswith("f16")
         w.exporter.worker.progressed.connect(on_progress)
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=10000)
     assert blocker.args == [None]
-    assert during and during[0] and during[0][0].endswith(".partial")   # it was mid-write
-    assert list(target.iterdir()) == []                                # nothing left
+    assert during and during[0] and during[0][0].endswith(".partial")  # it was mid-write
+    assert list(target.iterdir()) == []  # nothing left
     assert "cancelled" in w.statusBar().currentMessage()
     assert not w.banner.isVisible()
 
@@ -115,7 +123,7 @@ def test_empty_mix_is_refused_with_a_message(loaded, qtbot, tmp_path, save_to):
     w = loaded
     calls = save_to(tmp_path / "never.gguf")
     desk(w, attn=0.7)
-    w.mixer.bypass.setChecked(True)                # faders up, but bypassed: nothing plays
+    w.mixer.bypass.setChecked(True)  # faders up, but bypassed: nothing plays
     for kind in ("lora", "merged", "peft"):
         w.banner.hide()
         with qtbot.waitSignal(w.exporter.finished, timeout=2000) as blocker:
@@ -133,10 +141,12 @@ def test_peft_export_and_errors_use_the_inline_banner(loaded, qtbot, tmp_path, s
         w.exporter.actions["peft"].trigger()
     assert blocker.args[0] is not None
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=5000)
-    save_to(tmp_path / "missing" / "mix.gguf")     # a folder that does not exist
+    save_to(tmp_path / "missing" / "mix.gguf")  # a folder that does not exist
     with qtbot.waitSignal(w.exporter.finished, timeout=20000) as blocker:
         w.exporter.actions["lora"].trigger()
     assert blocker.args == [None]
@@ -150,18 +160,21 @@ def test_closing_the_window_cancels_a_running_export(loaded, qtbot, tmp_path, sa
     save_to(tmp_path / "merged.gguf")
     worker = w.exporter.start("merged", tmp_path / "merged.gguf", "f32")
     assert worker is not None and worker.isRunning()
-    w.close()                                      # cancels and waits for the thread
+    w.close()  # cancels and waits for the thread
     assert worker.isFinished() and worker.cancel_requested
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=5000)
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("kind,name,at", [("lora", "mix.gguf", "writing tensors"),
-                                          ("peft", "mix_peft", "writing adapter_model")])
+@pytest.mark.parametrize(
+    "kind,name,at",
+    [("lora", "mix.gguf", "writing tensors"), ("peft", "mix_peft", "writing adapter_model")],
+)
 def test_cancel_while_writing_leaves_nothing(loaded, tmp_path, kind, name, at):
     """Cancel at core's last step before the rename (the file or folder already exists):
     run synchronously, so the moment is exact."""
     from ui.export import ExportWorker
+
     w = loaded
     desk(w, attn=0.5, ffn=-0.5)
     worker = ExportWorker(w.engine, kind, w.exporter.current_mix(), tmp_path / name)
@@ -171,9 +184,10 @@ def test_cancel_while_writing_leaves_nothing(loaded, tmp_path, kind, name, at):
         if msg.startswith(at):
             worker.cancel()
         report(frac, msg)
+
     worker._progress = progress
     worker.cancelled.connect(lambda: outcome.append("cancelled"))
     worker.succeeded.connect(lambda r: outcome.append(r))
-    worker.run()                                   # on this thread
+    worker.run()  # on this thread
     assert outcome == ["cancelled"]
     assert list(tmp_path.iterdir()) == []

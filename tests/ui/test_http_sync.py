@@ -1,4 +1,5 @@
 """Live sync between the HTTP API (served from the GUI's qasync loop) and the desk."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +18,14 @@ pytest.importorskip("core.http.app")
 def qloop(qapp):
     """A qasync loop driven by the Qt event loop that qtbot spins (as in the app)."""
     import qasync
+
     loop = qasync.QEventLoop(qapp, already_running=True)
     asyncio.set_event_loop(loop)
     yield loop
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop(None)
-    loop._QEventLoop__is_running = False       # we never ran it ourselves: let close() proceed
-    loop.close()                               # joins the loop's executor threads
+    loop._QEventLoop__is_running = False  # we never ran it ourselves: let close() proceed
+    loop.close()  # joins the loop's executor threads
 
 
 def free_port() -> int:
@@ -35,8 +37,9 @@ def free_port() -> int:
 def http(method: str, url: str, body=None) -> tuple[float, object]:
     """Runs in a worker thread (the server lives on the GUI thread's loop)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         payload = json.loads(r.read())
     return time.perf_counter(), payload
@@ -48,8 +51,9 @@ def in_thread(qtbot, fn, *args, timeout=60000):
     def run():
         try:
             out["value"] = fn(*args)
-        except Exception as e:           # surfaced in the main thread below
+        except Exception as e:  # surfaced in the main thread below
             out["error"] = e
+
     t = threading.Thread(target=run)
     t.start()
     qtbot.waitUntil(lambda: not t.is_alive(), timeout=timeout)
@@ -77,6 +81,7 @@ def test_post_lora_adapters_moves_the_slider_within_100ms(served, qtbot):
 
     def watch(v):
         slider_moved.setdefault("t", time.perf_counter())
+
     w.mixer.strips[attn].slider.valueChanged.connect(watch)
     w.mixer.strips[attn].spin.valueChanged.connect(watch)
     body = [{"id": attn, "scale": 1.25}]
@@ -86,7 +91,9 @@ def test_post_lora_adapters_moves_the_slider_within_100ms(served, qtbot):
     assert time.perf_counter() - t_resp < 0.1
     assert w.mixer.strips[attn].slider.value() == 125
     assert w.engine.get_mix()[attn] == pytest.approx(1.25)
-    assert any("POST /lora-adapters" in line for line in w.server.log_view.toPlainText().splitlines())
+    assert any(
+        "POST /lora-adapters" in line for line in w.server.log_view.toPlainText().splitlines()
+    )
 
 
 def test_slider_shows_in_get_lora_adapters_immediately(served, qtbot):
@@ -104,8 +111,9 @@ def test_slider_shows_in_get_lora_adapters_immediately(served, qtbot):
 def test_adapter_loaded_over_http_appears_in_the_desk(served, qtbot, ref_dir):
     w, url = served
     path = str(ref_dir / "adapters" / "lora_attn.gguf")
-    _, entry = in_thread(qtbot, http, "POST", url + "/lora-adapters/load",
-                         {"path": path, "scale": 0.5})
+    _, entry = in_thread(
+        qtbot, http, "POST", url + "/lora-adapters/load", {"path": path, "scale": 0.5}
+    )
     qtbot.waitUntil(lambda: entry["id"] in w.mixer.strips, timeout=2000)
     assert w.mixer.strips[entry["id"]].spin.value() == pytest.approx(0.5)
     assert w.adapters.tree.topLevelItemCount() == 4
@@ -118,14 +126,20 @@ def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):
     w.bridge.request_started.connect(lambda info: sources.append(info.get("source")))
     with qtbot.waitSignal(w.chat.reply_finished, timeout=120000):
         w.chat.send("Hi")
-        _, out = in_thread(qtbot, http, "POST", url + "/completion",
-                           {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+        _, out = in_thread(
+            qtbot,
+            http,
+            "POST",
+            url + "/completion",
+            {"prompt": "Hello", "n_predict": 4, "temperature": 0},
+        )
     assert out["tokens_predicted"] == 4 if "tokens_predicted" in out else out["content"]
     assert "gui" in sources and any(s != "gui" for s in sources)
     assert "generation" in w.server.log_view.toPlainText()
     # each generation also logs how it finished, from the engine's request_finished event
-    qtbot.waitUntil(lambda: w.server.log_view.toPlainText().count(" done: 4 tokens") >= 2,
-                    timeout=5000)
+    qtbot.waitUntil(
+        lambda: w.server.log_view.toPlainText().count(" done: 4 tokens") >= 2, timeout=5000
+    )
 
 
 def test_closing_the_window_stops_the_server_then_the_engine_thread(served, qtbot):
@@ -134,4 +148,4 @@ def test_closing_the_window_stops_the_server_then_the_engine_thread(served, qtbo
     qtbot.waitUntil(lambda: not w.server.running, timeout=5000)
     qtbot.waitUntil(lambda: not w.bridge.thread.isRunning(), timeout=5000)
     assert not w.isVisible()
-    assert (w.settings.get("server") or {}).get("enabled") is True   # restarts next time
+    assert (w.settings.get("server") or {}).get("enabled") is True  # restarts next time

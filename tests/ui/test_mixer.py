@@ -1,4 +1,5 @@
 """The mixing desk drives the engine mix, and mixes set elsewhere move the desk."""
+
 from __future__ import annotations
 
 import threading
@@ -10,27 +11,27 @@ import pytest
 def test_slider_and_spin_set_engine_mix_immediately(loaded):
     w, ids = loaded, loaded.ids
     attn, ffn, allq = ids["lora_attn"], ids["lora_ffn"], ids["lora_all_q8"]
-    w.mixer.strips[attn].slider.setValue(75)                 # slider: 0.75, no reload, no wait
+    w.mixer.strips[attn].slider.setValue(75)  # slider: 0.75, no reload, no wait
     assert w.engine.get_mix()[attn] == pytest.approx(0.75)
-    w.mixer.strips[ffn].spin.setValue(-1.234)                # precise box
+    w.mixer.strips[ffn].spin.setValue(-1.234)  # precise box
     assert w.engine.get_mix()[ffn] == pytest.approx(-1.234)
     assert w.mixer.strips[ffn].slider.value() == -123
-    info = {a["id"]: a for a in w.engine.adapters()}         # what GET /lora-adapters serves
+    info = {a["id"]: a for a in w.engine.adapters()}  # what GET /lora-adapters serves
     assert info[attn]["scale"] == pytest.approx(0.75)
     # effective scale shown with alpha/rank: lora_attn has alpha 16, rank 8
     assert w.mixer.strips[attn].eff.text().startswith("+1.500")
 
-    w.mixer.strips[attn].on.setChecked(False)                # mute
+    w.mixer.strips[attn].on.setChecked(False)  # mute
     assert w.engine.get_mix()[attn] == 0.0
     w.mixer.strips[attn].on.setChecked(True)
     assert w.engine.get_mix()[attn] == pytest.approx(0.75)
 
     w.mixer.strips[allq].spin.setValue(0.5)
-    w.mixer.strips[allq].solo.setChecked(True)               # solo: only soloed strips sound
+    w.mixer.strips[allq].solo.setChecked(True)  # solo: only soloed strips sound
     assert w.engine.get_mix() == {allq: 0.5, attn: 0.0, ffn: 0.0}
     w.mixer.strips[allq].solo.setChecked(False)
 
-    w.mixer.bypass.setChecked(True)                          # master bypass
+    w.mixer.bypass.setChecked(True)  # master bypass
     assert set(w.engine.get_mix().values()) == {0.0}
     w.mixer.bypass.setChecked(False)
     assert w.engine.get_mix()[ffn] == pytest.approx(-1.234)
@@ -39,13 +40,13 @@ def test_slider_and_spin_set_engine_mix_immediately(loaded):
 def test_mix_set_from_another_thread_moves_sliders_within_100ms(loaded, qtbot):
     w, ids = loaded, loaded.ids
     attn = ids["lora_attn"]
-    w.mixer.strips[attn].on.setChecked(False)                # muted, then the API sets it
+    w.mixer.strips[attn].on.setChecked(False)  # muted, then the API sets it
     t = threading.Thread(target=w.engine.set_mix, args=({attn: 1.5},), kwargs={"source": "api"})
     t0 = time.perf_counter()
     t.start()
     qtbot.waitUntil(lambda: w.mixer.strips[attn].spin.value() == pytest.approx(1.5), timeout=1000)
     assert time.perf_counter() - t0 < 0.1
-    assert not w.mixer.strips[attn].muted                    # the desk now implies that mix
+    assert not w.mixer.strips[attn].muted  # the desk now implies that mix
     assert w.mixer.desk_mix() == w.engine.get_mix()
 
 
@@ -85,9 +86,11 @@ def test_bad_adapter_shows_inline_error_and_the_rest_keep_working(loaded, qtbot,
     assert all(m for m in w.adapters.errors.values())
     assert w.banner.isVisible() and "Adapter not loaded" in w.banner.label.text()
     assert len(w.engine.adapters()) == 3 and len(w.mixer.strips) == 3
-    w.mixer.strips[ids["lora_attn"]].spin.setValue(0.9)       # the desk keeps working
+    w.mixer.strips[ids["lora_attn"]].spin.setValue(0.9)  # the desk keeps working
     assert w.engine.get_mix()[ids["lora_attn"]] == pytest.approx(0.9)
-    red = [w.adapters.tree.topLevelItem(i).text(5) for i in range(w.adapters.tree.topLevelItemCount())]
+    red = [
+        w.adapters.tree.topLevelItem(i).text(5) for i in range(w.adapters.tree.topLevelItemCount())
+    ]
     assert sum(t.startswith("✗") for t in red) == 2
 
 

@@ -1,4 +1,5 @@
 """Opening models from the GUI: progress, info, recent list, and clean failures."""
+
 from __future__ import annotations
 
 
@@ -23,5 +24,5 @@ def test_bad_model_file_shows_error_and_keeps_the_old_model(window, qtbot, tmp_p
     with qtbot.waitSignal(w.bridge.model_error, timeout=10000):
         w.open_model(str(bad))
     assert w.banner.isVisible() and "Model not loaded" in w.banner.label.text()
-    assert w.engine.ready                       # the previous model stays in service
-    w.mixer.bypass.setChecked(True)             # and the window keeps working
+    assert w.engine.ready  # the previous model stays in service
+    w.mixer.bypass.setChecked(True)  # and the window keeps working

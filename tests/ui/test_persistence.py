@@ -1,5 +1,6 @@
 """Settings, presets, server settings, geometry and conversations survive a restart
 (a new window on the same MIXDESK_HOME), written atomically."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,14 @@ def test_settings_survive_restart(loaded, make_window, qtbot):
     w.mixer.strips[ids["lora_attn"]].spin.setValue(0.25)
     w.mixer.save_preset("quarter")
     conv = w.chat.conversation
-    conv["messages"] = [{"role": "user", "content": "remember me"},
-                        {"role": "assistant", "content": "I will",
-                         "meta": {"tokens": 2, "tps": 1.0, "mix": "x", "stop": "eos"}}]
+    conv["messages"] = [
+        {"role": "user", "content": "remember me"},
+        {
+            "role": "assistant",
+            "content": "I will",
+            "meta": {"tokens": 2, "tps": 1.0, "mix": "x", "stop": "eos"},
+        },
+    ]
     w.chat._save()
     w.resize(1333, 844)
     w.tabs.setCurrentIndex(2)
@@ -39,6 +45,7 @@ def test_settings_survive_restart(loaded, make_window, qtbot):
     assert "remember me" in w2.chat.view.toPlainText()
     # the offscreen screen (800x800) clamps sizes, so check the saved geometry round-trips
     from PySide6.QtCore import QByteArray
+
     assert geometry and w2.restoreGeometry(QByteArray.fromBase64(geometry.encode()))
     assert w2.tabs.currentIndex() == 2
     assert w2.settings.recent_models()[0] == "/models/a.gguf"
@@ -48,7 +55,7 @@ def test_atomic_writes_leave_no_partial_files(tmp_path):
     target = tmp_path / "x.json"
     atomic_write_json(target, {"a": 1})
     try:
-        atomic_write_json(target, {"bad": object()})      # fails mid-serialisation
+        atomic_write_json(target, {"bad": object()})  # fails mid-serialisation
     except TypeError:
         pass
     assert json.loads(target.read_text()) == {"a": 1}

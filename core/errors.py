@@ -1,0 +1,25 @@
+"""The one error hierarchy of Mixdesk.
+
+``MixdeskError`` is the base of every error Mixdesk raises on purpose. ``UserError``
+is what a user can cause (a bad file, a wrong adapter, a bad request, a hostile
+value): it carries a message meant for that user, and the HTTP layer answers it
+with a 4xx (``code``, ``type`` mirror llama-server's error types). Anything else
+that escapes (an ``IndexError`` from numpy, say) is a bug: a 500 with a logged
+traceback, never dressed up as the user's fault.
+
+``UserError`` still derives from ``ValueError`` so that older callers that caught
+``ValueError`` keep working; new code catches ``UserError``.
+"""
+
+from __future__ import annotations
+
+
+class MixdeskError(Exception):
+    """Base of every error Mixdesk raises on purpose."""
+
+
+class UserError(MixdeskError, ValueError):
+    """Something the user (or a client) did that Mixdesk refuses, with the reason."""
+
+    code = 400
+    type = "invalid_request_error"
