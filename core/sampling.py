@@ -14,9 +14,18 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import UserError
+from .errors import MixdeskError, UserError
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
+
+# Penalty bounds. A model's logits are O(10), so a presence/frequency penalty of 100 or
+# a repeat penalty of 100 (or 1/100) already makes a repeated token certain or
+# impossible: nothing larger changes what is sampled. Within these bounds a penalty
+# moves a logit by at most 100 x (count <= context length, ~1e6) = 1e8, far inside
+# float32's range (3e38), so the sampler never sees inf/NaN made by a penalty; values
+# like 1e300 (which llama.cpp also accepts) overflowed and stopped the engine.
+PENALTY_MAX = 100.0  # |presence_penalty|, |frequency_penalty|
+REPEAT_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -42,6 +51,11 @@ class SamplingParams:
 
 class SamplingError(UserError):
     pass
+
+
+class NonFiniteLogits(MixdeskError):
+    """The logits to sample from hold NaN or +inf (or nothing but -inf): there is no
+    meaningful token. The scheduler fails that one request with this message."""
 
 
 def validate(p: SamplingParams) -> SamplingParams:
@@ -71,8 +85,13 @@ def validate(p: SamplingParams) -> SamplingParams:
         raise SamplingError(f"top_p must be in [0, 1], got {p.top_p}")
     if not 0.0 <= p.min_p <= 1.0:
         raise SamplingError(f"min_p must be in [0, 1], got {p.min_p}")
-    if p.repeat_penalty <= 0:
-        raise SamplingError(f"repeat_penalty must be > 0, got {p.repeat_penalty}")
+    lo, hi = REPEAT_PENALTY_RANGE
+    if not lo <= p.repeat_penalty <= hi:
+        raise SamplingError(f"repeat_penalty must be in [{lo:g}, {hi:g}], got {p.repeat_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if abs(v) > PENALTY_MAX:
+            raise SamplingError(f"{name} must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {v}")
     if p.n_probs < 0 or p.n_probs > 100:
         raise SamplingError(f"n_probs must be in [0, 100], got {p.n_probs}")
     if not isinstance(p.stop, list) or not all(isinstance(s, str) for s in p.stop):
@@ -118,10 +137,18 @@ def make_sampler(p: SamplingParams, eog_ids: Iterable[int] = ()) -> Sampler:
     banned = np.fromiter(eog_ids, dtype=np.int64) if p.ignore_eos else None
 
     def sample(logits: np.ndarray, history: Sequence[int]) -> int:
-        x = apply_penalties(logits, history, p)
+        with np.errstate(over="ignore", invalid="ignore"):  # reported just below instead
+            x = apply_penalties(logits, history, p)
         if banned is not None and len(banned):
             x = x.copy() if x is logits else x
             x[banned] = -np.inf
+        # max() is NaN if any entry is NaN: one pass finds NaN, +inf and all -inf (banned
+        # tokens are -inf on purpose and are fine as long as some token is finite)
+        if not math.isfinite(float(x.max())):
+            raise NonFiniteLogits(
+                "the logits are not finite (NaN or infinity) after penalties: "
+                "no token can be sampled"
+            )
         if p.temperature <= 0:
             return int(np.argmax(x))
         # candidates as (ids, logits), sorted descending

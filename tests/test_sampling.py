@@ -7,6 +7,7 @@ import pytest
 
 from core.engine import Engine, EngineError
 from core.sampling import (
+    NonFiniteLogits,
     SamplingError,
     SamplingParams,
     StopMatcher,
@@ -95,6 +96,53 @@ def test_top_logprobs_normalized_over_vocab():
 def test_validate_rejects(bad):
     with pytest.raises(SamplingError):
         validate(SamplingParams(**bad))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("frequency_penalty", -1e300),
+        ("frequency_penalty", 1e300),
+        ("presence_penalty", 1e300),
+        ("presence_penalty", -1e300),
+        ("repeat_penalty", 1e-300),
+        ("repeat_penalty", 1e300),
+    ],
+)
+def test_validate_rejects_penalties_that_overflow_the_logits(field, value):
+    # finite but huge: at temperature > 0 they made the logits inf/NaN and the sampler
+    # raised IndexError on the scheduler thread, which then stopped serving for good
+    with pytest.raises(SamplingError, match=field):
+        validate(SamplingParams(temperature=1.0, **{field: value}))
+
+
+def test_validate_accepts_the_ends_of_the_penalty_ranges():
+    validate(SamplingParams(frequency_penalty=-100, presence_penalty=100, repeat_penalty=0.01))
+    validate(SamplingParams(frequency_penalty=100, presence_penalty=-100, repeat_penalty=100))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sampler_refuses_non_finite_logits_with_a_clear_error(temperature, bad):
+    lg = np.zeros(8, dtype=np.float32)
+    lg[3] = bad
+    s = make_sampler(SamplingParams(temperature=temperature, seed=1))
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        s(lg, [])
+
+
+def test_sampler_refuses_penalties_that_overflow_even_unvalidated():
+    # validate() is the front door; the sampler must still not crash with IndexError
+    lg = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    p = SamplingParams(temperature=1.0, frequency_penalty=-1e300, seed=1)
+    with pytest.raises(NonFiniteLogits):
+        make_sampler(p)(lg, [0, 1])
+
+
+def test_sampler_still_samples_with_banned_tokens_at_minus_infinity():
+    lg = logits_for([0.5, 0.3, 0.2])
+    s = make_sampler(SamplingParams(temperature=1.0, seed=3, ignore_eos=True), eog_ids=[0])
+    assert {s(lg, []) for _ in range(50)} <= {1, 2}
 
 
 def test_stop_matcher_cuts_exactly_and_holds_back_partials():
