@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from core.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
+from core.chat_template import ChatTemplate, ChatTemplateError, RenderLimits  # noqa: E402
 from core.tokenizer import Tokenizer  # noqa: E402
 
 SMOLLM_DEFAULT_SYSTEM = (
@@ -163,3 +163,113 @@ def test_helpers_available():
 def test_extra_variables_reach_template():
     tmpl = ChatTemplate("{{ tools | length }}{{ add_generation_prompt }}")
     assert tmpl.render([], tools=[{"name": "t"}], add_generation_prompt=False) == "1False"
+
+
+# --- render limits: time and size ----------------------------------------------------------
+
+FAST = RenderLimits(seconds=0.5)
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # 10^10 iterations of loops that call nothing: only the line tracer sees them
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}",
+        "{% for a in range(99999) %}{% for b in range(99999) %}{{ loop.index }}"
+        "{% endfor %}{% endfor %}",
+    ],
+    ids=["empty-loops", "loop-index"],
+)
+def test_endless_template_stops_at_the_deadline(source):
+    with pytest.raises(ChatTemplateError, match="longer than 0.5 s"):
+        ChatTemplate(source, limits=FAST).render(HI)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * 10**9 }}",
+        "{{ ['x'] * 10**9 }}",
+        "{{ 10 ** (10 ** 10) }}",
+        "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
+        "{% endfor %}{{ ns.x }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}",
+        "{{ 'x'|center(1000000000) }}",
+        "{{ ['x']|join('y' * 1000000000) }}",
+        "{{ 'x'.ljust(1000000000) }}",
+        "{{ '{:>1000000000}'.format('x') }}",
+        "{{ '{a:>1000000000}'.format_map({'a': 1}) }}",
+        "{{ '%1000000000s' % 'x' }}",
+        "{{ '%*s' % (1000000000, 'x') }}",
+        "{{ lipsum(n=1000000000) }}",
+        "{% for a in range(99999) %}{{ 'y' * 100 }}{% endfor %}",  # 10 MB of output
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    ],
+    ids=[
+        "str-times",
+        "list-times",
+        "power",
+        "squaring",
+        "tilde-doubling",
+        "plus-doubling",
+        "center-filter",
+        "join-filter",
+        "ljust-method",
+        "format-width",
+        "format-map-width",
+        "percent-width",
+        "percent-star",
+        "lipsum",
+        "output",
+        "recursion",
+    ],
+)
+def test_oversized_template_is_refused_before_building_it(source):
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(source, limits=FAST).render(HI)
+
+
+def test_size_budget_grows_with_the_conversation(smollm_template):
+    long = "word " * 400_000  # 2 M characters: over the fixed budget, under 4x the input
+    out = smollm_template.render([{"role": "user", "content": long}])
+    assert long in out
+    limited = ChatTemplate("{{ messages[0]['content'] * 5 }}", limits=FAST)
+    with pytest.raises(ChatTemplateError, match="over the limit"):
+        limited.render([{"role": "user", "content": long}])
+
+
+def test_render_limits_are_per_thread():
+    """Two renders on two threads: the endless one stops, the normal one is unaffected."""
+    import threading
+
+    slow = ChatTemplate(
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}",
+        limits=FAST,
+    )
+    errors: list[Exception] = []
+
+    def endless():
+        try:
+            slow.render(HI)
+        except ChatTemplateError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=endless)
+    t.start()
+    assert (
+        ChatTemplate(None).render(HI) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    t.join(30)
+    assert len(errors) == 1 and "longer than" in str(errors[0])
+
+
+@pytest.mark.parametrize("value", [42, 1.5, ["{{ x }}"], b"tmpl"])
+def test_non_text_template_in_metadata_falls_back_to_chatml(caplog, value):
+    with caplog.at_level(logging.WARNING, logger="core.chat_template"):
+        tmpl = ChatTemplate.from_metadata({"tokenizer.chat_template": value})
+    assert tmpl.is_fallback and "not text" in caplog.text
+    assert tmpl.render(HI).startswith("<|im_start|>user\nhi")
