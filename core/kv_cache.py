@@ -47,6 +47,9 @@ class KVCache:
         self.pool, self.slot = pool, slot
         self.origin: tuple[int, int] = (-1, -1)  # prefix-cache copies: (pool slot, generation)
         self.tokens: list[int] = []
+        # positions ever written (high-water mark, kept across truncation): what
+        # KVPool.scrub must clear; truncated positions keep their old rows
+        self.written = 0
 
     @property
     def length(self) -> int:
@@ -72,6 +75,7 @@ class KVCache:
         self.k[:, :, :n] = other.k[:, :, :n]
         self.v[:, :, :n] = other.v[:, :, :n]
         self.tokens = list(other.tokens[:n])
+        self.written = max(self.written, n)
 
 
 class KVPool:
@@ -128,10 +132,26 @@ class KVPool:
         cache.tokens = []
         return cache
 
-    def release(self, cache: KVCache) -> None:
-        assert cache.pool is self and cache.slot not in self._free
+    def holds(self, cache: KVCache) -> bool:
+        """True while ``cache`` is a slot of this pool handed out and not yet released."""
+        return cache.pool is self and cache.slot not in self._free
+
+    def release(self, cache: KVCache, scrub: bool = False) -> None:
+        """Give the slot back. ``scrub`` zeroes every row it ever wrote first: for a
+        sequence that failed, whose keys/values may be NaN or inf. Its rows must not
+        linger: pooled decode reads past a neighbour's length (masked, but 0 x NaN is
+        NaN), and costs only the rows written, never the whole capacity."""
+        assert self.holds(cache)
+        if scrub:
+            self.scrub(cache)
         cache.tokens = []
         self._free.append(cache.slot)
+
+    def scrub(self, cache: KVCache) -> None:
+        n = cache.written
+        self.k[:, cache.slot, :, :n] = 0.0  # (L, n_kv, n, hd)
+        self.v[:, cache.slot, :, :n] = 0.0
+        cache.written = 0
 
 
 # Python's mmap module names MAP_NORESERVE only from 3.13; on 3.11 take Linux's value

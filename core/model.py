@@ -166,6 +166,7 @@ class LlamaModel:
         for it in items:
             n = len(it.tokens)
             it.cache.check_room(n)
+            it.cache.written = max(it.cache.written, it.cache.length + n)
             spans.append((start, start + n))
             start += n
         tokens = np.concatenate([np.asarray(it.tokens, dtype=np.int64) for it in items])  # (T,)
@@ -273,12 +274,19 @@ class LlamaModel:
         vc[p.slots, :, p.pos] = v
         q4 = np.zeros((p.s1 - p.s0, KV, g, hd), dtype=np.float32)  # (S', KV, g, hd)
         q4[p.at] = (q * self.scale).reshape(n, KV, g, hd)
-        s = q4 @ kc[p.s0 : p.s1, :, : p.L].transpose(0, 1, 3, 2)  # (S', KV, g, L)
-        np.copyto(s, np.float32(-np.inf), where=p.hidden)  # (S', 1, 1, L) mask
-        z = exp_normalized_inplace(s)  # (S', KV, g, 1)
-        o = s @ vc[p.s0 : p.s1, :, : p.L]  # (S', KV, g, hd)
-        o /= z
-        return o[p.at].reshape(n, cfg.q_dim)  # (n, H*hd)
+        o = _pooled_product(p, q4, kc, vc)[p.at]  # (n, KV, g, hd)
+        if not np.isfinite(o).all():
+            # Masked scores become exact zeros, but 0 x NaN is NaN: stale rows past a
+            # slot's length holding NaN/inf (left by whatever failed in it before)
+            # would poison a healthy sequence. Those rows are dead (a running sequence
+            # overwrites them before it reads them), so zero them and attend again:
+            # the result is then exactly a clean slot's. A sequence whose own
+            # keys/values are non-finite stays non-finite, alone, and fails alone.
+            for slot, pos in zip(p.slots, p.pos):
+                kc[slot, :, pos + 1 : p.L] = 0.0  # (KV, L-pos-1, hd)
+                vc[slot, :, pos + 1 : p.L] = 0.0
+            o = _pooled_product(p, q4, kc, vc)[p.at]
+        return o.reshape(n, cfg.q_dim)  # (n, H*hd)
 
     def _attend(self, li: int, cache: KVCache, q, k, v, mask) -> np.ndarray:
         """Causal GQA attention of n new queries over this sequence's cache."""
@@ -364,6 +372,16 @@ class PooledDecode:
             slots - s0,
             hidden,
         )
+
+
+def _pooled_product(p: PooledDecode, q4: np.ndarray, kc: np.ndarray, vc: np.ndarray):
+    """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer's pool arrays."""
+    s = q4 @ kc[p.s0 : p.s1, :, : p.L].transpose(0, 1, 3, 2)  # (S', KV, g, L)
+    np.copyto(s, np.float32(-np.inf), where=p.hidden)  # (S', 1, 1, L) mask
+    z = exp_normalized_inplace(s)  # (S', KV, g, 1)
+    o = s @ vc[p.s0 : p.s1, :, : p.L]  # (S', KV, g, hd)
+    o /= z
+    return o  # (S', KV, g, hd)
 
 
 def _mix_groups(items, spans) -> list[tuple[int, int, MixWeights]]:

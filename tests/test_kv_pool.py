@@ -215,3 +215,69 @@ def test_a_pool_larger_than_memory_can_be_reserved(smollm_path):
     c = pool.acquire()
     c.k[:, :, :4] = 1.0  # and it is usable
     assert c.k[0, 0, 3, 0] == 1.0 and pool.v[0, 0, 0, capacity - 1, 0] == 0.0
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("regime", ["blocked", "gemv"])
+def test_non_finite_garbage_past_a_length_does_not_leak_into_pooled_decode(
+    tmp_path, garbage, regime
+):
+    """A slot once used by a sequence whose activations blew up holds NaN/inf rows.
+    Pooled decode reads them (masked) when the slot's next sequence is shorter than its
+    neighbour; masked scores are exact zeros, and 0 x NaN used to poison the healthy
+    sequence (issue #15, item 2). Its logits must equal a clean slot's exactly."""
+    model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
+    model.lin.force(regime)
+    rng = np.random.default_rng(1)
+    short, long = rng.integers(0, 128, size=4), rng.integers(0, 128, size=15)
+
+    def decode(dirty: bool) -> list[np.ndarray]:
+        pool = model.new_pool(3, 48)
+        a, b = pool.acquire(), pool.acquire()
+        if dirty:  # what a failed previous occupant may leave in slot a (and a free slot)
+            pool.k[:, a.slot], pool.v[:, a.slot] = garbage, garbage
+            pool.k[:, 2], pool.v[:, 2] = garbage, garbage
+        model([BatchItem(short, a)])
+        model([BatchItem(long, b)])
+        out = []
+        for tok in (5, 9, 17, 33):
+            items = [BatchItem(np.array([tok]), a), BatchItem(np.array([tok + 1]), b)]
+            assert PooledDecode.plan(items, [(0, 1), (1, 2)]) is not None
+            out += model(items)
+        return out
+
+    clean, dirty = decode(False), decode(True)
+    for c, d in zip(clean, dirty):
+        assert np.isfinite(d).all()
+        np.testing.assert_array_equal(c, d)
+
+
+def test_a_sequence_with_non_finite_keys_fails_alone_in_pooled_decode(tmp_path):
+    """Its own NaN keys stay its own: the neighbour decoded in the same matmul is exact."""
+    model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
+    rng = np.random.default_rng(2)
+    p0, p1 = rng.integers(0, 128, size=6), rng.integers(0, 128, size=9)
+    pool = model.new_pool(2, 32)
+    a, b = pool.acquire(), pool.acquire()
+    model([BatchItem(p0, a)])
+    model([BatchItem(p1, b)])
+    alone = model.new_cache(32)
+    model([BatchItem(p1, alone)])
+    pool.k[1, a.slot, :, 2] = np.nan  # inside a's length: a's own state is broken
+    got = model([BatchItem(np.array([7]), a), BatchItem(np.array([8]), b)])
+    want = model([BatchItem(np.array([8]), alone)])[0]
+    assert not np.isfinite(got[0]).all()
+    np.testing.assert_allclose(got[1], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_release_with_scrub_zeroes_only_the_rows_written(tmp_path):
+    model, _ = build(tmp_path)
+    pool = model.new_pool(2, 32)
+    a = pool.acquire()
+    model([BatchItem(np.arange(3, 10), a)])
+    a.truncate(2)  # rows past the length were still written: they are scrubbed too
+    assert a.written == 7
+    pool.k[:, a.slot, :, :7] = np.nan
+    pool.release(a, scrub=True)
+    assert not pool.k[:, a.slot].any() and not pool.v[:, a.slot].any()
+    assert a.written == 0
