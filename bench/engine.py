@@ -232,6 +232,24 @@ def main() -> None:
                 f"(3 adapters target <= 15%)"
             )
 
+    # -- tokenizer ----------------------------------------------------------------------------
+    # (was a timed test; speed lives here): build from metadata, then a cold-cache encode
+    from core.gguf_file import GGUFFile
+    from core.tokenizer import Tokenizer
+
+    meta = GGUFFile(path).metadata
+    t = time.perf_counter()
+    fresh = Tokenizer.from_metadata(meta)
+    build_s = time.perf_counter() - t
+    text = (COPY_TEXT * 8)[:2048]
+    t = time.perf_counter()
+    n_tok = len(fresh.encode(text))
+    enc_s = time.perf_counter() - t
+    print(
+        f"tokenizer: build {build_s * 1e3:.0f} ms (target <= 500 ms), cold encode of "
+        f"{len(text)} chars -> {n_tok} tokens {enc_s * 1e3:.1f} ms (target <= 50 ms)"
+    )
+
     # -- mix switch ---------------------------------------------------------------------------
     if ids:
         n = 1000

@@ -1,14 +1,45 @@
 """Shared fixtures: the real SmolLM2 file, the llama.cpp reference data, and an
-isolated MIXDESK_HOME so tests never touch the user's settings."""
+isolated MIXDESK_HOME and MIXDESK_CACHE so tests never touch the user's settings
+or caches."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.reference import reference_dir
+
+_SESSION_CACHE: Path | None = None
+
+
+def pytest_configure(config):
+    """Point MIXDESK_CACHE at a folder of this test session's own (removed at the end),
+    before anything reads it: every float32 weight cache a test writes lands there,
+    never in the user's ~/.cache/mixdesk. Models already downloaded to the user's
+    cache (make model fetches the default one) are linked in read-only, so the
+    suite does not download them again."""
+    global _SESSION_CACHE
+    from core.paths import cache_dir
+
+    real_models = cache_dir() / "models"  # before the override: the user's cache
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="mixdesk-test-cache-"))
+    os.environ["MIXDESK_CACHE"] = str(_SESSION_CACHE)
+    models = _SESSION_CACHE / "models"
+    models.mkdir()
+    if real_models.is_dir():
+        for f in real_models.iterdir():
+            if f.is_file() and f.suffix == ".gguf":
+                (models / f.name).symlink_to(f)
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

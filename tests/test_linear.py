@@ -4,7 +4,6 @@ packed gemm), on awkward shapes and on the real model's matrices."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 import pytest
@@ -133,7 +132,7 @@ def test_blocked_product_takes_strided_rows(lin, rows):
 
 
 def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch):
-    from core.linear import BLOCKED_MARGIN, CALIBRATE_ROWS, GEMV_ROWS
+    from core.linear import CALIBRATE_ROWS, GEMV_ROWS
     from core.weights import load_weights, open_model_file
 
     gf, cfg = open_model_file(smollm_path)
@@ -148,10 +147,10 @@ def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch)
             assert set(by) == (
                 {"gemv", "gemm", "blocked"} if t <= GEMV_ROWS else {"gemm", "blocked"}
             )
-            assert all(0 < s < 10 for s in by.values())
-            plain = min((r for r in by if r != "blocked"), key=by.get)
-            want = "blocked" if by["blocked"] * BLOCKED_MARGIN < by[plain] else plain
-            assert lin.regime(t) == want
+            assert all(s > 0 for s in by.values())
+            # which regime wins is the machine's business (the fake-clock test below
+            # checks the rule); here: the choice is one of the timed regimes
+            assert lin.regime(t) in by
         assert all(lin.regime(t) == lin.regime(8) for t in range(5, 33))
         assert lin.regime(1) == "gemv" and lin.regime(33) == "gemm"
         # whichever won, the product it gives is x @ W.T
@@ -199,16 +198,19 @@ def test_calibrate_keeps_the_fastest_regime_per_row_count(monkeypatch, cost, wan
     monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
     lin = Linear(2)
 
-    def fake_product(regime, x, w, side=None):  # a product that takes a set time
-        ms = cost[regime] * (len(x) / 2 if regime == "gemv" else 1)
-        end = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < end:
-            pass
+    clock = [0.0]  # a fake clock: each product advances it by its set cost
+
+    def fake_product(regime, x, w, side=None):
+        clock[0] += cost[regime] * (len(x) / 2 if regime == "gemv" else 1) / 1e3
 
     monkeypatch.setattr(lin, "small_product", fake_product)
     try:
-        times = lin.calibrate([np.ones((CHUNK, 8), dtype=np.float32)], rounds=2)
+        times = lin.calibrate(
+            [np.ones((CHUNK, 8), dtype=np.float32)], rounds=2, timer=lambda: clock[0]
+        )
         assert lin.describe() == want
-        assert all(times[t][r] >= cost[r] / 1e3 for t in times for r in times[t])
+        for t, by in times.items():
+            for r, s in by.items():
+                assert s == pytest.approx(cost[r] * (t / 2 if r == "gemv" else 1) / 1e3)
     finally:
         lin.close()

@@ -34,17 +34,20 @@ def engines(smollm_path, ref_dir):
     spec.stop()
 
 
+# Five cases, not the full product of options x mixes: each option meets the drafting
+# path once, and the adapter path twice (one option each side of the mix), which is
+# what can differ; 32 tokens reach the first repeated phrase where drafts start.
 @pytest.mark.parametrize(
-    "params",
+    "params, mix",
     [
-        dict(n_predict=64),
-        dict(n_predict=48, ignore_eos=True, n_probs=3),
-        dict(n_predict=64, stop=["third"]),
-        dict(n_predict=64, repeat_penalty=1.05, repeat_last_n=16),
+        (dict(n_predict=32), None),
+        (dict(n_predict=32), {0: 0.8}),
+        (dict(n_predict=32, ignore_eos=True, n_probs=3), {0: 0.8}),
+        (dict(n_predict=48, stop=["second"]), None),
+        (dict(n_predict=32, repeat_penalty=1.05, repeat_last_n=16), None),
     ],
-    ids=["greedy", "logprobs", "stop", "penalty"],
+    ids=["greedy-base", "greedy-lora", "logprobs-lora", "stop", "penalty"],
 )
-@pytest.mark.parametrize("mix", [None, {0: 0.8}], ids=["base", "lora"])
 def test_speculation_reproduces_plain_greedy(engines, params, mix):
     plain, spec = engines
     prompt = plain.chat_prompt([{"role": "user", "content": "Repeat exactly: " + TEXT}])
@@ -86,12 +89,12 @@ def test_drafts_that_keep_failing_back_off(engines, monkeypatch):
     bad = spec.config.vocab_size - 1  # a token greedy decoding never picks
     monkeypatch.setattr(sched, "prompt_lookup", lambda history, k: [bad] * k)
     prompt = plain.chat_prompt([{"role": "user", "content": "Tell me about the moon."}])
-    p = SamplingParams(temperature=0, n_predict=120, ignore_eos=True)
+    p = SamplingParams(temperature=0, n_predict=64, ignore_eos=True)
     before = spec.stats()["draft_tokens"]
     b = spec.complete(prompt, p, cache_prompt=False)
     a = plain.complete(prompt, p, cache_prompt=False)
     assert b.tokens == a.tokens
     draft_steps = (spec.stats()["draft_tokens"] - before) // spec.scheduler.draft_max
-    # waits of 4, 8, 16, 32, 64 plain steps: 5 draft steps fit in 120 tokens (a fixed
-    # 4-step wait would have drafted 24 times)
-    assert 3 <= draft_steps <= 6
+    # waits of 4, 8, 16, 32 plain steps: 4-5 draft steps fit in 64 tokens (a fixed
+    # 4-step wait would have drafted ~12 times)
+    assert 3 <= draft_steps <= 5

@@ -3,8 +3,6 @@ hand-made vocabularies for SPM and for pre-tokenizer differences."""
 
 from __future__ import annotations
 
-import time
-
 import gguf
 import pytest
 
@@ -108,18 +106,14 @@ def test_decoder_skip_special(tok):
     assert dec.push(1) == "" and dec.push(4093) == "user" and dec.push(2) == ""
 
 
-def test_speed(smollm_meta, reference):
-    t0 = time.perf_counter()
+def test_fresh_tokenizer_encodes_a_long_mixed_text_like_the_cached_one(smollm_meta, tok, reference):
+    # a cold BPE cache is the slow case (bench/ times it); the result must not depend on it
     fresh = Tokenizer.from_metadata(smollm_meta)
-    build = time.perf_counter() - t0
     text = (
         " ".join(c["text"] for c in reference["tokenize"])
         + " ".join(g["prompt"] for g in reference["greedy"][::8]) * 8
     )[:2048]
-    t0 = time.perf_counter()
-    fresh.encode(text)  # cold BPE cache: the slow case
-    encode = time.perf_counter() - t0
-    assert build < 0.5 and encode < 0.05, (build, encode)
+    assert fresh.encode(text) == tok.encode(text)
 
 
 # --- SPM (tokenizer.ggml.model = "llama") -------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import itertools
 
 from core.sampling import SamplingParams
 
@@ -22,12 +22,11 @@ def test_ab_compare_matches_each_mix_alone(loaded, qtbot, greedy):
     assert mix_a[ids["lora_attn"]] == 1.0 and mix_b[ids["lora_ffn"]] == -1.0
 
     stamps = {"A": [], "B": []}
+    order = itertools.count()  # the order tokens arrived in, not when
     with qtbot.waitSignal(w.compare.finished, timeout=120000):
         assert w.compare.run("Describe the moon in one sentence.")
         for side in (w.compare.a, w.compare.b):
-            side.gen.token.connect(
-                lambda _t, k=side.title.text(): stamps[k].append(time.perf_counter())
-            )
+            side.gen.token.connect(lambda _t, k=side.title.text(): stamps[k].append(next(order)))
     a, b = w.compare.a.done, w.compare.b.done
     assert a.stop_type == b.stop_type == "limit"
     assert dict(a.mix) == {ids["lora_attn"]: 1.0}
