@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from gguf.constants import LlamaFileType
 
 from .errors import UserError
@@ -45,68 +47,165 @@ class ModelConfig:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], source: str = "model") -> ModelConfig:
-        arch = meta.get("general.architecture")
+        """Every hyper-parameter is type- and range-checked here, so a hostile file
+        fails with the key's name instead of NaN logits, a hang or a huge allocation
+        later. Shapes are checked against the tensors in core.weights."""
+        m = _Meta(meta, source)
+        arch = m.text("general.architecture", None)
         if arch is None:
             raise ModelConfigError(f"{source}: no general.architecture key (not a model GGUF?)")
-        if meta.get("general.type") == "adapter":
+        if m.text("general.type", "") == "adapter":
             raise ModelConfigError(
                 f"{source}: this is a LoRA adapter, not a base model; "
                 "open a base model first and add it as an adapter"
             )
         if arch not in SUPPORTED_ARCHS:
             raise ModelConfigError(
-                f"{source}: unsupported architecture {arch!r} "
+                f"{source}: unsupported architecture {arch[:40]!r} "
                 f"(Mixdesk runs {', '.join(SUPPORTED_ARCHS)})"
             )
-
-        def req(key: str) -> Any:
-            full = f"{arch}.{key}"
-            if full not in meta:
-                raise ModelConfigError(f"{source}: missing metadata key {full}")
-            return meta[full]
-
-        dim = int(req("embedding_length"))
-        n_heads = int(req("attention.head_count"))
-        n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
-        head_dim = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
+        a = f"{arch}."
+        dim = m.integer(a + "embedding_length", hi=MAX_DIM)
+        n_heads = m.integer(a + "attention.head_count", hi=MAX_HEADS)
+        n_kv = m.integer(a + "attention.head_count_kv", n_heads, hi=n_heads)
         if n_heads % n_kv:
             raise ModelConfigError(
-                f"{source}: {n_heads} heads is not a multiple of {n_kv} kv heads"
+                f"{source}: {n_heads} heads ({a}attention.head_count) is not a multiple of "
+                f"{n_kv} kv heads ({a}attention.head_count_kv)"
             )
-        vocab = meta.get(f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        if a + "attention.key_length" not in meta and dim % n_heads:
+            raise ModelConfigError(
+                f"{source}: {a}embedding_length {dim} is not a multiple of "
+                f"{a}attention.head_count {n_heads}"
+            )
+        head_dim = m.integer(a + "attention.key_length", dim // n_heads, hi=MAX_DIM)
+        if head_dim % 2:
+            raise ModelConfigError(
+                f"{source}: head size {head_dim} ({a}attention.key_length) must be even for "
+                "rotary embeddings"
+            )
+        tokens = meta.get("tokenizer.ggml.tokens", ())
+        if a + "vocab_size" in meta:
+            vocab = m.integer(a + "vocab_size", hi=MAX_VOCAB)
+        elif isinstance(tokens, (list, tuple)) and tokens:
+            vocab = len(tokens)
+        else:
+            raise ModelConfigError(
+                f"{source}: no {a}vocab_size and no tokenizer.ggml.tokens list to count"
+            )
+        scaling = m.text(a + "rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
-            raise ModelConfigError(f"{source}: unsupported rope scaling type {scaling!r}")
+            raise ModelConfigError(
+                f"{source}: unsupported rope scaling type {scaling[:40]!r} ({a}rope.scaling.type)"
+            )
         rope_scale = 1.0
         if scaling == "linear":
-            rope_scale = float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) or 1.0
-        ft = meta.get("general.file_type")
+            rope_scale = m.number(a + "rope.scaling.factor", 1.0, lo=0.0, hi=MAX_ROPE_SCALE)
+        ft = m.integer("general.file_type", -1, lo=-1, hi=2**32)
         try:
-            ft_name = LlamaFileType(int(ft)).name if ft is not None else "unknown"
+            ft_name = LlamaFileType(ft).name if ft >= 0 else "unknown"
         except ValueError:
             ft_name = f"type {ft}"
-        rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        rope_dim = m.integer(a + "rope.dimension_count", head_dim, hi=MAX_DIM)
         if rope_dim != head_dim:
             raise ModelConfigError(
                 f"{source}: partial rotary embeddings ({rope_dim} of "
                 f"{head_dim} dims) are not supported"
             )
+        name = meta.get("general.name", source)
         return cls(
             arch=arch,
-            name=str(meta.get("general.name", source)),
-            n_layers=int(req("block_count")),
+            name=name if isinstance(name, str) else source,
+            n_layers=m.integer(a + "block_count", hi=MAX_LAYERS),
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
-            ffn_dim=int(req("feed_forward_length")),
-            vocab_size=int(vocab),
-            ctx_len=int(meta.get(f"{arch}.context_length", 2048)),
-            norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            ffn_dim=m.integer(a + "feed_forward_length", hi=MAX_FFN),
+            vocab_size=vocab,
+            ctx_len=m.integer(a + "context_length", 2048, hi=MAX_CTX),
+            norm_eps=m.number(a + "attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0),
+            rope_base=m.number(a + "rope.freq_base", 10000.0, lo=0.0, hi=MAX_ROPE_BASE),
             rope_dim=rope_dim,
             rope_scale=rope_scale,
             file_type=ft_name.removeprefix("MOSTLY_"),
         )
+
+
+# Upper bounds far above any real llama-family model: a value past one is a corrupt
+# or hostile file (the shapes are checked against the tensors present anyway).
+MAX_DIM = 1 << 16  # embedding_length, key_length
+MAX_HEADS = 1 << 12
+MAX_FFN = 1 << 20
+MAX_VOCAB = 1 << 22
+MAX_LAYERS = 1 << 12
+MAX_CTX = 1 << 24  # 16M tokens
+MAX_ROPE_BASE = 1e12
+MAX_ROPE_SCALE = 1e4
+
+_REQUIRED = object()
+
+
+class _Meta:
+    """Typed, range-checked reads of GGUF metadata; every error names the key.
+    A default is returned as is when the key is absent."""
+
+    def __init__(self, meta: Mapping[str, Any], source: str):
+        self.meta, self.source = meta, source
+
+    def _bad(self, key: str, want: str, value: Any) -> ModelConfigError:
+        got = describe_value(value)
+        return ModelConfigError(f"{self.source}: {key} must be {want}, not {got}")
+
+    def _missing(self, key: str) -> ModelConfigError:
+        return ModelConfigError(f"{self.source}: missing metadata key {key}")
+
+    def integer(self, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = 1 << 31) -> int:
+        """An integer in [lo, hi] (every count and size here must be at least 1)."""
+        if key not in self.meta:
+            if default is _REQUIRED:
+                raise self._missing(key)
+            return default
+        v = self.meta[key]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise self._bad(key, "an integer", v)
+        if not lo <= int(v) <= hi:
+            raise self._bad(key, f"an integer from {lo} to {hi}", v)
+        return int(v)
+
+    def number(self, key: str, default: float, lo: float, hi: float) -> float:
+        """A finite number in (lo, hi]: no NaN, no Inf, no zero or negative scale."""
+        if key not in self.meta:
+            return default
+        v = self.meta[key]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
+            raise self._bad(key, "a number", v)
+        if not (math.isfinite(v) and lo < v <= hi):
+            raise self._bad(key, f"a finite number above {lo:g} and at most {hi:g}", v)
+        return float(v)
+
+    def text(self, key: str, default: Any) -> Any:
+        if key not in self.meta:
+            return default
+        v = self.meta[key]
+        if not isinstance(v, str):
+            raise self._bad(key, "a string", v)
+        return v
+
+
+def describe_value(v: Any) -> str:
+    """A metadata value for a message, never a dump of it."""
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, (bool, np.bool_)):
+        return "a boolean"
+    if isinstance(v, (int, np.integer, float, np.floating)):
+        if not math.isfinite(v):
+            return str(float(v))  # nan / inf / -inf
+        return str(v) if abs(v) < 1e12 else f"{float(v):.3g}"
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype.name}"
+    if isinstance(v, (list, tuple)) and v:
+        kind = "arrays" if isinstance(v[0], (list, np.ndarray)) else "strings"
+        return f"an array of {kind}" if isinstance(v[0], (list, str, np.ndarray)) else "an array"
+    return "an array" if isinstance(v, (list, tuple)) else "a value of another type"

@@ -7,13 +7,18 @@ plain Python values and each tensor's raw bytes, so we parse the header with
 stays in a read-only memory map until it is dequantized.
 
 Every malformed-file path raises :class:`GGUFError` with the file name and the
-problem, never a bare ``struct.error`` or ``IndexError``.
+problem, never a bare ``struct.error`` or ``IndexError``. The parser trusts no
+count or size in the file: each is checked against the bytes that are actually
+left before anything is allocated or looped over, and no message echoes the
+file's bytes (it may be any file the user picked, even a secret one).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,10 @@ from .errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_ALIGNMENT = 1 << 16  # llama.cpp only needs a power of two; anything larger is corrupt
+MAX_NESTING = 8  # arrays of arrays; gguf-py writes them, llama.cpp reads none
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DIM_SIZE = 1 << 40  # elements along one dimension; more is a corrupt header
 
 # GGUF metadata value types -> (struct code, numpy dtype)
 _SCALARS = {
@@ -46,6 +55,41 @@ _STRING, _ARRAY = 8, 9
 
 class GGUFError(UserError):
     """A GGUF file is unreadable; the message names the file and the problem."""
+
+
+def check_regular_file(path: str | os.PathLike, error: type[UserError] = UserError) -> int:
+    """Refuse anything but a regular file before opening it, and return its size.
+
+    open() on a FIFO blocks until a writer appears (forever, for a file picker), and
+    reading a device or a directory as a model is never what the user meant.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise error(f"{p}: cannot open ({e.strerror or 'not accessible'})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = _file_kind(st.st_mode)
+        raise error(f"{p}: is not a regular file (it is {kind})")
+    return st.st_size
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def short_name(text: str, limit: int = 60) -> str:
+    """A key or tensor name from the file, quoted and cut short for a message."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 @dataclass(frozen=True)
@@ -69,10 +113,18 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
-            raise GGUFError(
-                f"{self.name}: file is truncated or corrupt "
-                f"(needs {n} bytes at offset {self.pos}, file has {len(self.buf)})"
-            )
+            raise self.corrupt()
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def corrupt(self, why: str = "") -> GGUFError:
+        """The one message for a file whose counts or sizes run past its end; it
+        names no byte counts, which for a corrupt file are meaningless 20-digit values."""
+        return GGUFError(
+            f"{self.name} is not a valid GGUF file: it is truncated or corrupt"
+            + (f" ({why})" if why else "")
+        )
 
     def unpack(self, fmt: str):
         size = struct.calcsize(fmt)
@@ -88,7 +140,7 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, key: str = "", depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype][0])
         if vtype == _STRING:
@@ -103,11 +155,24 @@ class _Cursor:
                 self.pos += n * dt.itemsize
                 return arr
             if itype == _STRING:
+                self.need(n * 8)  # every string has at least its 8-byte length
                 return self._string_array(n)
             if itype == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(n)]
-            raise GGUFError(f"{self.name}: unknown array item type {itype}")
-        raise GGUFError(f"{self.name}: unknown metadata value type {vtype}")
+                if depth >= MAX_NESTING:
+                    raise GGUFError(
+                        f"{self.name} is not a valid GGUF file: metadata key "
+                        f"{short_name(key)} has arrays nested more than {MAX_NESTING} deep"
+                    )
+                self.need(n * 12)  # every array has at least its type and count
+                return [self.value(_ARRAY, key, depth + 1) for _ in range(n)]
+            raise GGUFError(
+                f"{self.name} is not a valid GGUF file: metadata key {short_name(key)} "
+                f"has an unknown array item type {itype}"
+            )
+        raise GGUFError(
+            f"{self.name} is not a valid GGUF file: metadata key {short_name(key)} "
+            f"has an unknown value type {vtype}"
+        )
 
     def _string_array(self, n: int) -> list[str]:
         # Hot path for the vocab (49k-150k strings): local names, no method calls.
@@ -137,6 +202,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         name = self.path.name
+        check_regular_file(self.path, GGUFError)
         try:
             f = open(self.path, "rb")
         except OSError as e:
@@ -144,11 +210,12 @@ class GGUFFile:
         with f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
-                raise GGUFError(f"{name}: file is too small to be a GGUF ({size} bytes)")
+                raise GGUFError(f"{name} is not a valid GGUF file: it is too small ({size} bytes)")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         buf = memoryview(self._mm)
         if bytes(buf[:4]) != GGUF_MAGIC:
-            raise GGUFError(f"{name}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+            # never show the bytes: the user may have picked any file, even a secret one
+            raise GGUFError(f"{name} is not a GGUF file (it does not start with 'GGUF')")
         cur = _Cursor(buf, name)
         cur.pos = 4
         self.version = cur.unpack("<I")
@@ -156,19 +223,29 @@ class GGUFFile:
             raise GGUFError(f"{name}: unsupported GGUF version {self.version}")
         n_tensors = cur.unpack("<Q")
         n_kv = cur.unpack("<Q")
-        if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise GGUFError(f"{name}: corrupt header ({n_tensors} tensors, {n_kv} keys)")
+        # each key takes >= 12 bytes (length, type) and each tensor info >= 24
+        if n_kv * 12 + n_tensors * 24 > cur.left():
+            raise cur.corrupt(
+                f"the header declares {_count(n_kv)} keys and {_count(n_tensors)} tensors"
+            )
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
             vtype = cur.unpack("<I")
-            self.metadata[key] = cur.value(vtype)
+            if key in self.metadata:
+                raise GGUFError(
+                    f"{name} is not a valid GGUF file: duplicate metadata key {short_name(key)}"
+                )
+            self.metadata[key] = cur.value(vtype, key)
         infos = []
         for _ in range(n_tensors):
             tname = cur.string()
             n_dims = cur.unpack("<I")
-            if n_dims > 8:
-                raise GGUFError(f"{name}: tensor {tname!r} has {n_dims} dims (corrupt)")
+            if n_dims > MAX_DIMS:
+                raise GGUFError(
+                    f"{name} is not a valid GGUF file: tensor {short_name(tname)} "
+                    f"has {_count(n_dims)} dimensions"
+                )
             dims = [cur.unpack("<Q") for _ in range(n_dims)]
             raw_type = cur.unpack("<I")
             offset = cur.unpack("<Q")
@@ -176,29 +253,59 @@ class GGUFFile:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
                 raise GGUFError(
-                    f"{name}: tensor {tname!r} has unknown type id {raw_type}"
+                    f"{name}: tensor {short_name(tname)} has unknown type id {_count(raw_type)}"
                 ) from None
             infos.append((tname, tuple(reversed(dims)), qtype, offset))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self._alignment()
         data_start = (cur.pos + align - 1) // align * align
         self.tensors: dict[str, TensorInfo] = {}
         for tname, shape, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n = int(np.prod(shape)) if shape else 1
-            if shape and shape[-1] % block:
-                raise GGUFError(
-                    f"{name}: tensor {tname!r} row of {shape[-1]} is not a "
-                    f"multiple of the {qtype.name} block size {block}"
-                )
-            nbytes = n // block * type_size
-            start = data_start + offset
-            if start + nbytes > size:
-                raise GGUFError(
-                    f"{name}: file is truncated: tensor {tname!r} needs bytes "
-                    f"{start}..{start + nbytes} but the file has {size}"
-                )
-            self.tensors[tname] = TensorInfo(tname, shape, qtype, start, nbytes)
+            self.tensors[tname] = self._tensor_info(tname, shape, qtype, offset, data_start, size)
         self.file_size = size
+
+    def _alignment(self) -> int:
+        """general.alignment: llama.cpp requires a nonzero power of two (a uint32)."""
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (
+            not isinstance(align, int)
+            or isinstance(align, bool)
+            or not 0 < align <= MAX_ALIGNMENT
+            or align & (align - 1)
+        ):
+            raise GGUFError(
+                f"{self.path.name} is not a valid GGUF file: general.alignment must be a "
+                f"power of two up to {MAX_ALIGNMENT}, not {_short_value(align)}"
+            )
+        return align
+
+    def _tensor_info(
+        self, tname: str, shape: tuple[int, ...], qtype, offset: int, data_start: int, size: int
+    ) -> TensorInfo:
+        """Check one tensor's shape and place: its data must lie inside the file."""
+        name = self.path.name
+        if tname in self.tensors:
+            raise GGUFError(
+                f"{name} is not a valid GGUF file: duplicate tensor {short_name(tname)}"
+            )
+        if any(d > MAX_DIM_SIZE for d in shape):
+            raise GGUFError(
+                f"{name} is not a valid GGUF file: tensor {short_name(tname)} has an absurd size"
+            )
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n = math.prod(shape)
+        if shape and shape[-1] % block:
+            raise GGUFError(
+                f"{name}: the rows of tensor {short_name(tname)} are not a "
+                f"multiple of the {qtype.name} block size {block}"
+            )
+        nbytes = n // block * type_size
+        start = data_start + offset
+        if offset % self._alignment() or start + nbytes > size:
+            raise GGUFError(
+                f"{name} is not a valid GGUF file: it is truncated or corrupt (the data of "
+                f"tensor {short_name(tname)} lies outside the file)"
+            )
+        return TensorInfo(tname, shape, qtype, start, nbytes)
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view into the memory map."""
@@ -213,6 +320,18 @@ class GGUFFile:
             self._mm.close()
         except (BufferError, ValueError):
             pass  # numpy views still reference the map; it is freed with them
+
+
+def _count(n: int) -> str:
+    """A number read from a file, for a message: absurd ones are not spelled out."""
+    return str(n) if n < 10**12 else "an absurd number of"
+
+
+def _short_value(v: Any) -> str:
+    """A metadata value for a message: numbers as they are, anything else by kind."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return {str: "a string", bool: "a boolean"}.get(type(v), "an array")
+    return str(v) if abs(v) < 1e12 or not math.isfinite(v) else f"{v:.3g}"
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -23,8 +23,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import regex
 
+from .config import describe_value
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -192,6 +194,7 @@ class Tokenizer:
     eog_ids: frozenset[int]
 
     def __init__(self, meta: Mapping[str, Any]):
+        check_metadata_types(meta)
         self.model = meta.get("tokenizer.ggml.model")
         if self.model not in ("gpt2", "llama"):
             raise TokenizerError(
@@ -572,6 +575,61 @@ def _regex_split(pattern: regex.Pattern, text: str) -> list[str]:
     if pos < len(text):
         pieces.append(text[pos:])
     return pieces
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
+
+def _is_array_of(kinds: str) -> Any:
+    """A numeric GGUF array (parsed as a 1-D ndarray, or a list of Python numbers)
+    whose numpy dtype kind is in ``kinds``."""
+
+    def check(v: Any) -> bool:
+        if isinstance(v, np.ndarray):
+            return v.ndim == 1 and v.dtype.kind in kinds
+        py = (int, float) if "f" in kinds else (int,)
+        return isinstance(v, (list, tuple)) and all(
+            isinstance(x, py) and not isinstance(x, bool) for x in v
+        )
+
+    return check
+
+
+# tokenizer.ggml.* key -> (check, what it must be); as llama.cpp, which refuses a key
+# of the wrong GGUF type instead of guessing.
+_KEY_TYPES = {
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "pre": (lambda v: isinstance(v, str), "a string"),
+    "tokens": (_is_str_list, "an array of strings"),
+    "merges": (_is_str_list, "an array of strings"),
+    "scores": (_is_array_of("fiu"), "an array of numbers"),
+    "token_type": (_is_array_of("iu"), "an array of integers"),
+    "add_bos_token": (lambda v: isinstance(v, (bool, np.bool_)), "a boolean"),
+    "add_eos_token": (lambda v: isinstance(v, (bool, np.bool_)), "a boolean"),
+    "add_space_prefix": (lambda v: isinstance(v, (bool, np.bool_)), "a boolean"),
+}
+
+
+def check_metadata_types(meta: Mapping[str, Any]) -> None:
+    """Refuse tokenizer metadata of the wrong type with the key's name (merges stored
+    as uint32, a token id that is an array, ...), before anything iterates it."""
+    for key, value in meta.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        short = key.removeprefix("tokenizer.ggml.")
+        if short.endswith("_token_id"):
+            check, want = _is_int, "an integer"
+        elif short in _KEY_TYPES:
+            check, want = _KEY_TYPES[short]
+        else:
+            continue
+        if not check(value):
+            raise TokenizerError(f"{key} must be {want}, not {describe_value(value)}")
 
 
 def _merge_ranks(merges: Iterable[str]) -> dict[tuple[str, str], int]:

@@ -100,6 +100,63 @@ def _plan(cfg: ModelConfig, gf: GGUFFile) -> list[tuple[str, tuple[int, ...], li
     return plan
 
 
+def expected_tensors(cfg: ModelConfig, gf: GGUFFile) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the model reads: its numpy shape and the metadata keys that
+    shape follows from (named when a file's tensor disagrees)."""
+    a = cfg.arch + "."
+    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
+    vocab_key = a + "vocab_size" if a + "vocab_size" in gf.metadata else "tokenizer.ggml.tokens"
+    dim_k, ffn_k = a + "embedding_length", a + "feed_forward_length"
+    head_k = f"{a}attention.key_length"
+    q_k = f"{a}attention.head_count × {head_k}"
+    kv_k = f"{a}attention.head_count_kv × {head_k}"
+    want = {"token_embd.weight": ((cfg.vocab_size, d), f"{vocab_key}, {dim_k}")}
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        want |= {
+            b + "attn_norm.weight": ((d,), dim_k),
+            b + "attn_q.weight": ((q, d), f"{q_k}, {dim_k}"),
+            b + "attn_k.weight": ((kv, d), f"{kv_k}, {dim_k}"),
+            b + "attn_v.weight": ((kv, d), f"{kv_k}, {dim_k}"),
+            b + "attn_output.weight": ((d, q), f"{dim_k}, {q_k}"),
+            b + "ffn_norm.weight": ((d,), dim_k),
+            b + "ffn_gate.weight": ((f, d), f"{ffn_k}, {dim_k}"),
+            b + "ffn_up.weight": ((f, d), f"{ffn_k}, {dim_k}"),
+            b + "ffn_down.weight": ((d, f), f"{dim_k}, {ffn_k}"),
+        }
+    want["output_norm.weight"] = ((d,), dim_k)
+    if "output.weight" in gf.tensors:
+        want["output.weight"] = ((cfg.vocab_size, d), f"{vocab_key}, {dim_k}")
+    if "rope_freqs.weight" in gf.tensors:
+        want["rope_freqs.weight"] = ((cfg.rope_dim // 2,), a + "rope.dimension_count")
+    return want
+
+
+def check_tensors(cfg: ModelConfig, gf: GGUFFile) -> None:
+    """Every tensor the model needs exists with the shape the metadata declares (as
+    llama.cpp checks), before anything is allocated: a hostile block_count or
+    feed_forward_length then fails here instead of allocating terabytes."""
+    name = gf.path.name
+    for src, (shape, keys) in expected_tensors(cfg, gf).items():
+        info = gf.tensors.get(src)
+        if info is None:
+            why = (
+                f" ({cfg.arch}.block_count says {cfg.n_layers} blocks)" if src[:4] == "blk." else ""
+            )
+            raise ModelLoadError(f"{name}: missing tensor {src!r}{why}")
+        if info.shape != shape:
+            raise ModelLoadError(
+                f"{name}: tensor {src!r} has shape {info.shape}, but {keys} say {shape}"
+            )
+    if "rope_freqs.weight" in gf.tensors:
+        info = gf.tensors["rope_freqs.weight"]
+        factors = quants.dequantize(gf.raw(info.name), info.qtype)  # (rope_dim/2,)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelLoadError(
+                f"{name}: tensor 'rope_freqs.weight' must hold finite positive factors"
+            )
+
+
 def _cache_key(path: Path) -> str:
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
@@ -152,6 +209,7 @@ def load_weights(
     use_cache: bool = True,
 ) -> Weights:
     progress = progress or (lambda f, m: None)
+    check_tensors(cfg, gf)
     plan = _plan(cfg, gf)
     layout, off = [], 0
     for name, shape, _ in plan:
@@ -186,24 +244,13 @@ def load_weights(
         tmp, buf = None, np.empty(total, dtype=np.float32)
     views = _views(buf, layout)
 
-    jobs = []  # (destination view, source tensor, row offset)
-    for name, shape, sources in plan:
+    jobs = []  # (destination view, source tensor, row offset); shapes checked above
+    for name, _, sources in plan:
         row = 0
         for src in sources:
-            info = gf.tensors.get(src)
-            if info is None:
-                raise ModelLoadError(f"{gf.path.name}: missing tensor {src!r}")
-            rows = info.shape[0] if len(info.shape) > 1 else info.shape[0]
-            want_cols = shape[1] if len(shape) > 1 else None
-            if (want_cols is not None and (len(info.shape) != 2 or info.shape[1] != want_cols)) or (
-                want_cols is None and info.shape != shape
-            ):
-                raise ModelLoadError(
-                    f"{gf.path.name}: tensor {src!r} has shape {info.shape}, "
-                    f"expected {(rows, want_cols) if want_cols else shape}"
-                )
+            info = gf.tensors[src]
             jobs.append((views[name], info, row))
-            row += rows
+            row += info.shape[0]
 
     done_elems = 0
     lock = threading.Lock()
@@ -284,4 +331,5 @@ def open_model_file(path: str | os.PathLike) -> tuple[GGUFFile, ModelConfig]:
         cfg = ModelConfig.from_metadata(gf.metadata, source=p.name)
     except (GGUFError, ModelConfigError) as e:
         raise ModelLoadError(str(e)) from None
+    check_tensors(cfg, gf)
     return gf, cfg

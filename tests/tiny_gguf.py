@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from gguf.gguf_writer import GGUFValue
 
 BYTE_VOCAB = [f"<0x{i:02X}>" for i in range(256)]
 
@@ -38,7 +41,10 @@ def write_tiny_llama(
     arch="llama",
     seed=0,
     ctx=256,
+    kv: dict[str, tuple[Any, GGUFValueType] | None] | None = None,
 ) -> Path:
+    """``kv`` overrides metadata after the normal keys are set: key -> (value, type),
+    or None to drop the key; for writing hostile but well-formed files."""
     rng = np.random.default_rng(seed)
     hd = dim // n_heads
     w = GGUFWriter(str(path), arch)
@@ -65,6 +71,15 @@ def write_tiny_llama(
     w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    for key, override in (kv or {}).items():
+        if override is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            value, vtype = override
+            sub = None
+            if vtype == GGUFValueType.ARRAY:
+                sub = GGUFValueType.get_type(value[0])
+            w.kv_data[0][key] = GGUFValue(value=value, type=vtype, sub_type=sub)
 
     def t(name, shape, scale=0.2, norm=False):
         a = (
@@ -129,3 +144,44 @@ def write_lora_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def write_tiny_peft(
+    folder: Path,
+    *,
+    dim=64,
+    q_dim=64,
+    rank=4,
+    layers=(0, 1),
+    config: Any = None,
+    seed=0,
+) -> Path:
+    """A PEFT folder with LoRA on q_proj of ``layers`` of a write_tiny_llama model.
+    ``config`` replaces the whole adapter_config.json value when it is not a dict
+    (for hostile configs); a dict updates the default config."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in layers:
+        m = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[f"{m}.lora_A.weight"] = (0.1 * rng.standard_normal((rank, dim))).astype(np.float32)
+        tensors[f"{m}.lora_B.weight"] = (0.1 * rng.standard_normal((q_dim, rank))).astype(
+            np.float32
+        )
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    conf: Any = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj"],
+        "bias": "none",
+    }
+    if isinstance(config, dict):
+        conf.update(config)
+    elif config is not None:
+        conf = config
+    (folder / "adapter_config.json").write_text(json.dumps(conf))
+    return folder
