@@ -5,18 +5,26 @@ presets) and :func:`core.paths.data_dir` (conversations). Every write goes to a
 temporary file in the same folder, is fsynced, then ``os.replace``d over the
 old file, so a crash at any moment leaves either the old or the new file, never
 a torn one. No Qt here: the GUI and tests both use this module directly.
+
+What is read back is never trusted: a file that cannot be parsed is moved aside
+as ``NAME.corrupt-<time>`` (never overwritten) and a one-line note says so in
+:attr:`Settings.problems`; each field is checked against :data:`SCHEMA` and a
+field of the wrong type or out of range falls back to its own default, keeping
+the others.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +33,189 @@ from .paths import config_dir, data_dir
 log = logging.getLogger(__name__)
 
 MAX_RECENT = 10
+MAX_TEXT = 1_000_000  # a system prompt or path longer than this is not a setting
+SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a file name, no path, no dot-first
 
-DEFAULTS: dict[str, Any] = {
-    "recent_models": [],
-    "recent_adapters": [],
-    "window_geometry": None,  # base64 of QWidget.saveGeometry()
-    "window_state": None,
-    "splitter_state": None,
-    "server": {"host": "127.0.0.1", "port": 8080, "api_key": "", "enabled": False},
-    "sampling": {
-        "temperature": 0.7,
-        "top_k": 40,
-        "top_p": 0.95,
-        "min_p": 0.05,
-        "n_predict": 256,
-        "repeat_penalty": 1.1,
-        "seed": -1,
-    },
-    "system_prompt": "",
-    "last_conversation": None,
-    "compare": {"a": "", "b": ""},
+# -- field checks: each returns the cleaned value or raises ValueError ----------------------------
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _str(value: Any, *, empty: bool = True, max_len: int = MAX_TEXT) -> str:
+    if not isinstance(value, str) or len(value) > max_len or (not empty and not value.strip()):
+        raise _Bad("not a string")
+    return value
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else _str(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad("not true/false")
+    return value
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Bad("not a number")
+        if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
+            raise _Bad("not a whole number")
+        if not lo <= int(value) <= hi:
+            raise _Bad(f"not in {lo}..{hi}")
+        return int(value)
+
+    return check
+
+
+def _float(lo: float, hi: float) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Bad("not a number")
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise _Bad(f"not in {lo:g}..{hi:g}")
+        return float(value)
+
+    return check
+
+
+def _safe_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not SAFE_ID.fullmatch(value):
+        raise _Bad("not a safe file name")
+    return value
+
+
+def _base64(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9+/=]{0,100000}", value):
+        raise _Bad("not base64")
+    return value
+
+
+def _str_list(max_items: int) -> Callable[[Any], list[str]]:
+    def check(value: Any) -> list[str]:
+        if not isinstance(value, list):
+            raise _Bad("not a list")
+        # one bad entry is dropped, the good ones kept
+        return [v for v in value if isinstance(v, str) and v and len(v) < 4096][:max_items]
+
+    return check
+
+
+def _record(fields: dict[str, Field]) -> Callable[[Any], dict]:
+    """A dict checked field by field: a bad field alone takes its default."""
+
+    def check(value: Any) -> dict:
+        if not isinstance(value, dict):
+            raise _Bad("not an object")
+        return {k: f.clean(value.get(k, _MISSING), k) for k, f in fields.items()}
+
+    return check
+
+
+_MISSING = object()
+
+
+class Field:
+    """One setting: its default and the check its stored value must pass."""
+
+    def __init__(self, default: Any, check: Callable[[Any], Any]):
+        self.default = default
+        self.check = check
+
+    def clean(self, value: Any, name: str = "") -> Any:
+        if value is _MISSING:
+            return _copy(self.default)
+        try:
+            return self.check(value)
+        except (ValueError, TypeError, OverflowError) as e:
+            log.warning("setting %s: %s; using the default", name or "?", e)
+            return _copy(self.default)
+
+
+def _copy(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _desk_adapter(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _Bad("not an object")
+    return {
+        "path": _str(value.get("path"), empty=False, max_len=4096),
+        "scale": Field(0.0, _float(-2.0, 2.0)).clean(value.get("scale", 0.0), "desk scale"),
+        "muted": Field(False, _bool).clean(value.get("muted", False), "desk muted"),
+        "solo": Field(False, _bool).clean(value.get("solo", False), "desk solo"),
+    }
+
+
+def _desk_adapters(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _Bad("not a list")
+    out = []
+    for item in value[:64]:
+        try:
+            out.append(_desk_adapter(item))
+        except (ValueError, TypeError):
+            log.warning("dropping a desk entry that is not an adapter")
+    return out
+
+
+SERVER_FIELDS = {
+    "host": Field("127.0.0.1", lambda v: _str(v, empty=False, max_len=255).strip()),
+    "port": Field(8080, _int(1, 65535)),
+    "api_key": Field("", lambda v: _str(v, max_len=4096)),
+    "enabled": Field(False, _bool),
+    "allow_runtime_lora": Field(False, _bool),
 }
+# ranges are those of the sampling form's spin boxes
+SAMPLING_FIELDS = {
+    "temperature": Field(0.7, _float(0.0, 5.0)),
+    "top_k": Field(40, _int(0, 1000)),
+    "top_p": Field(0.95, _float(0.0, 1.0)),
+    "min_p": Field(0.05, _float(0.0, 1.0)),
+    "n_predict": Field(256, _int(1, 32768)),
+    "repeat_penalty": Field(1.1, _float(0.5, 3.0)),
+    "seed": Field(-1, _int(-1, 2**31 - 1)),
+}
+
+SCHEMA: dict[str, Field] = {
+    "recent_models": Field([], _str_list(MAX_RECENT)),
+    "recent_adapters": Field([], _str_list(MAX_RECENT)),
+    "window_geometry": Field(None, _base64),  # base64 of QWidget.saveGeometry()
+    "window_state": Field(None, _base64),
+    "splitter_state": Field(None, _base64),
+    "tab": Field(0, _int(0, 16)),
+    "server": Field({k: f.default for k, f in SERVER_FIELDS.items()}, _record(SERVER_FIELDS)),
+    "sampling": Field({k: f.default for k, f in SAMPLING_FIELDS.items()}, _record(SAMPLING_FIELDS)),
+    "system_prompt": Field("", _str),
+    "last_conversation": Field(None, _safe_id),
+    "compare": Field(
+        {"a": "", "b": ""},
+        _record(
+            {
+                "a": Field("", lambda v: _str(v, max_len=256)),
+                "b": Field("", lambda v: _str(v, max_len=256)),
+            }
+        ),
+    ),
+    "export_dir": Field(None, _opt_str),
+    # the mixing desk as the user left it: adapters by path, with their fader and buttons
+    "desk": Field(
+        {"bypass": False, "adapters": []},
+        _record({"bypass": Field(False, _bool), "adapters": Field([], _desk_adapters)}),
+    ),
+}
+DEFAULTS: dict[str, Any] = {k: f.default for k, f in SCHEMA.items()}
+
+
+# -- files ------------------------------------------------------------------------------------------
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -69,40 +239,113 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False))
 
 
+class Unreadable(Exception):
+    """A file exists but does not hold what it should (its reason is one line)."""
+
+
 def read_json(path: Path, default: Any) -> Any:
     """Read a JSON file; a missing or corrupt file gives ``default`` (and is logged)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return default
-    except (OSError, ValueError) as e:
+        return load_json(path, default)
+    except Unreadable as e:
         log.warning("ignoring unreadable %s: %s", path, e)
         return default
 
 
+def load_json(path: Path, default: Any, kind: type | None = None) -> Any:
+    """A JSON file's value; ``default`` when it does not exist. Raises :class:`Unreadable`
+    when it exists but is not JSON (or not of type ``kind``)."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return default
+    except IsADirectoryError:
+        raise Unreadable("it is a folder, not a file") from None
+    except UnicodeDecodeError:
+        raise Unreadable("it is not UTF-8 text") from None
+    except ValueError as e:
+        raise Unreadable(f"it is not valid JSON ({str(e).split(':')[0]})") from None
+    except OSError as e:
+        raise Unreadable(e.strerror or type(e).__name__) from None
+    if kind is not None and not isinstance(value, kind):
+        raise Unreadable(f"it holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def move_aside(path: Path) -> Path | None:
+    """Rename an unreadable file to ``NAME.corrupt-<time>`` (never over another one);
+    None when even that fails."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(100):
+        target = path.with_name(f"{path.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+        if target.exists():
+            continue
+        try:
+            os.rename(path, target)
+        except OSError as e:
+            log.warning("could not move %s aside: %s", path, e)
+            return None
+        return target
+    return None
+
+
+def _recover(path: Path, reason: str, what: str) -> tuple[str, bool]:
+    """Move an unreadable file aside; the note for the user, and whether it may be written."""
+    kept = move_aside(path)
+    if kept is not None:
+        note = f"{path.name} could not be read ({reason}); it was kept as {kept.name} and {what}"
+        log.warning("%s (%s)", note, kept)
+        return note, True
+    note = (
+        f"{path.name} could not be read ({reason}) nor moved aside; {what}, "
+        "and it will not be overwritten"
+    )
+    log.warning(note)
+    return note, False
+
+
 class Settings:
-    """Key/value settings saved on every change (they are small)."""
+    """Key/value settings saved on every change (they are small). Every read goes
+    through :data:`SCHEMA`, so a caller gets a value of the right type or the default."""
 
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder else config_dir()
         self.path = self.folder / "settings.json"
         self._lock = threading.Lock()
-        loaded = read_json(self.path, {})
-        self._data: dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+        self.problems: list[str] = []  # one line per file that could not be read
+        self._writable = True
+        try:
+            loaded = load_json(self.path, {}, dict)
+        except Unreadable as e:
+            note, self._writable = _recover(self.path, str(e), "defaults are used")
+            self.problems.append(note)
+            loaded = {}
+        self._data: dict[str, Any] = {
+            k: (SCHEMA[k].clean(v, k) if k in SCHEMA else v) for k, v in loaded.items()
+        }
         self.presets = Presets(self.folder / "presets.json")
+        self.problems += self.presets.problems
 
     def get(self, key: str, default: Any = None) -> Any:
+        field = SCHEMA.get(key)
         if key in self._data:
-            return self._data[key]
+            value = self._data[key]
+            return field.clean(_copy(value), key) if field else value
         if default is not None:
             return default
-        d = DEFAULTS.get(key)
-        return json.loads(json.dumps(d)) if d is not None else None  # a private copy
+        return _copy(field.default) if field else None  # a private copy
 
     def set(self, key: str, value: Any) -> None:
         with self._lock:
             self._data[key] = value
-            atomic_write_json(self.path, self._data)
+            if not self._writable:
+                return
+            try:
+                atomic_write_json(self.path, self._data)
+            except OSError as e:  # a full disk must not take the window down
+                log.warning("could not save %s: %s", self.path, e)
 
     def update(self, key: str, **fields: Any) -> dict:
         """Merge ``fields`` into the dict setting ``key`` and save."""
@@ -123,14 +366,46 @@ class Settings:
         return list(self.get("recent_models") or [])
 
 
+def _preset(value: Any) -> dict:
+    """A preset: {"bypass": bool, "adapters": {path: {name, scale, muted, solo}}}."""
+    if not isinstance(value, dict):
+        raise _Bad("not an object")
+    entries = value.get("adapters", {})
+    if not isinstance(entries, dict):
+        raise _Bad("its adapters are not an object")
+    adapters = {}
+    for path, e in entries.items():
+        if not isinstance(e, dict):
+            continue
+        adapters[path] = {
+            "name": Field("", _str).clean(e.get("name", ""), "preset name"),
+            "scale": Field(0.0, _float(-2.0, 2.0)).clean(e.get("scale", 0.0), "preset scale"),
+            "muted": Field(False, _bool).clean(e.get("muted", False), "preset muted"),
+            "solo": Field(False, _bool).clean(e.get("solo", False), "preset solo"),
+        }
+    return {"bypass": Field(False, _bool).clean(value.get("bypass", False)), "adapters": adapters}
+
+
 class Presets:
     """Named mixes. A preset maps adapter path -> {"scale", "muted", "solo"}, so it
     survives restarts (adapter ids only live for one session)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        data = read_json(self.path, {})
-        self._data: dict[str, dict] = data if isinstance(data, dict) else {}
+        self.problems: list[str] = []
+        self._writable = True
+        try:
+            data = load_json(self.path, {}, dict)
+        except Unreadable as e:
+            note, self._writable = _recover(self.path, str(e), "no presets are loaded")
+            self.problems.append(note)
+            data = {}
+        self._data: dict[str, dict] = {}
+        for name, preset in data.items():
+            try:
+                self._data[name] = _preset(preset)
+            except ValueError as e:
+                log.warning("dropping preset %r: %s", name, e)
 
     def names(self) -> list[str]:
         return sorted(self._data, key=str.lower)
@@ -162,7 +437,52 @@ class Presets:
             self._flush()
 
     def _flush(self) -> None:
-        atomic_write_json(self.path, self._data)
+        if self._writable:
+            atomic_write_json(self.path, self._data)
+
+
+ROLES = ("user", "assistant")
+
+
+def _message(value: Any) -> dict:
+    if not isinstance(value, dict) or value.get("role") not in ROLES:
+        raise _Bad("not a user or assistant message")
+    msg = {"role": value["role"], "content": Field("", _str).clean(value.get("content", ""))}
+    meta = value.get("meta")
+    if msg["role"] == "assistant" and isinstance(meta, dict):
+        msg["meta"] = {
+            "tokens": Field(0, _int(0, 2**31)).clean(meta.get("tokens", 0), "meta tokens"),
+            "tps": Field(0.0, _float(0.0, 1e9)).clean(meta.get("tps", 0.0), "meta tps"),
+            "mix": Field("", _str).clean(meta.get("mix", ""), "meta mix"),
+            "stop": Field(None, _opt_str).clean(meta.get("stop"), "meta stop"),
+        }
+        if isinstance(meta.get("mix_ids"), list):
+            msg["meta"]["mix_ids"] = meta["mix_ids"]
+    return msg
+
+
+def clean_conversation(conv: dict, cid: str) -> dict:
+    """A conversation with every field of the right type; its id is its file name."""
+    out = {
+        "id": cid,
+        "title": Field("New chat", lambda v: _str(v, empty=False, max_len=500)).clean(
+            conv.get("title", "New chat"), "title"
+        ),
+        "created": Field(0.0, _float(0.0, 1e12)).clean(conv.get("created", 0.0), "created"),
+        "updated": Field(0.0, _float(0.0, 1e12)).clean(conv.get("updated", 0.0), "updated"),
+        "system_prompt": Field(None, _opt_str).clean(conv.get("system_prompt"), "system_prompt"),
+        "messages": [],
+    }
+    msgs = conv.get("messages", [])
+    if isinstance(msgs, list):
+        for m in msgs:
+            try:
+                out["messages"].append(_message(m))
+            except ValueError:
+                log.warning("conversation %s: dropping a message that is not one", cid)
+    else:
+        log.warning("conversation %s: its messages are not a list", cid)
+    return out
 
 
 class Conversations:
@@ -171,6 +491,7 @@ class Conversations:
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder else data_dir() / "conversations"
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.problems: list[str] = []  # files moved aside since the last look
 
     @staticmethod
     def new(system_prompt: str = "") -> dict:
@@ -184,7 +505,7 @@ class Conversations:
         }
 
     def _file(self, cid: str) -> Path:
-        if not re.fullmatch(r"[\w.-]+", cid):
+        if not isinstance(cid, str) or not SAFE_ID.fullmatch(cid):
             raise ValueError(f"bad conversation id {cid!r}")
         return self.folder / f"{cid}.json"
 
@@ -196,9 +517,20 @@ class Conversations:
                 conv["title"] = " ".join(first.split())[:60]
         atomic_write_json(self._file(conv["id"]), conv)
 
+    def _read(self, f: Path) -> dict | None:
+        """A conversation file, cleaned; an unreadable one is moved aside and noted."""
+        try:
+            conv = load_json(f, None, dict)
+        except Unreadable as e:
+            note, _ = _recover(f, str(e), "that chat is not listed")
+            self.problems.append(note)
+            return None
+        return None if conv is None else clean_conversation(conv, f.stem)
+
     def load(self, cid: str) -> dict | None:
-        conv = read_json(self._file(cid), None)
-        return conv if isinstance(conv, dict) and "messages" in conv else None
+        if not isinstance(cid, str) or not SAFE_ID.fullmatch(cid):
+            return None
+        return self._read(self._file(cid))
 
     def delete(self, cid: str) -> None:
         try:
@@ -210,13 +542,13 @@ class Conversations:
         """[{id, title, updated}] newest first."""
         out = []
         for f in self.folder.glob("*.json"):
-            conv = read_json(f, None)
-            if isinstance(conv, dict) and "id" in conv:
-                out.append(
-                    {
-                        "id": conv["id"],
-                        "title": conv.get("title", conv["id"]),
-                        "updated": conv.get("updated", 0),
-                    }
-                )
+            if not SAFE_ID.fullmatch(f.stem):
+                continue
+            conv = self._read(f)
+            if conv is not None:
+                out.append({"id": conv["id"], "title": conv["title"], "updated": conv["updated"]})
         return sorted(out, key=lambda c: c["updated"], reverse=True)
+
+    def take_problems(self) -> list[str]:
+        out, self.problems = self.problems, []
+        return out

@@ -78,6 +78,7 @@ def shade_code_blocks(doc) -> None:
 class ChatPane(QWidget):
     reply_finished = Signal(object)  # the assistant message, with meta
     message = Signal(str)
+    problem = Signal(str)  # a saved chat could not be read and was moved aside
 
     def __init__(
         self,
@@ -159,12 +160,14 @@ class ChatPane(QWidget):
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._flush_stream)
         self._streamed = 0
+        self._started = False  # the window reports the files moved aside at start
         self.refresh_history()
         last = settings.get("last_conversation")
         if last:
             self.open_conversation(last)
         self._update_buttons()
         self.render()
+        self._started = True
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -354,6 +357,9 @@ class ChatPane(QWidget):
             idx = 0
         self.history.setCurrentIndex(idx)
         self.history.blockSignals(False)
+        if self._started:
+            for note in self.store.take_problems():
+                self.problem.emit(note)
 
     def _history_chosen(self, index: int) -> None:
         cid = self.history.itemData(index)

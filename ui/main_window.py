@@ -129,6 +129,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server, self.exporter):
             w.message.connect(self.status)
         self.exporter.error.connect(self.show_error)
+        self.chat.problem.connect(self.show_error)
         self.model_bar.open_requested.connect(self.open_model)
         self.bridge.error.connect(self.show_error)
         self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
@@ -136,6 +137,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.bridge.model_loaded.connect(self._model_loaded)
         self.server.message.connect(self.show_error)
         self._restore()
+        self._report_unreadable_files()
         self.bridge.start()
 
     # -- layout helpers ------------------------------------------------------------------
@@ -171,6 +173,12 @@ class MainWindow(FileDropMixin, QMainWindow):
     def show_error(self, text: str) -> None:
         self.banner.show_error(text)
         self.status(text)
+
+    def _report_unreadable_files(self) -> None:
+        """Files moved aside at start (corrupt settings, presets or chats) are said once."""
+        notes = self.settings.problems + self.chat.store.take_problems()
+        if notes:
+            self.show_error("\n".join(notes))
 
     # -- model loading ----------------------------------------------------------------------
     def open_model(
