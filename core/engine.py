@@ -27,10 +27,10 @@ from .config import ModelConfig
 from .errors import UserError
 from .kv_cache import ContextOverflow
 from .lora import Adapter, AdapterError, load_adapter
-from .mix import MixCache, MixKey, mix_key
+from .mix import MixCache, MixKey, build_mix, mix_key
 from .model import LlamaModel
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, validate
+from .sampling import SamplingParams, shown, validate
 from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_weights, open_model_file
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]
 DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
+# |scale| bound for every LoRA scale (global mix, per-request "lora", --lora-scaled).
+# Useful scales are O(1) (the mixer's faders span -2..2); 100 leaves room for adapters
+# trained with a small alpha/rank, while 1e20 or 1e308 (accepted before) overflow
+# float32 in the forward pass, and a global mix like that broke every request.
+LORA_SCALE_MAX = 100.0
+LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
 
 
 class EngineError(UserError):
@@ -222,6 +228,7 @@ class Engine:
         adapter = load_adapter(path, self.config)
         if name:
             adapter.name = name
+        self._check_usable(adapter, scale)
         with self._lock:
             adapter.id = self._next_id
             self._next_id += 1
@@ -229,6 +236,26 @@ class Engine:
             self._scales[adapter.id] = scale
         self._notify("adapters_changed", adapters=self.adapters())
         return adapter.id
+
+    def _check_usable(self, adapter: Adapter, scale: float) -> None:
+        """Everything the engine will later do with an adapter, done once before it is
+        registered: its listing entry, and its low-rank weights built into a mix. An
+        adapter that gets past loading but fails here (a validation gap) is refused
+        now, as an AdapterError naming it, instead of breaking GET /lora-adapters or
+        every request under the global mix later. Nothing is registered before this
+        passes, so a failure leaves the adapters and the mix exactly as they were."""
+        try:
+            adapter.info()
+            adapter.effective_scale(scale)
+            build_mix(self.config, ((-1, 1.0),), {-1: adapter})  # built, then dropped
+        except AdapterError:
+            raise
+        except Exception as e:
+            log.exception("adapter %s failed its checks", adapter.path)
+            raise AdapterError(
+                f"adapter {Path(adapter.path).name}: cannot be applied to this model "
+                f"({type(e).__name__}: {e})"
+            ) from None
 
     def remove_adapter(self, aid: int) -> None:
         with self._lock:
@@ -315,20 +342,42 @@ class Engine:
             "draft_accepted": s.accepted if s else 0,
         }
 
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): ok only when a model is loaded and the scheduler loop is
+        serving, so that GET /health never says "ok" while no request would run."""
+        if self.loading:
+            return False, "Loading model"
+        sched = self.scheduler
+        if self.model is None or sched is None:
+            return False, "no model loaded"
+        if not sched.running:
+            return False, "the engine loop is not running: requests would not be served"
+        return True, "ok"
+
     # -- generation ---------------------------------------------------------------------
     def start(self) -> None:
         """Run the scheduler on a background thread (headless, tests, CLI)."""
-        if self._thread is not None or self.scheduler is None:
+        if self.scheduler is None or (self._thread is not None and self._thread.is_alive()):
             return
         self._thread = threading.Thread(target=self.run_loop, name="mixdesk-engine", daemon=True)
         self._thread.start()
 
     def run_loop(self) -> None:
-        """Blocking scheduler loop; a GUI QThread may call this instead of start()."""
+        """Blocking scheduler loop; a GUI QThread may call this instead of start().
+        The scheduler survives a failing step by itself; should its loop still raise,
+        it is restarted (after a short pause) until stop()."""
         sched = self.scheduler
-        if sched is not None:
-            sched._stop.clear()
-            sched.run()
+        if sched is None:
+            return
+        sched._stop.clear()
+        while True:
+            try:
+                sched.run()
+                return
+            except Exception:
+                log.exception("engine loop failed; restarting it")
+                if sched._stop.wait(LOOP_RESTART_S):
+                    return
 
     def stop(self) -> None:
         if self.scheduler is not None:
@@ -369,7 +418,9 @@ class Engine:
         scheduler admits them in the same step: every mix is built and every request
         checked first, then all are queued at once. A/B compare uses this so that side
         B never starts a step (a whole prefill) after side A. A refused job comes back
-        as its exception (EngineError, ...) and the others still run."""
+        as its exception (EngineError, ...) and the others still run. With no model
+        loaded, raises EngineError (503, "unavailable_error")."""
+        self.require_ready()
         results: list[Request | Exception] = []
         for job in jobs:
             try:
@@ -496,8 +547,16 @@ class Engine:
 
 
 def _check_scale(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise EngineError(f"{what} must be a finite number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or abs(value) > LORA_SCALE_MAX  # first: isfinite() overflows on a huge int
+        or not math.isfinite(value)
+    ):
+        raise EngineError(
+            f"{what} must be a finite number in [-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], "
+            f"got {shown(value)}"
+        )
     return float(value)
 
 

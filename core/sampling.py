@@ -63,8 +63,13 @@ def validate(p: SamplingParams) -> SamplingParams:
 
     def finite(name):
         v = getattr(p, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise SamplingError(f"{name} must be a finite number, got {v!r}")
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or abs(v) > 1e300  # a huge int would overflow isfinite() itself
+            or not math.isfinite(v)
+        ):
+            raise SamplingError(f"{name} must be a finite number, got {shown(v)}")
 
     for name in (
         "temperature",
@@ -97,6 +102,12 @@ def validate(p: SamplingParams) -> SamplingParams:
     if not isinstance(p.stop, list) or not all(isinstance(s, str) for s in p.stop):
         raise SamplingError("stop must be a list of strings")
     return p
+
+
+def shown(v, limit: int = 32) -> str:
+    """A value for an error message: its repr, cut short (a JSON int may have 400 digits)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -26,7 +26,14 @@ from .kv_cache import ContextOverflow, KVCache
 from .mix import MixKey, MixWeights
 from .model import BatchItem, LlamaModel
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, StopMatcher, log_softmax, make_sampler, top_logprobs
+from .sampling import (
+    NonFiniteLogits,
+    SamplingParams,
+    StopMatcher,
+    log_softmax,
+    make_sampler,
+    top_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,11 @@ SPEC_COOLDOWN = 4  # plain steps after a draft that paid off poorly, doubled per
 SPEC_BACKOFF_MAX = 4  # further poor draft in a row, up to 4 << 4 = 64 steps
 SPEC_MIN_GAIN = 3  # accepted tokens a draft must yield to keep drafting
 CAPACITY_ROUND = 64  # prefix-cache entries are sized in steps of this many positions
+SERVER_ERROR = "server_error"  # DoneEvent.error_type of a request the engine failed (HTTP 500)
+NON_FINITE = (
+    "the model's output for this request is not finite (NaN or infinity): its numbers "
+    "overflowed float32, most likely from its LoRA mix (scale or adapter weights)"
+)
 
 
 @dataclass
@@ -178,6 +190,9 @@ class Scheduler:
         self._admit_lock = threading.Lock()  # a submit_many batch is admitted as a whole
         self.busy = False
         self.steps = 0
+        self.running = False  # True while run() serves (what Engine.health reports)
+        self.step_failures = 0  # steps that raised unexpectedly and were survived
+        self.last_failure = ""
 
     # -- public -------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -210,14 +225,34 @@ class Scheduler:
         self._wake.set()
 
     def run(self) -> None:
-        """Serve until stop(). Call from the one engine thread."""
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
-        for s in self.active:
-            self._finish(s, "cancel")
-        self.active.clear()
+        """Serve until stop(). Call from the one engine thread.
+
+        A step that raises (a bug, or a value no check foresaw) fails the requests it
+        was running, with the error named, and the loop goes on serving: one request
+        must never stop generation for everyone."""
+        self.running = True
+        try:
+            while not self._stop.is_set():
+                try:
+                    did = self.step()
+                except Exception as e:
+                    self._survive(e)
+                    continue
+                if not did:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            for s in list(self.active):
+                self._finish(s, "cancel")
+            self.active.clear()
+        finally:
+            self.running = False
+
+    def _survive(self, e: Exception) -> None:
+        """After an unexpected error in a step: fail that step's sequences, keep going."""
+        log.exception("scheduler step %d failed; failing its requests", self.steps)
+        self.step_failures += 1
+        self.last_failure = f"{type(e).__name__}: {e}"
+        self._fail(list(self.active), f"internal error in the engine: {self.last_failure}")
 
     def step(self) -> bool:
         """Admit, run one batched forward, sample. False when there was nothing to do."""
@@ -241,29 +276,43 @@ class Scheduler:
             logits = self.model(items)
         except Exception as e:  # a bug must not kill the engine thread: fail these requests
             log.exception("forward failed")
-            for s in seqs:
-                self._finish(s, "error", error=f"internal error in forward pass: {e}")
+            self._fail(seqs, f"internal error in the forward pass: {type(e).__name__}: {e}")
             return True
         dt = (time.perf_counter() - t0) * 1e3
         self.steps += 1
         for s, it, lg in zip(seqs, items, logits):
-            n = len(it.tokens)
-            if s.pending:
-                del s.pending[:n]
-                s.timings.prompt_n += n
-                s.timings.prompt_ms += dt
-                if s.pending:
-                    continue  # more prompt to run before we can sample
-                if s.req.params.n_predict == 0:
-                    self._finish(s, "limit")  # prompt evaluation only (llama-server semantics)
-                    continue
-            else:
-                s.timings.predicted_ms += dt
-                if s.draft:
-                    self._verify(s, lg)
-                    continue
-            self._sample(s, lg[-1])
+            try:
+                self._advance(s, len(it.tokens), lg, dt)
+            except NonFiniteLogits as e:  # penalties pushed the logits out of range
+                self._fail([s], str(e))
+            except Exception as e:  # a bug in one sequence's sampling: fail it alone
+                log.exception("sampling failed for request %s", s.req.id)
+                self._fail([s], f"internal error while sampling: {type(e).__name__}: {e}")
         return True
+
+    def _advance(self, s: _Seq, n: int, lg: np.ndarray, dt: float) -> None:
+        """Book the n tokens a sequence just ran and sample from its logits lg."""
+        # Every step, prompt chunks included: non-finite logits mean this step wrote
+        # non-finite keys/values (the last row attends to all of them), so the
+        # sequence fails now, and its slot is scrubbed, before anything reuses it.
+        if not np.isfinite(lg).all():
+            self._fail([s], NON_FINITE)
+            return
+        if s.pending:
+            del s.pending[:n]
+            s.timings.prompt_n += n
+            s.timings.prompt_ms += dt
+            if s.pending:
+                return  # more prompt to run before we can sample
+            if s.req.params.n_predict == 0:
+                self._finish(s, "limit")  # prompt evaluation only (llama-server semantics)
+                return
+        else:
+            s.timings.predicted_ms += dt
+            if s.draft:
+                self._verify(s, lg)
+                return
+        self._sample(s, lg[-1])
 
     # -- prompt-lookup speculative decoding ---------------------------------------------
     def _propose(self, s: _Seq) -> None:
@@ -324,7 +373,17 @@ class Scheduler:
             if req.cancelled.is_set():
                 self._emit_done(req, DoneEvent("cancel", "", [], Timings(), req.mix))
                 continue
-            cache, n_cached = None, 0
+            try:
+                self._start(req)
+            except Exception as e:  # this request alone fails; the others are admitted
+                log.exception("admitting request %s failed", req.id)
+                msg = f"internal error while starting the request: {type(e).__name__}: {e}"
+                self._emit_done(req, _error_done(req, msg))
+
+    def _start(self, req: Request) -> None:
+        """Give a request a KV slot (with its cached prefix, if any) and make it active."""
+        cache, n_cached = None, 0
+        try:
             if req.cache_prompt:
                 entry, n_cached = self.prefix.take(req.mix, req.prompt)
                 if entry is not None:
@@ -338,6 +397,10 @@ class Scheduler:
                 cache = self.pool.acquire()
             req.admitted_step = self.steps
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
+        except BaseException:
+            if cache is not None and self.pool.holds(cache):
+                self.pool.release(cache, scrub=True)
+            raise
 
     def _sample(self, s: _Seq, logits: np.ndarray) -> bool:
         """Choose and emit the next token; False when the sequence finished."""
@@ -384,6 +447,23 @@ class Scheduler:
             log.exception("event consumer failed; cancelling request %s", s.req.id)
             s.req.cancel()
 
+    def _fail(self, seqs: list[_Seq], error: str) -> None:
+        """Finish these sequences with an error (HTTP 500, "server_error"). Never raises:
+        whatever happens, each request gets its DoneEvent and its slot back."""
+        for s in seqs:
+            try:
+                self._finish(s, "error", error=error)
+            except Exception:
+                log.exception("finishing failed request %s failed too", s.req.id)
+                if s in self.active:
+                    self.active.remove(s)
+                try:
+                    if self.pool.holds(s.cache):
+                        self.pool.release(s.cache, scrub=True)
+                except Exception:
+                    log.exception("could not return the slot of request %s", s.req.id)
+                self._emit_done(s.req, _error_done(s.req, error, s))
+
     def _finish(self, s: _Seq, stop_type: str, stopping_word: str = "", error: str | None = None):
         if s in self.active:
             self.active.remove(s)
@@ -399,8 +479,9 @@ class Scheduler:
             entry.copy_prefix_from(s.cache, n)
             entry.origin = (s.cache.slot, self.pool.generation(s.cache))
             self.prefix.put(s.req.mix, entry)
-        if s.cache.pool is self.pool:
-            self.pool.release(s.cache)
+        if self.pool.holds(s.cache):
+            # a failed sequence's keys/values may be NaN/inf: none may linger in the pool
+            self.pool.release(s.cache, scrub=stop_type == "error")
         done = DoneEvent(
             stop_type,
             "".join(s.content),
@@ -409,6 +490,7 @@ class Scheduler:
             s.req.mix,
             stopping_word=stopping_word,
             error=error,
+            error_type=SERVER_ERROR if stop_type == "error" else "",
         )
         self._emit_done(s.req, done)
 
@@ -417,3 +499,16 @@ class Scheduler:
             req.on_event(ev)
         except Exception:
             log.exception("event consumer failed on done")
+
+
+def _error_done(req: Request, error: str, s: _Seq | None = None) -> DoneEvent:
+    """The DoneEvent of a request that failed, with what it had produced so far."""
+    return DoneEvent(
+        "error",
+        "".join(s.content) if s else "",
+        list(s.generated) if s else [],
+        s.timings if s else Timings(),
+        req.mix,
+        error=error,
+        error_type=SERVER_ERROR,
+    )
