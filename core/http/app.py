@@ -299,7 +299,9 @@ def _stream_error(done: DoneEvent) -> dict:
 
 
 async def health(request: web.Request) -> web.Response:
-    _engine(request)
+    ok, reason = _engine(request).health()  # 503 unless the engine loop is serving
+    if not ok:
+        raise HttpError(reason, 503, "unavailable_error")
     return web.json_response({"status": "ok"})
 
 
