@@ -122,12 +122,17 @@ class AdapterPanel(FileDropMixin, QWidget):
         return str(Path(recent[0]).parent) if recent else str(Path.home())
 
     def remove_selected(self) -> None:
-        for item in self.tree.selectedItems():
-            err_path = item.data(0, ERROR_ROLE)
+        # Read every selected row first: removing an adapter makes the engine announce
+        # the change, which rebuilds the tree and deletes the items still to be read.
+        rows = [
+            (item.data(0, ERROR_ROLE), item.data(0, Qt.UserRole))
+            for item in self.tree.selectedItems()
+        ]
+        for err_path, aid in rows:
             if err_path:
                 self.errors.pop(err_path, None)
-            else:
-                self.bridge.remove_adapter(item.data(0, Qt.UserRole))
+            elif aid is not None:
+                self.bridge.remove_adapter(aid)
         self._rebuild()
 
     # -- engine events --------------------------------------------------------------------

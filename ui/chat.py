@@ -12,6 +12,7 @@ from PySide6.QtGui import (
     QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
+    QTextDocument,
     QTextFormat,
 )
 from PySide6.QtWidgets import (
@@ -33,6 +34,9 @@ from .util import format_mix
 
 RENDER_INTERVAL_MS = 60
 CODE_BG = "#eef1f8"
+# GitHub Markdown without raw HTML: user and model text are never interpreted as HTML
+# (a "<font color=red>" or an "<img>" would restyle or swallow the rest of the transcript).
+MARKDOWN = QTextDocument.MarkdownDialectGitHub | QTextDocument.MarkdownNoHTML
 
 
 def render_markdown(conv: dict, streaming: bool = False) -> str:
@@ -191,14 +195,16 @@ class ChatPane(QWidget):
         streaming = self.generating and msgs and msgs[-1]["role"] == "assistant"
         if streaming:
             done_part = dict(self.conversation, messages=msgs[:-1])
-            self.view.setMarkdown(render_markdown(done_part) + "\n#### Assistant\n")
+            self.view.document().setMarkdown(
+                render_markdown(done_part) + "\n#### Assistant\n", MARKDOWN
+            )
             cur = QTextCursor(self.view.document())
             cur.movePosition(QTextCursor.End)
             cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
             self._streamed = 0
             self._flush_stream()
         else:
-            self.view.setMarkdown(render_markdown(self.conversation))
+            self.view.document().setMarkdown(render_markdown(self.conversation), MARKDOWN)
         shade_code_blocks(self.view.document())
         if at_end or self.generating:
             sb.setValue(sb.maximum())
