@@ -111,8 +111,13 @@ def test_health_503_while_loading(smollm_path):
         eng = Engine(ctx_size=64, n_parallel=1)
         eng.load_model(smollm_path)
         srv.set_engine(eng)
+        # loaded but its loop not running: no request would be served (issue #15)
+        st, body = req(srv, "GET", "/health")
+        assert st == 503 and "not running" in body["error"]["message"]
+        eng.start()
         time.sleep(0.1)
         assert req(srv, "GET", "/health") == (200, {"status": "ok"})
+        eng.stop()
     finally:
         srv.stop()
 
