@@ -525,7 +525,8 @@ class Engine:
             if isinstance(ev, DoneEvent):
                 done = ev
         if done.stop_type == "error":
-            raise EngineError(done.error or "generation failed", type="server_error", code=500)
+            kind = done.error_type or "server_error"
+            raise EngineError(done.error or "generation failed", type=kind, code=500)
         return done
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
