@@ -214,14 +214,27 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
     return AdapterStack(adapters, layers)
 
 
-class MixCache:
-    """Built MixWeights by key, least recently used dropped first."""
+# A built mix holds its adapters' A and scaled B matrices: ~24 MB for three adapters on
+# SmolLM2-135M, so 24 mixes added 576 MB when only the count was capped. The byte cap
+# bounds that whatever the adapters' ranks; a running request keeps its own mix alive.
+MIX_CACHE_BYTES = 256 << 20
 
-    def __init__(self, cfg: ModelConfig, max_entries: int = 32):
+
+class MixCache:
+    """Built MixWeights by key, least recently used dropped first, capped both by
+    count and by bytes (the newest entry always stays, however large)."""
+
+    def __init__(self, cfg: ModelConfig, max_entries: int = 32, max_bytes: int = MIX_CACHE_BYTES):
         self.cfg = cfg
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._cache: OrderedDict[MixKey, MixWeights] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def get(self, key: MixKey, adapters: Mapping[int, Adapter]) -> MixWeights | None:
         if not key:
@@ -233,12 +246,18 @@ class MixCache:
                 return mw
         mw = build_mix(self.cfg, key, adapters)
         with self._lock:
+            old = self._cache.pop(key, None)  # built twice by two threads: keep one
+            self._bytes -= old.nbytes if old is not None else 0
             self._cache[key] = mw
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            self._bytes += mw.nbytes
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.max_entries or self._bytes > self.max_bytes
+            ):
+                _, dropped = self._cache.popitem(last=False)
+                self._bytes -= dropped.nbytes
         return mw
 
     def forget_adapter(self, aid: int) -> None:
         with self._lock:
             for k in [k for k, mw in self._cache.items() if aid in mw.adapter_ids]:
-                del self._cache[k]
+                self._bytes -= self._cache.pop(k).nbytes

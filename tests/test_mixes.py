@@ -321,3 +321,25 @@ def test_submit_many_admits_its_requests_in_the_same_step(engine):
         assert time.time() < deadline
         time.sleep(0.01)
     assert a.admitted_step == b.admitted_step >= 0
+
+
+def test_mix_cache_is_capped_by_bytes_not_only_by_count(engine):
+    """24 distinct mixes once added 576 MB on SmolLM2 with only a count cap. With a
+    byte cap the cache keeps as many whole mixes as fit, least recently used out
+    first, and always the newest one."""
+    from core.mix import MixCache, mix_key
+
+    ads = adapters_of(engine)
+    one = MixCache(engine.config).get(mix_key({0: 1.0}), ads)
+    cache = MixCache(engine.config, max_entries=32, max_bytes=int(one.nbytes * 3.5))
+    keys = [mix_key({0: 0.1 * (i + 1)}) for i in range(8)]
+    built = [cache.get(k, ads) for k in keys]
+    assert all(b.nbytes == one.nbytes for b in built)  # same shapes at every scale
+    assert len(cache._cache) == 3 and cache.nbytes == 3 * one.nbytes <= cache.max_bytes
+    assert list(cache._cache) == keys[-3:]
+    tiny = MixCache(engine.config, max_bytes=1)  # smaller than any mix: keeps the newest
+    tiny.get(keys[0], ads)
+    tiny.get(keys[1], ads)
+    assert list(tiny._cache) == [keys[1]] and tiny.nbytes == one.nbytes
+    tiny.forget_adapter(0)
+    assert tiny.nbytes == 0 and not tiny._cache
