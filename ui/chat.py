@@ -102,7 +102,9 @@ class ChatPane(QWidget):
         self.conversation = self.store.new()
 
         self.history = QComboBox()
-        self.history.setMinimumWidth(220)
+        self.history.setMinimumWidth(140)
+        self.history.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.history.setMinimumContentsLength(12)
         self.history.setToolTip("Saved conversations")
         self.history.activated.connect(self._history_chosen)
         new_btn = QPushButton("New chat")
@@ -126,6 +128,7 @@ class ChatPane(QWidget):
 
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
+        self.edit_banner.setWordWrap(True)  # a long line would widen the window
         self.edit_banner.hide()
         self.input = QPlainTextEdit()
         self.input.setObjectName("chatInput")

@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, Qt, QTimer
-from PySide6.QtGui import QAction, QIcon, QKeySequence
+from PySide6.QtCore import QByteArray, QEvent, QSize, Qt, QTimer
+from PySide6.QtGui import QAction, QGuiApplication, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -37,10 +37,25 @@ from .server_panel import ServerPanel
 from .util import RESOURCES, FileDropMixin, is_adapter_path
 
 TITLE = "Mixdesk — LoRA mixing desk"
+PREFERRED_SIZE = QSize(1400, 880)
+FRAME_ALLOWANCE = QSize(24, 48)  # window decorations and a panel the screen size includes
+
+
+def initial_size(available: QSize) -> QSize:
+    """The first-start size: the preferred one, shrunk to fit the screen's free area
+    (a 1280x800 laptop has ~1280x770 of it) with room for the title bar."""
+    return QSize(
+        min(PREFERRED_SIZE.width(), available.width() - FRAME_ALLOWANCE.width()),
+        min(PREFERRED_SIZE.height(), available.height() - FRAME_ALLOWANCE.height()),
+    )
 
 
 class ErrorBanner(QWidget):
-    """An inline, dismissable error line: errors are shown, never raised."""
+    """A dismissable error line floating under the model bar: errors are shown, never
+    raised. It overlays the top of the desk instead of taking layout space, so showing
+    it never moves a control under the pointer (a click aimed at a button would land
+    on another one). An error goes away with the next success; a note about a file
+    that could not be read (``sticky``) stays until closed."""
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -57,12 +72,32 @@ class ErrorBanner(QWidget):
         lay.addWidget(self.label, 1)
         lay.addWidget(close)
         self.messages: list[str] = []
+        self.sticky = False
         self.hide()
 
-    def show_error(self, text: str) -> None:
+    def show_error(self, text: str, sticky: bool = False) -> None:
         self.messages.append(text)
         self.label.setText(text)
+        self.sticky = sticky
         self.show()
+        self.raise_()
+        self.place()
+
+    def place(self) -> None:
+        """Span the parent's width just under ``anchor`` (the model bar)."""
+        host, anchor = self.parentWidget(), getattr(self, "anchor", None)
+        if host is None:
+            return
+        top = anchor.geometry().bottom() + 1 if anchor is not None else 0
+        width = host.width()
+        lay = self.layout()
+        height = lay.heightForWidth(width) if lay.hasHeightForWidth() else -1
+        self.setGeometry(0, top, width, max(height, self.sizeHint().height()))
+
+    def success(self) -> None:
+        """The next action worked: an error about an earlier one is stale now."""
+        if not self.sticky:
+            self.hide()
 
 
 class MainWindow(FileDropMixin, QMainWindow):
@@ -121,9 +156,11 @@ class MainWindow(FileDropMixin, QMainWindow):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         lay.addWidget(self.model_bar)
-        lay.addWidget(self.banner)
         lay.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
+        self.banner.setParent(central)  # floats over the layout, see ErrorBanner
+        self.banner.anchor = self.model_bar
+        central.installEventFilter(self)
         self._menus()
 
         for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server, self.exporter):
@@ -135,6 +172,11 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
         self.bridge.adapter_error.connect(lambda p, e: self.show_error(f"Adapter not loaded: {e}"))
         self.bridge.model_loaded.connect(self._model_loaded)
+        self.bridge.adapter_added.connect(lambda *_: self.banner.success())
+        self.chat.reply_finished.connect(
+            lambda r: (r.get("meta") or {}).get("stop") != "error" and self.banner.success()
+        )
+        self.server.state_changed.connect(lambda on: on and self.banner.success())
         self.server.message.connect(self.show_error)
         self._restore()
         self._report_unreadable_files()
@@ -170,15 +212,21 @@ class MainWindow(FileDropMixin, QMainWindow):
     def status(self, text: str) -> None:
         self.statusBar().showMessage(text, 8000)
 
-    def show_error(self, text: str) -> None:
-        self.banner.show_error(text)
-        self.status(text)
+    def show_error(self, text: str, sticky: bool = False) -> None:
+        self.banner.show_error(text, sticky)
+        self.status(text.splitlines()[0] if text else text)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.centralWidget() and event.type() in (QEvent.Resize, QEvent.LayoutRequest):
+            if self.banner.isVisible():
+                self.banner.place()
+        return super().eventFilter(obj, event)
 
     def _report_unreadable_files(self) -> None:
         """Files moved aside at start (corrupt settings, presets or chats) are said once."""
         notes = self.settings.problems + self.chat.store.take_problems()
         if notes:
-            self.show_error("\n".join(notes))
+            self.show_error("\n".join(notes), sticky=True)
 
     # -- model loading ----------------------------------------------------------------------
     def open_model(
@@ -188,6 +236,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.bridge.load_model(path, adapters)
 
     def _model_loaded(self, info: dict) -> None:
+        self.banner.success()
         if info.get("path"):
             self.settings.add_recent("recent_models", info["path"])
         self.status(f"Loaded {info.get('name', '')}")
@@ -204,10 +253,12 @@ class MainWindow(FileDropMixin, QMainWindow):
     # -- persistence --------------------------------------------------------------------------------
     def _restore(self) -> None:
         geo = self.settings.get("window_geometry")
-        if geo:
-            self.restoreGeometry(QByteArray.fromBase64(geo.encode()))
-        else:
-            self.resize(1400, 880)
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry().size() if screen else PREFERRED_SIZE
+        if not (geo and self.restoreGeometry(QByteArray.fromBase64(geo.encode()))):
+            self.resize(initial_size(avail))
+        elif self.width() > avail.width() or self.height() > avail.height():
+            self.resize(self.size().boundedTo(initial_size(avail)))  # saved on a larger screen
         split = self.settings.get("splitter_state")
         if split:
             self.splitter.restoreState(QByteArray.fromBase64(split.encode()))
@@ -256,7 +307,7 @@ def _loop_running() -> bool:
         return False
 
 
-def _padded(w: QWidget, margin: int = 10) -> QWidget:
+def _padded(w: QWidget, margin: int = 8) -> QWidget:
     host = QWidget()
     lay = QVBoxLayout(host)
     lay.setContentsMargins(margin, margin, margin, margin)

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
     QLabel,
+    QMenu,
     QPushButton,
     QScrollArea,
     QSizePolicy,
@@ -33,6 +34,7 @@ from core.lora import effective_scale
 from core.settings import Settings
 
 from .bridge import EngineBridge
+from .util import ElidedLabel
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
@@ -50,14 +52,15 @@ class Strip:
         self.solo = QToolButton(checkable=True, text="S")
         self.solo.setObjectName("soloButton")
         self.solo.setToolTip("Solo: hear only soloed adapters")
-        self.name = QLabel(info["name"])
+        self.name = ElidedLabel(info["name"])
         self.name.setObjectName("stripName")
+        self.name.setMinimumWidth(48)
         self.name.setToolTip(info.get("path", ""))
         self.slider = QSlider(Qt.Horizontal)
         self.slider.setRange(int(SCALE_MIN * TICKS), int(SCALE_MAX * TICKS))
         self.slider.setTickPosition(QSlider.TicksBelow)
         self.slider.setTickInterval(TICKS // 2)
-        self.slider.setMinimumWidth(90)
+        self.slider.setMinimumWidth(60)
         self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
         self.spin = QDoubleSpinBox(
             decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX
@@ -66,7 +69,7 @@ class Strip:
         self.spin.setFixedWidth(78)
         self.eff = QLabel()
         self.eff.setObjectName("effLabel")
-        self.eff.setMinimumWidth(96)
+        self.eff.setMinimumWidth(84)
         self._on_change = on_change
         self.slider.valueChanged.connect(lambda v: self._set(v / TICKS, from_slider=True))
         self.spin.valueChanged.connect(lambda v: self._set(v, from_slider=False))
@@ -147,17 +150,22 @@ class MixerPanel(QWidget):
         reset.clicked.connect(self.zero_all)
 
         self.preset_box = QComboBox()
-        self.preset_box.setMinimumWidth(140)
+        self.preset_box.setMinimumWidth(90)
+        self.preset_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.preset_box.setMinimumContentsLength(8)
         self.preset_box.setPlaceholderText("Presets…")
         buttons = {}
-        for label, slot in (
-            ("Load", self._load_clicked),
-            ("Save…", self._save_clicked),
-            ("Rename…", self._rename_clicked),
-            ("Delete", self._delete_clicked),
-        ):
+        for label, slot in (("Load", self._load_clicked), ("Save…", self._save_clicked)):
             b = buttons[label] = QPushButton(label)
             b.clicked.connect(slot)
+        # Rename and Delete are rarer: a menu keeps the row narrow enough for 1024 px
+        more = buttons["more"] = QToolButton(text="⋯")
+        more.setToolTip("Rename or delete the selected preset")
+        more.setPopupMode(QToolButton.InstantPopup)
+        menu = QMenu(more)
+        menu.addAction("Rename…", self._rename_clicked)
+        menu.addAction("Delete", self._delete_clicked)
+        more.setMenu(menu)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
 
         top = QHBoxLayout()

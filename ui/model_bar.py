@@ -9,7 +9,6 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
-    QLabel,
     QMenu,
     QProgressBar,
     QPushButton,
@@ -20,7 +19,7 @@ from PySide6.QtWidgets import (
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .util import FileDropMixin, human_bytes, human_count
+from .util import ElidedLabel, FileDropMixin, human_bytes, human_count
 
 
 class ModelBar(FileDropMixin, QWidget):
@@ -44,9 +43,12 @@ class ModelBar(FileDropMixin, QWidget):
         self.recent_btn.setMenu(self.recent_menu)
         self.recent_menu.aboutToShow.connect(self._fill_recent)
 
-        self.name = QLabel("No model")
+        self.name = ElidedLabel("No model")
         self.name.setObjectName("modelName")
-        self.info = QLabel("")
+        self.name.setMaximumWidth(360)
+        # The facts line yields its width to the progress bar and Cancel while a model
+        # loads (elided, full text in the tooltip) instead of widening the window.
+        self.info = ElidedLabel("")
         self.info.setObjectName("modelInfo")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
@@ -119,6 +121,7 @@ class ModelBar(FileDropMixin, QWidget):
             f"loaded in {info.get('load_ms', 0) / 1000:.2f} s",
         ]
         self.info.setText("  ·  ".join(parts))
+        self.info.setToolTip(self.info.full_text)
 
     def files_dropped(self, paths: list[str]) -> None:
         self.open_requested.emit(paths[0])

@@ -67,6 +67,7 @@ class SamplingForm(QWidget):
 
         form = QFormLayout()
         form.setFieldGrowthPolicy(QFormLayout.AllNonFixedFieldsGrow)
+        form.setRowWrapPolicy(QFormLayout.WrapLongRows)  # label above field when narrow
         for label, w in (
             ("Temperature", self.temperature),
             ("Top-k", self.top_k),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData
+from PySide6.QtCore import QMimeData, Qt
+from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 
@@ -68,3 +69,32 @@ def format_mix(mix, names: dict[int, str]) -> str:
     items = mix.items() if isinstance(mix, dict) else mix
     parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
     return ", ".join(parts) if parts else "base model (no adapters)"
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that asks for no minimum width: it elides its text ("…") to
+    the space it gets, so a long name or facts line never widens the window."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.full_text = ""
+        self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.setMinimumWidth(40)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 (Qt's name)
+        self.full_text = text
+        self._elide()
+
+    def sizeHint(self):  # noqa: N802
+        hint = super().sizeHint()
+        hint.setWidth(self.fontMetrics().horizontalAdvance(self.full_text) + 4)
+        return hint
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        shown = self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(self.width(), 0))
+        super().setText(shown if self.width() > 0 else self.full_text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import QItemSelectionModel, Qt
 
 
@@ -48,3 +49,114 @@ def test_html_in_a_message_is_shown_as_text(window):
     html = w.chat.view.toHtml()
     assert "color:#ff0000" not in html.replace(" ", "").lower()
     assert "<img" not in html
+
+
+LONG_INFO = {
+    "name": "SmolLM2-135M-Instruct-with-a-rather-long-file-name-Q8_0",
+    "path": "/models/SmolLM2-135M-Instruct-with-a-rather-long-file-name-Q8_0.gguf",
+    "arch": "llama",
+    "n_params": 134_515_008,
+    "quant": "Q8_0",
+    "n_ctx": 4096,
+    "n_ctx_train": 8192,
+    "memory_bytes": 540_000_000,
+    "load_ms": 1234,
+}
+
+
+@pytest.fixture
+def styled(qapp):
+    """The real window's style and stylesheet (sizes depend on them)."""
+    from ui.app import load_stylesheet
+
+    old = qapp.styleSheet()
+    qapp.setStyleSheet(load_stylesheet())
+    yield
+    qapp.setStyleSheet(old)
+
+
+def _settle(qtbot):
+    qtbot.wait(50)
+
+
+def test_the_window_does_not_grow_by_itself(window, qtbot, styled):
+    w = window
+    w.resize(1024, 700)
+    _settle(qtbot)
+    size = w.size()
+    w.model_bar.show_info(LONG_INFO)
+    w.bridge.model_loading.emit(0.4, "reading tensors from the cache file")  # progress + Cancel
+    _settle(qtbot)
+    assert w.size() == size
+    w.chat.conversation["messages"] = [{"role": "user", "content": "hi"}]
+    w.chat.render()
+    w.chat.edit_message(0)  # the "✎ edit" banner
+    _settle(qtbot)
+    assert w.size() == size
+    assert w.minimumSizeHint().width() <= 1024 and w.minimumSizeHint().height() <= 700
+
+
+def test_an_error_banner_does_not_push_the_layout_and_goes_after_a_success(window, qtbot):
+    w = window
+    w.resize(1100, 760)
+    _settle(qtbot)
+    y = w.splitter.mapTo(w, w.splitter.rect().topLeft()).y()
+    w.show_error("Model not loaded: " + "a long reason that wraps " * 12)
+    _settle(qtbot)
+    assert w.banner.isVisible()
+    assert w.splitter.mapTo(w, w.splitter.rect().topLeft()).y() == y  # nothing moved
+    assert w.banner.geometry().top() >= w.model_bar.geometry().bottom()  # under the bar
+    w.bridge.model_loaded.emit(dict(LONG_INFO))  # the next action succeeds
+    _settle(qtbot)
+    assert not w.banner.isVisible()
+
+
+def test_first_start_fits_the_screen():
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import initial_size
+
+    for screen in (QSize(1280, 800), QSize(1280, 770), QSize(1024, 700), QSize(2560, 1440)):
+        got = initial_size(screen)
+        assert got.width() <= screen.width() and got.height() <= screen.height() - 30
+        assert got.width() >= min(1024, screen.width()) - 60
+
+
+def test_at_1024x700_send_stop_regenerate_and_status_bar_are_visible(loaded, qtbot, styled):
+    w = loaded
+    w.settings.set("window_geometry", None)
+    w.resize(1024, 700)
+    w.status("ready")
+    _settle(qtbot)
+    assert w.size().width() == 1024 and w.size().height() == 700
+    inside = w.rect()
+    for b in (w.chat.send_btn, w.chat.stop_btn, w.chat.regen_btn, w.statusBar()):
+        assert b.isVisible()
+        r = b.rect().translated(b.mapTo(w, b.rect().topLeft()))
+        assert inside.contains(r), (b, r, inside)
+        assert r.width() >= b.minimumSizeHint().width() - 1  # not squeezed
+    for s in w.mixer.strips.values():
+        r = s.spin.rect().translated(s.spin.mapTo(w, s.spin.rect().topLeft()))
+        assert inside.contains(r)
+
+
+def test_bypass_all_keeps_its_font_weight_when_checked():
+    """A checked state that made the text bolder no longer fit the button's width
+    (computed unchecked): "Bypass all" showed as "3ypass al"."""
+    import re
+
+    from ui.app import load_stylesheet
+
+    qss = load_stylesheet()
+    checked = re.search(r"#bypassButton:checked\s*\{([^}]*)\}", qss).group(1)
+    assert "font-weight" not in checked and "font-size" not in checked
+
+
+def test_menus_have_a_visible_frame():
+    import re
+
+    from ui.app import load_stylesheet
+
+    qss = load_stylesheet()
+    rule = re.search(r"(?m)^QMenu\s*\{([^}]*)\}", qss)
+    assert rule and "border:" in rule.group(1) and "#ffffff" in rule.group(1)

@@ -45,7 +45,8 @@ def test_mix_set_from_another_thread_moves_sliders(loaded, qtbot):
     w.mixer.strips[attn].on.setChecked(False)  # muted, then the API sets it
     gui_thread = threading.get_ident()
     seen_on = []
-    w.mixer.strips[attn].spin.valueChanged.connect(lambda _v: seen_on.append(threading.get_ident()))
+    # the desk moves its faders with signals blocked, so watch the signal that moves them
+    w.bridge.mix_changed.connect(lambda *_: seen_on.append(threading.get_ident()))
     t = threading.Thread(target=w.engine.set_mix, args=({attn: 1.5},), kwargs={"source": "api"})
     t.start()
     qtbot.waitUntil(lambda: w.mixer.strips[attn].spin.value() == pytest.approx(1.5), timeout=5000)
