@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
+    QCheckBox,
     QFormLayout,
     QHBoxLayout,
     QLabel,
@@ -26,6 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.paths import data_dir
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -69,6 +72,16 @@ class ServerPanel(QWidget):
         for w in (self.host, self.api_key):
             w.editingFinished.connect(self._save)
         self.port.valueChanged.connect(self._save)
+        # Loading an adapter by path over HTTP opens files a client names: off unless
+        # asked for, and then only inside the adapter folders this desk already uses.
+        self.allow_lora = QCheckBox("Allow loading adapters over HTTP")
+        self.allow_lora.setChecked(bool(cfg.get("allow_runtime_lora", False)))
+        self.allow_lora.setToolTip(
+            "POST /lora-adapters/load and /v1/load_lora_adapter, limited to the folders of "
+            "the adapters on the desk, the recent ones and the Mixdesk adapters folder "
+            "(applies when the server starts)"
+        )
+        self.allow_lora.toggled.connect(lambda _: self._save())
 
         self.url = QLineEdit(readOnly=True)
         copy_url = QPushButton("Copy")
@@ -78,7 +91,7 @@ class ServerPanel(QWidget):
         self.curl.setMaximumHeight(96)
         copy_curl = QPushButton("Copy curl")
         copy_curl.clicked.connect(
-            lambda: QGuiApplication.clipboard().setText(self.curl.toPlainText())
+            lambda: QGuiApplication.clipboard().setText(self.curl_command(reveal=True))
         )
 
         form = QFormLayout()
@@ -89,6 +102,7 @@ class ServerPanel(QWidget):
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)
         form.addRow("API key", self.api_key)
+        form.addRow("", self.allow_lora)
         url_row = QHBoxLayout()
         url_row.addWidget(self.url, 1)
         url_row.addWidget(copy_url)
@@ -121,6 +135,7 @@ class ServerPanel(QWidget):
             host=self.host.text().strip() or "127.0.0.1",
             port=self.port.value(),
             api_key=self.api_key.text(),
+            allow_runtime_lora=self.allow_lora.isChecked(),
         )
         self._update_texts()
 
@@ -131,18 +146,31 @@ class ServerPanel(QWidget):
             shown = f"[{shown}]"
         return f"http://{shown}:{self.bound_port or self.port.value()}"
 
-    def _update_texts(self) -> None:
-        url = self.base_url()
-        self.url.setText(url + "/v1")
-        auth = (
-            f' \\\n  -H "Authorization: Bearer {self.api_key.text()}"'
-            if self.api_key.text()
-            else ""
-        )
-        self.curl.setPlainText(
-            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+    def curl_command(self, reveal: bool = False) -> str:
+        """The example request; the API key is masked on screen (anyone looking at or
+        screen-sharing the window would read it) and only put in by "Copy curl"."""
+        key = self.api_key.text()
+        shown = key if reveal else "•" * 8
+        auth = f' \\\n  -H "Authorization: Bearer {shown}"' if key else ""
+        return (
+            f"curl {self.base_url()}/v1/chat/completions "
+            f"-H 'Content-Type: application/json'{auth} \\\n"
             '  -d \'{"messages": [{"role": "user", "content": "Hello!"}]}\''
         )
+
+    def lora_dirs(self) -> list[Path]:
+        """The folders HTTP clients may load adapters from (see allow_lora)."""
+        paths = [a.get("path", "") for a in self.bridge.engine.adapters()]
+        paths += self.settings.get("recent_adapters") or []
+        out: list[Path] = []
+        for p in [*(Path(x).parent for x in paths if x), data_dir() / "adapters"]:
+            if p not in out:
+                out.append(p)
+        return out
+
+    def _update_texts(self) -> None:
+        self.url.setText(self.base_url() + "/v1")
+        self.curl.setPlainText(self.curl_command())
 
     # -- log ---------------------------------------------------------------------------------
     def _append(self, line: str) -> None:
@@ -194,8 +222,16 @@ class ServerPanel(QWidget):
             from core.http.server import exposure_warnings, start_site
 
             keys = [self.api_key.text()] if self.api_key.text() else []
+            allow = self.allow_lora.isChecked()
             settings = _server_settings(
-                ServerSettings, host, port, keys, self.cors_origins, on_log=self.log_line.emit
+                ServerSettings,
+                host,
+                port,
+                keys,
+                self.cors_origins,
+                on_log=self.log_line.emit,
+                allow_runtime_lora=allow,
+                lora_dirs=self.lora_dirs() if allow else [],
             )
             app = create_app(self.bridge.engine, settings)
             runner, bound = await start_site(app, host, port)

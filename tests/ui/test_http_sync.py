@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -99,8 +100,25 @@ def test_slider_shows_in_get_lora_adapters_immediately(served, qtbot):
     assert all(e["scale"] == 0.0 for e in entries)
 
 
-def test_adapter_loaded_over_http_appears_in_the_desk(served, qtbot, ref_dir):
+def test_adapter_loading_over_http_is_off_unless_ticked(served, qtbot, ref_dir):
     w, url = served
+    assert not w.server.allow_lora.isChecked()
+    path = str(ref_dir / "adapters" / "lora_attn.gguf")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        in_thread(qtbot, http, "POST", url + "/lora-adapters/load", {"path": path})
+    assert e.value.code == 403
+    assert w.adapters.tree.topLevelItemCount() == 3
+
+
+def test_adapter_loaded_over_http_appears_in_the_desk(loaded, qloop, qtbot, ref_dir):
+    w = loaded
+    w.server.allow_lora.setChecked(True)  # before the server starts
+    assert w.settings.get("server")["allow_runtime_lora"] is True
+    assert ref_dir / "adapters" in w.server.lora_dirs()  # the desk's adapters' folder
+    w.server.port.setValue(free_port())
+    w.server.toggle.setChecked(True)
+    qtbot.waitUntil(lambda: w.server.running, timeout=10000)
+    url = w.server.base_url()
     path = str(ref_dir / "adapters" / "lora_attn.gguf")
     entry = in_thread(
         qtbot, http, "POST", url + "/lora-adapters/load", {"path": path, "scale": 0.5}
@@ -108,6 +126,8 @@ def test_adapter_loaded_over_http_appears_in_the_desk(served, qtbot, ref_dir):
     qtbot.waitUntil(lambda: entry["id"] in w.mixer.strips, timeout=2000)
     assert w.mixer.strips[entry["id"]].spin.value() == pytest.approx(0.5)
     assert w.adapters.tree.topLevelItemCount() == 4
+    fut = asyncio.ensure_future(w.server.stop(remember=False))
+    qtbot.waitUntil(fut.done, timeout=10000)
 
 
 def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):

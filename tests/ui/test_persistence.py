@@ -39,7 +39,8 @@ def test_settings_survive_restart(loaded, make_window, qtbot):
     assert w2.sampling.values()["top_k"] == 7 and w2.sampling.values()["seed"] == 42
     assert w2.sampling.system_prompt.toPlainText() == "You are terse."
     assert w2.server.port.value() == 18123 and w2.server.api_key.text() == "sekrit"
-    assert "18123" in w2.server.url.text() and "sekrit" in w2.server.curl.toPlainText()
+    assert "18123" in w2.server.url.text() and "sekrit" not in w2.server.curl.toPlainText()
+    assert "Bearer sekrit" in w2.server.curl_command(reveal=True)  # what Copy curl copies
     assert w2.settings.presets.names() == ["quarter"]
     assert w2.chat.conversation["id"] == conv["id"]
     assert "remember me" in w2.chat.view.toPlainText()
