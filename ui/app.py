@@ -86,7 +86,10 @@ def create_window(args: argparse.Namespace):
     win.server._save()
     model = getattr(args, "model", None)
     target = Path(model) if model else (lambda: ensure_default_model(log=log.info))
-    win.open_model(target, startup_adapters(args))
+    given = getattr(args, "adapters", None) or getattr(args, "lora", None)
+    # adapters named on the command line win; else the desk as it was left; else the demos
+    adapters = (None if given else win.restore_desk()) or startup_adapters(args)
+    win.open_model(target, adapters)
     return win
 
 

@@ -170,8 +170,8 @@ class ChatPane(QWidget):
         self._started = False  # the window reports the files moved aside at start
         self.refresh_history()
         last = settings.get("last_conversation")
-        if last:
-            self.open_conversation(last)
+        if last:  # the saved system prompt is the user's latest: the chat's may be older
+            self.open_conversation(last, apply_prompt=False)
         self._update_buttons()
         self.render()
         self._started = True
@@ -375,14 +375,16 @@ class ChatPane(QWidget):
         if cid and cid != self.conversation["id"]:
             self.open_conversation(cid)
 
-    def open_conversation(self, cid: str) -> bool:
+    def open_conversation(self, cid: str, apply_prompt: bool = True) -> bool:
+        """Show a saved chat; switching to it also brings back its system prompt
+        (when it had one: an empty one would wipe the prompt being written)."""
         if self.generating:
             return False
         conv = self.store.load(cid)
         if conv is None:
             return False
         self.conversation = conv
-        if conv.get("system_prompt") is not None:
+        if apply_prompt and conv.get("system_prompt"):
             self.sampling.system_prompt.setPlainText(conv["system_prompt"])
         self.settings.set("last_conversation", cid)
         self.cancel_edit()

@@ -230,10 +230,24 @@ class MainWindow(FileDropMixin, QMainWindow):
 
     # -- model loading ----------------------------------------------------------------------
     def open_model(
-        self, path: str | Callable[[], Path], adapters: list[tuple[str, float]] = ()
+        self, path: str | Callable[[], Path], adapters: list[tuple[str, float]] | None = None
     ) -> None:
+        """Load a model; without ``adapters``, the desk's adapters are added back after
+        it (those that do not fit the new model become red rows with the reason)."""
         self.banner.hide()
+        if adapters is None:
+            adapters = self.mixer.expect(self.mixer.desk_state())
+            if adapters:
+                self.status(
+                    f"Opening the model; its {len(adapters)} adapter(s) on the desk will be "
+                    "loaded again (any that do not fit it will show why)"
+                )
         self.bridge.load_model(path, adapters)
+
+    def restore_desk(self) -> list[tuple[str, float]]:
+        """The saved desk's adapters to load at start (with their faders and buttons
+        put back when they arrive)."""
+        return self.mixer.expect(self.settings.get("desk"))
 
     def _model_loaded(self, info: dict) -> None:
         self.banner.success()

@@ -140,6 +140,11 @@ class MixerPanel(QWidget):
         self.settings = settings
         self.strips: dict[int, Strip] = {}
         self._syncing = False
+        # desk entries (path -> scale, mute, solo) waiting for their adapter to load:
+        # a restart or a model reload puts them back on the strips as they were
+        self._pending: dict[str, dict] = {}
+        self._pending_bypass: bool | None = None
+        self._ready = False
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
@@ -211,8 +216,10 @@ class MixerPanel(QWidget):
         # current state rather than the (possibly stale) payload.
         bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
+        bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
         self.refresh_presets()
         self.set_adapters(bridge.engine.adapters())
+        self._ready = True
 
     # -- building -----------------------------------------------------------------
     def set_adapters(self, adapters: list[dict]) -> None:
@@ -227,10 +234,12 @@ class MixerPanel(QWidget):
                     w.deleteLater()
         for col, h in enumerate(self.headers):
             self.grid.addWidget(h, 0, col)
+        restored = False
         for row, info in enumerate(adapters, start=1):
             strip = old.get(info["id"])
             if strip is None:
                 strip = Strip(info, self._apply)
+                restored |= self._restore_strip(strip)
             strip.info = info
             self.strips[info["id"]] = strip
             for col, w in enumerate(strip.widgets()):
@@ -242,7 +251,53 @@ class MixerPanel(QWidget):
         for r in range(self.grid.rowCount()):
             self.grid.setRowStretch(r, 0)
         self.grid.setRowStretch(len(adapters) + 2, 1)
-        self._reconcile(self.bridge.engine.get_mix())
+        if restored:
+            self._apply()  # the desk as it was wins over the scales it was loaded with
+        else:
+            self._reconcile(self.bridge.engine.get_mix())
+
+    # -- the desk across restarts and model reloads -----------------------------------
+    def desk_state(self) -> dict[str, Any]:
+        """What settings' "desk" keeps: bypass and each adapter by path, in order."""
+        return {
+            "bypass": self.bypass.isChecked(),
+            "adapters": [
+                {
+                    "path": s.info.get("path", ""),
+                    "scale": s.value,
+                    "muted": s.muted,
+                    "solo": s.solo.isChecked(),
+                }
+                for s in self.strips.values()
+                if s.info.get("path")
+            ],
+        }
+
+    def expect(self, desk: dict) -> list[tuple[str, float]]:
+        """Remember ``desk`` until its adapters load; the (path, scale) pairs to load.
+        They load at scale 0 and the desk then applies its own mix (mutes included)."""
+        entries = [e for e in desk.get("adapters", []) if e.get("path")]
+        self._pending = {e["path"]: e for e in entries}
+        self._pending_bypass = bool(desk.get("bypass"))
+        return [(e["path"], 0.0) for e in entries]
+
+    def _restore_strip(self, strip: Strip) -> bool:
+        entry = self._pending.pop(strip.info.get("path", ""), None)
+        if entry is None:
+            return False
+        strip.set_value(float(entry.get("scale", 0.0)), notify=False)
+        strip.set_flags(muted=bool(entry.get("muted")), solo=bool(entry.get("solo")))
+        if self._pending_bypass is not None:
+            self.bypass.blockSignals(True)
+            self.bypass.setChecked(self._pending_bypass)
+            self.bypass.blockSignals(False)
+            self._pending_bypass = None
+        return True
+
+    def _remember(self) -> None:
+        """Save the desk, except while one is being restored (it would save it half)."""
+        if self._ready and not self._pending:
+            self.settings.set("desk", self.desk_state())
 
     # -- the mix ------------------------------------------------------------------------
     def desk_mix(self) -> dict[int, float]:
@@ -265,6 +320,7 @@ class MixerPanel(QWidget):
         if self.strips:
             self.bridge.set_mix(mix)
         self.mix_applied.emit(mix)
+        self._remember()
 
     def _engine_mix_changed(self, mix: dict, source: str) -> None:
         if source != "gui":
@@ -298,6 +354,7 @@ class MixerPanel(QWidget):
             s.show_effective(desk[aid])
         if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
+        self._remember()
 
     def zero_all(self) -> None:
         self._syncing = True

@@ -160,3 +160,68 @@ def test_menus_have_a_visible_frame():
     qss = load_stylesheet()
     rule = re.search(r"(?m)^QMenu\s*\{([^}]*)\}", qss)
     assert rule and "border:" in rule.group(1) and "#ffffff" in rule.group(1)
+
+
+def test_system_prompt_survives_a_restart_with_the_last_chat(window, make_window):
+    w = window
+    w.chat.conversation["messages"] = [{"role": "user", "content": "hi"}]
+    w.chat._save()  # saved with an empty system prompt
+    w.sampling.system_prompt.setPlainText("You are terse.")  # written after
+    w.close()
+    w2 = make_window()
+    assert w2.chat.conversation["id"] == w.chat.conversation["id"]
+    assert w2.sampling.system_prompt.toPlainText() == "You are terse."
+
+
+def _restart_with_desk(make_window, qtbot, w):
+    """Close ``w``, empty the engine as a fresh start would, open a new window and
+    restore the saved desk the way ui.app.create_window does."""
+    w.close()
+    for a in w.engine.adapters():
+        w.engine.remove_adapter(a["id"])
+    w2 = make_window()
+    for path, scale in w2.restore_desk():
+        w2.bridge.add_adapter(path, scale)
+    return w2
+
+
+def test_the_desk_is_restored_at_start(loaded, make_window, qtbot, tmp_path):
+    w, ids = loaded, loaded.ids
+    w.mixer.strips[ids["lora_attn"]].spin.setValue(0.25)
+    w.mixer.strips[ids["lora_ffn"]].spin.setValue(-1.5)
+    w.mixer.strips[ids["lora_ffn"]].on.setChecked(False)  # muted
+    w.mixer.strips[ids["lora_all_q8"]].solo.setChecked(True)
+    w.mixer.strips[ids["lora_all_q8"]].spin.setValue(0.5)
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(b"GGUF but not really")
+    desk = w.settings.get("desk")
+    desk["adapters"].append({"path": str(gone), "scale": 1.0, "muted": False, "solo": False})
+    w.settings.set("desk", desk)  # an adapter that no longer loads
+
+    w2 = _restart_with_desk(make_window, qtbot, w)
+    qtbot.waitUntil(lambda: len(w2.mixer.strips) == 3, timeout=10000)
+    qtbot.waitUntil(lambda: len(w2.adapters.errors) == 1, timeout=10000)
+    by_name = {s.info["name"]: s for s in w2.mixer.strips.values()}
+    assert by_name["lora_attn"].value == 0.25
+    assert by_name["lora_ffn"].value == -1.5 and by_name["lora_ffn"].muted
+    assert by_name["lora_all_q8"].solo.isChecked() and by_name["lora_all_q8"].value == 0.5
+    mix = w2.engine.get_mix()
+    assert mix[by_name["lora_all_q8"].id] == 0.5  # solo: only it sounds
+    assert mix[by_name["lora_attn"].id] == 0.0 and mix[by_name["lora_ffn"].id] == 0.0
+    assert str(gone) in w2.adapters.errors  # a red row with the reason
+
+
+def test_reopening_the_model_keeps_the_desk(loaded, qtbot, smollm_path):
+    w, ids = loaded, loaded.ids
+    w.mixer.strips[ids["lora_attn"]].spin.setValue(0.75)
+    w.mixer.strips[ids["lora_ffn"]].on.setChecked(False)
+    said = []
+    w.statusBar().messageChanged.connect(said.append)
+    with qtbot.waitSignal(w.bridge.model_loaded, timeout=120000):
+        w.open_model(str(smollm_path))  # e.g. the same file from Recent
+    assert any("3 adapter(s) on the desk will be loaded again" in m for m in said)
+    qtbot.waitUntil(lambda: len(w.mixer.strips) == 3, timeout=20000)
+    by_name = {s.info["name"]: s for s in w.mixer.strips.values()}
+    qtbot.waitUntil(lambda: by_name["lora_attn"].value == 0.75, timeout=5000)
+    assert by_name["lora_ffn"].muted
+    assert w.engine.get_mix()[by_name["lora_attn"].id] == 0.75

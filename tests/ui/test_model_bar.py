@@ -11,7 +11,8 @@ def test_open_model_shows_progress_and_info(window, qtbot, smollm_path):
         w.open_model(str(smollm_path))
     assert progress and max(progress) <= 1.0
     assert not w.model_bar.progress.isVisible()
-    info = w.model_bar.info.text()
+    info = w.model_bar.info.full_text  # shown elided to the space it has, full in the tooltip
+    assert w.model_bar.info.toolTip() == info
     assert "llama" in info and "params" in info and "Q4_1" in info and "RAM" in info
     assert w.settings.recent_models()[0] == str(smollm_path)
     assert w.engine.ready
