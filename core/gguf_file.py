@@ -57,20 +57,22 @@ class GGUFError(UserError):
     """A GGUF file is unreadable; the message names the file and the problem."""
 
 
-def check_regular_file(path: str | os.PathLike, error: type[UserError] = UserError) -> int:
+def check_regular_file(
+    path: str | os.PathLike, error: type[UserError] = UserError, prefix: str = ""
+) -> int:
     """Refuse anything but a regular file before opening it, and return its size.
 
     open() on a FIFO blocks until a writer appears (forever, for a file picker), and
     reading a device or a directory as a model is never what the user meant.
+    ``prefix`` starts the message (e.g. "adapter foo: ").
     """
     p = Path(path)
     try:
         st = os.stat(p)
     except OSError as e:
-        raise error(f"{p}: cannot open ({e.strerror or 'not accessible'})") from None
+        raise error(f"{prefix}{p}: cannot open ({e.strerror or 'not accessible'})") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = _file_kind(st.st_mode)
-        raise error(f"{p}: is not a regular file (it is {kind})")
+        raise error(f"{prefix}{p.name} is not a regular file (it is {_file_kind(st.st_mode)})")
     return st.st_size
 
 

@@ -19,15 +19,52 @@ from typing import Any
 import numpy as np
 from gguf import quants
 
-from .config import ModelConfig
+from .config import ModelConfig, describe_value
 from .errors import UserError
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFError, GGUFFile, check_regular_file, short_name
 
 log = logging.getLogger(__name__)
 
 
 class AdapterError(UserError):
     """An adapter cannot be used; the message names the adapter (and tensor)."""
+
+
+MAX_ALPHA = 65536.0  # |alpha|; real adapters use 1..512, more is corrupt or hostile
+MAX_RANK = 65536
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_)
+    )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_alpha(value: Any, key: str, label: str) -> float | None:
+    """A LoRA alpha: None or 0 (use the scale as is), else a finite number of sane size.
+    NaN/Inf/3e38 would turn every output into NaN (and, before this check, hang)."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or abs(value) > MAX_ALPHA:
+        raise AdapterError(
+            f"adapter {label}: {key} must be a finite number from {-MAX_ALPHA:g} to "
+            f"{MAX_ALPHA:g}, not {describe_value(value)}"
+        )
+    return float(value) or None
+
+
+def check_rank(value: Any, key: str, label: str) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_RANK:
+        raise AdapterError(
+            f"adapter {label}: {key} must be an integer from 1 to {MAX_RANK}, "
+            f"not {describe_value(value)}"
+        )
+    return int(value)
 
 
 def effective_scale(scale: float, alpha: float | None, rank: int) -> float:
@@ -188,7 +225,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
     if p.is_dir() or p.name == "adapter_config.json" or p.suffix == ".safetensors":
         folder = p if p.is_dir() else p.parent
         adapter = _load_peft(folder, cfg)
-    elif p.exists():
+    elif p.exists() or p.is_symlink():
         adapter = _load_gguf(p, cfg)
     else:
         raise AdapterError(f"{p}: no such file or folder")
@@ -202,27 +239,35 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     except GGUFError as e:
         raise AdapterError(f"adapter {path.name}: {e}") from None
     meta = gf.metadata
-    if meta.get("general.type") != "adapter" or meta.get("adapter.type", "lora") != "lora":
-        kind = meta.get("general.type", "no general.type")
+    label = path.name
+
+    def text(key: str, default: str = "") -> str:
+        v = meta.get(key, default)
+        if not isinstance(v, str):
+            raise AdapterError(f"adapter {label}: {key} must be a string, not {describe_value(v)}")
+        return v
+
+    gtype, atype = text("general.type", "no general.type"), text("adapter.type", "lora")
+    if gtype != "adapter" or atype != "lora":
         raise AdapterError(
-            f"adapter {path.name}: not a LoRA adapter GGUF (general.type={kind!r}, "
-            f"adapter.type={meta.get('adapter.type')!r})"
+            f"adapter {label}: not a LoRA adapter GGUF (general.type={gtype[:40]!r}, "
+            f"adapter.type={atype[:40]!r})"
         )
-    arch = meta.get("general.architecture")
+    arch = text("general.architecture", "none")
     if arch != cfg.arch:
         raise AdapterError(
-            f"adapter {path.name}: made for architecture {arch!r}, "
+            f"adapter {label}: made for architecture {arch[:40]!r}, "
             f"but the base model is {cfg.arch!r}"
         )
-    alpha = meta.get("adapter.lora.alpha")
-    alpha = float(alpha) if alpha else None
+    alpha = check_alpha(meta.get("adapter.lora.alpha"), "adapter.lora.alpha", label)
+    invocation = _invocation_tokens(meta.get("adapter.alora.invocation_tokens"), cfg, label)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     skipped = []
     for tname, info in gf.tensors.items():
         m = re.fullmatch(r"(.+)\.lora_([ab])", tname)
         if not m:
             raise AdapterError(
-                f"adapter {path.name}: unexpected tensor {tname!r} "
+                f"adapter {path.name}: unexpected tensor {short_name(tname)} "
                 "(expected <base>.lora_a / <base>.lora_b)"
             )
         base, which = m.groups()
@@ -247,28 +292,67 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     for base, ab in pairs.items():
         if set(ab) != {"a", "b"}:
             missing = "lora_b" if "a" in ab else "lora_a"
-            raise AdapterError(f"adapter {path.name}: tensor {base!r} has no {missing}")
+            raise AdapterError(f"adapter {path.name}: tensor {short_name(base)} has no {missing}")
         tensors[base] = LoraPair(ab["a"], ab["b"], alpha)
-    inv = meta.get("adapter.alora.invocation_tokens")
-    name = path.stem
     return Adapter(
         path=path,
-        name=name,
+        name=path.stem,
         format="gguf",
         tensors=tensors,
         alpha=alpha,
-        task_name=str(meta.get("adapter.lora.task_name", "") or ""),
-        prompt_prefix=str(meta.get("adapter.lora.prompt_prefix", "") or ""),
-        invocation_tokens=[int(t) for t in inv] if inv is not None else [],
+        task_name=text("adapter.lora.task_name"),
+        prompt_prefix=text("adapter.lora.prompt_prefix"),
+        invocation_tokens=invocation,
         skipped=skipped,
     )
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """PEFT rank_pattern / alpha_pattern lookup: a key matches a module by full name
-    or as a dotted suffix (PEFT treats keys as regexes anchored at a dot)."""
-    for key, val in (patterns or {}).items():
-        if module == key or re.fullmatch(rf"(.*\.)?{key}", module):
+def _invocation_tokens(value: Any, cfg: ModelConfig, label: str) -> list[int]:
+    """adapter.alora.invocation_tokens: token ids of the base model's vocabulary."""
+    if value is None:
+        return []
+    key = "adapter.alora.invocation_tokens"
+    ok = (isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu") or (
+        isinstance(value, list) and all(_is_int(t) for t in value)
+    )
+    if not ok:
+        raise AdapterError(
+            f"adapter {label}: {key} must be an array of token ids, not {describe_value(value)}"
+        )
+    tokens = [int(t) for t in value]
+    if any(not 0 <= t < cfg.vocab_size for t in tokens):
+        raise AdapterError(
+            f"adapter {label}: {key} holds a token id outside the base model's "
+            f"vocabulary of {cfg.vocab_size}"
+        )
+    return tokens
+
+
+def _patterns(pc: dict, key: str, label: str, check) -> list[tuple[str, re.Pattern, Any]]:
+    """PEFT rank_pattern / alpha_pattern, compiled and checked: a key matches a module
+    by full name or as a dotted suffix (PEFT treats keys as regexes anchored at a dot)."""
+    patterns = pc.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError(
+            f"adapter {label}: {key} in adapter_config.json must be an object, "
+            f"not {describe_value(patterns)}"
+        )
+    out = []
+    for pat, val in patterns.items():
+        try:
+            rx = re.compile(rf"(?:.*\.)?(?:{pat})")
+        except (re.error, RecursionError, OverflowError):
+            raise AdapterError(
+                f"adapter {label}: {key} key {short_name(pat)} in adapter_config.json "
+                "is not a valid regular expression"
+            ) from None
+        out.append((pat, rx, check(val, f"{key}[{short_name(pat)}]", label)))
+    return out
+
+
+def _pattern_value(patterns: list[tuple[str, re.Pattern, Any]], module: str, default):
+    for pat, rx, val in patterns:
+        if module == pat or rx.fullmatch(module):
             return val
     return default
 
@@ -299,49 +383,98 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _read_config(cfg_path: Path, label: str) -> dict:
+    """adapter_config.json as a dict; a FIFO, a huge file, bad JSON or a JSON value
+    that is not an object are refused by name."""
+    size = check_regular_file(cfg_path, AdapterError, f"adapter {label}: ")
+    if size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"adapter {label}: adapter_config.json is too large ({size} bytes)")
+    try:
+        pc = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise AdapterError(f"adapter {label}: adapter_config.json is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise AdapterError(
+            f"adapter {label}: adapter_config.json is not valid JSON "
+            f"(line {e.lineno}, column {e.colno})"
+        ) from None
+    except RecursionError:
+        raise AdapterError(f"adapter {label}: adapter_config.json is nested too deeply") from None
+    if not isinstance(pc, dict):
+        raise AdapterError(
+            f"adapter {label}: adapter_config.json must hold a JSON object, "
+            f"not {describe_value(pc)}"
+        )
+    return pc
+
+
+def _config_field(pc: dict, key: str, label: str, kinds: tuple, want: str, default: Any):
+    v = pc.get(key, default)
+    if v is not None and not isinstance(v, kinds):
+        raise AdapterError(
+            f"adapter {label}: {key} in adapter_config.json must be {want}, not {describe_value(v)}"
+        )
+    return v
+
+
 def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
     label = folder.name
     cfg_path = folder / "adapter_config.json"
     st_path = folder / "adapter_model.safetensors"
-    if not cfg_path.exists():
+    if not cfg_path.exists() and not cfg_path.is_symlink():
         raise AdapterError(f"adapter {label}: no adapter_config.json in {folder}")
-    if not st_path.exists():
+    if not st_path.exists() and not st_path.is_symlink():
         extra = (
             " (adapter_model.bin is not supported: re-save with safetensors)"
             if (folder / "adapter_model.bin").exists()
             else ""
         )
         raise AdapterError(f"adapter {label}: no adapter_model.safetensors in {folder}{extra}")
-    try:
-        pc = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise AdapterError(
-            f"adapter {label}: adapter_config.json is not valid JSON ({e})"
-        ) from None
-    ptype = pc.get("peft_type", "LORA")
+    pc = _read_config(cfg_path, label)
+
+    def field(key: str, kinds: tuple, want: str, default: Any = None) -> Any:
+        return _config_field(pc, key, label, kinds, want, default)
+
+    ptype = field("peft_type", (str,), "a string", "LORA")
     if ptype != "LORA":
-        raise AdapterError(f"adapter {label}: unsupported: PEFT type {ptype} (only LORA)")
-    if pc.get("use_dora"):
+        raise AdapterError(f"adapter {label}: unsupported: PEFT type {ptype[:40]} (only LORA)")
+    if field("use_dora", (bool,), "true or false"):
         raise AdapterError(f"adapter {label}: unsupported: DoRA (use_dora=true)")
-    if pc.get("modules_to_save"):
+    to_save = field("modules_to_save", (list,), "a list of module names")
+    if to_save and not all(isinstance(m, str) for m in to_save):
+        raise AdapterError(
+            f"adapter {label}: modules_to_save in adapter_config.json must be a list of "
+            "module names"
+        )
+    if to_save:
         raise AdapterError(
             f"adapter {label}: unsupported: modules_to_save "
-            f"({', '.join(pc['modules_to_save'])}) stores full weights, not a LoRA"
+            f"({', '.join(m[:60] for m in to_save[:8])}) stores full weights, not a LoRA"
         )
-    if pc.get("bias", "none") != "none":
-        raise AdapterError(f"adapter {label}: unsupported: bias training (bias={pc['bias']!r})")
-    if pc.get("fan_in_fan_out"):
+    bias = field("bias", (str,), "a string", "none")
+    if bias != "none":
+        raise AdapterError(f"adapter {label}: unsupported: bias training (bias={bias[:40]!r})")
+    if field("fan_in_fan_out", (bool,), "true or false"):
         raise AdapterError(f"adapter {label}: unsupported: fan_in_fan_out=true (Conv1D models)")
-    r_default = int(pc.get("r", 8))
-    alpha_default = float(pc.get("lora_alpha", r_default))
-    rslora = bool(pc.get("use_rslora"))
+    r_default = check_rank(pc.get("r", 8), "r in adapter_config.json", label)
+    alpha_default = check_alpha(
+        pc.get("lora_alpha", r_default), "lora_alpha in adapter_config.json", label
+    )
+    rslora = bool(field("use_rslora", (bool,), "true or false"))
+    task = field("task_type", (str,), "a string") or ""
+    rank_patterns = _patterns(pc, "rank_pattern", label, check_rank)
+    alpha_patterns = _patterns(pc, "alpha_pattern", label, check_alpha)
+    check_regular_file(st_path, AdapterError, f"adapter {label}: ")
     try:
         raw = _read_safetensors(st_path)
     except AdapterError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt files
+        # its messages can quote the file's header: log them, show a plain reason
+        log.info("adapter %s: unreadable safetensors: %s", label, e)
         raise AdapterError(
-            f"adapter {label}: cannot read adapter_model.safetensors ({e})"
+            f"adapter {label}: adapter_model.safetensors is not a valid safetensors file "
+            "(truncated or corrupt)"
         ) from None
 
     modules: dict[str, dict[str, np.ndarray]] = {}
@@ -353,11 +486,13 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
         )
         if not m:
             if key.endswith(".bias"):
-                raise AdapterError(f"adapter {label}: unsupported: bias training ({key})")
-            raise AdapterError(f"adapter {label}: unexpected tensor {key!r}")
+                raise AdapterError(
+                    f"adapter {label}: unsupported: bias training ({short_name(key)})"
+                )
+            raise AdapterError(f"adapter {label}: unexpected tensor {short_name(key)}")
         module, kind = m.groups()
         if kind == "lora_magnitude_vector":
-            raise AdapterError(f"adapter {label}: unsupported: DoRA ({key})")
+            raise AdapterError(f"adapter {label}: unsupported: DoRA ({short_name(key)})")
         modules.setdefault(module, {})[kind] = arr
 
     tensors: dict[str, LoraPair] = {}
@@ -365,24 +500,26 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
         gname = hf_module_to_gguf(module)
         if gname is None:
             raise AdapterError(
-                f"adapter {label}: module {module!r} has no counterpart in a "
+                f"adapter {label}: module {short_name(module)} has no counterpart in a "
                 "llama GGUF (supported: q/k/v/o_proj, gate/up/down_proj, "
                 "embed_tokens, lm_head)"
             )
         short = module.removeprefix("base_model.model.")
-        rank = int(_pattern_value(pc.get("rank_pattern"), short, r_default))
-        alpha = float(_pattern_value(pc.get("alpha_pattern"), short, alpha_default))
+        rank = _pattern_value(rank_patterns, short, r_default)
+        alpha = _pattern_value(alpha_patterns, short, alpha_default)
         if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
             if set(parts) != {"lora_embedding_A", "lora_embedding_B"}:
                 raise AdapterError(
-                    f"adapter {label}: module {module!r} needs both "
+                    f"adapter {label}: module {short_name(module)} needs both "
                     "lora_embedding_A and lora_embedding_B"
                 )
             # PEFT embedding LoRA: A (r, vocab), B (dim, r); llama.cpp wants a (vocab, r), b (dim, r)
             a, b = parts["lora_embedding_A"].T, parts["lora_embedding_B"]
         else:
             if "lora_A" not in parts or "lora_B" not in parts:
-                raise AdapterError(f"adapter {label}: module {module!r} lacks lora_A or lora_B")
+                raise AdapterError(
+                    f"adapter {label}: module {short_name(module)} lacks lora_A or lora_B"
+                )
             a, b = parts["lora_A"], parts["lora_B"]
             want_out = base_tensor_shapes(cfg).get(gname, (None,))[0]
             if b.ndim != 2 or b.shape[0] != want_out:
@@ -394,13 +531,17 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
                 b = permute_qk_rows(b, cfg.n_heads)
             elif gname.endswith("attn_k.weight"):
                 b = permute_qk_rows(b, cfg.n_kv_heads)
+        if a.ndim != 2 or b.ndim != 2:
+            raise AdapterError(
+                f"adapter {label}: tensor {gname!r}: lora_A/lora_B must be 2-D matrices"
+            )
         if b.shape[1] != rank:
             raise AdapterError(
                 f"adapter {label}: tensor {gname!r} has rank {b.shape[1]} but "
                 f"adapter_config.json says r={rank}"
             )
         # rsLoRA scales by alpha/sqrt(r); express it as an alpha for the one formula.
-        eff_alpha = alpha * math.sqrt(rank) if rslora else alpha
+        eff_alpha = alpha * math.sqrt(rank) if rslora and alpha else alpha
         tensors[gname] = LoraPair(
             np.ascontiguousarray(a, dtype=np.float32),
             np.ascontiguousarray(b, dtype=np.float32),
@@ -411,8 +552,8 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
         name=folder.name,
         format="peft",
         tensors=tensors,
-        alpha=alpha_default * math.sqrt(r_default) if rslora else alpha_default,
-        task_name=str(pc.get("task_type") or ""),
+        alpha=alpha_default * math.sqrt(r_default) if rslora and alpha_default else alpha_default,
+        task_name=task,
     )
 
 
@@ -431,6 +572,12 @@ def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
         a, b = pair.a, pair.b
         if a.ndim != 2 or b.ndim != 2:
             raise AdapterError(f"adapter {label}: tensor {name!r}: lora_a/lora_b must be 2-D")
+        if 0 in a.shape or 0 in b.shape:
+            # rank 0 would divide by zero in alpha/rank on every request
+            raise AdapterError(
+                f"adapter {label}: tensor {name!r} has rank 0 (lora_a {a.shape}, "
+                f"lora_b {b.shape}); a LoRA needs rank 1 or more"
+            )
         if name == "token_embd.weight":
             want_a, want_b = (out, b.shape[1]), (inp, a.shape[1])  # flipped, as llama.cpp
         else:
