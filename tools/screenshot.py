@@ -1,6 +1,9 @@
 """Drive the real window (run_gui's setup) and grab docs/screenshot.png.
 
-    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python -m tools.screenshot
+    xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python -m tools.screenshot
+
+The window fills a 1280x800 screen (a common laptop size it must fit). SHOT_OUT
+changes where the PNG goes (to look at it before replacing docs/screenshot.png).
 
 Loads the default model and the demo adapters, sets a mix, saves two presets,
 chats twice at temperature 0 and grabs the window while the second reply streams.
@@ -43,7 +46,7 @@ def main() -> None:
         cors_origins=[],
     )
     win = create_window(args)
-    win.resize(1400, 900)
+    win.resize(1280, 800)
     win.move(0, 0)
     win.show()
     state = {"n": 0}
@@ -85,7 +88,7 @@ def main() -> None:
             QTimer.singleShot(200, grab)
 
     def grab():
-        win.grab().save(str(REPO / "docs" / "screenshot.png"))
+        win.grab().save(os.environ.get("SHOT_OUT") or str(REPO / "docs" / "screenshot.png"))
         print("saved", flush=True)
         win.chat.stop()
         QTimer.singleShot(500, win.close)

@@ -78,8 +78,7 @@ class ElidedLabel(QLabel):
     def __init__(self, text: str = "", parent: QWidget | None = None):
         super().__init__(parent)
         self.full_text = ""
-        self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
-        self.setMinimumWidth(40)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
         self.setText(text)
 
     def setText(self, text: str) -> None:  # noqa: N802 (Qt's name)
@@ -89,6 +88,11 @@ class ElidedLabel(QLabel):
     def sizeHint(self):  # noqa: N802
         hint = super().sizeHint()
         hint.setWidth(self.fontMetrics().horizontalAdvance(self.full_text) + 4)
+        return hint
+
+    def minimumSizeHint(self):  # noqa: N802
+        hint = super().minimumSizeHint()
+        hint.setWidth(min(40, self.sizeHint().width()))  # room for a few letters and "…"
         return hint
 
     def resizeEvent(self, event) -> None:  # noqa: N802
