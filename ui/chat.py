@@ -57,11 +57,15 @@ def render_markdown(conv: dict, streaming: bool = False) -> str:
                     "" if meta.get("stop") in ("eos", "word", None) else f" · stop: {meta['stop']}"
                 )
                 out.append(
-                    f"*{meta.get('tokens', 0)} tokens · {meta.get('tps', 0.0):.1f} tok/s · "
+                    f"*{tokens_text(meta.get('tokens', 0))} · {meta.get('tps', 0.0):.1f} tok/s · "
                     f"mix: {meta.get('mix', '')}{stop}*\n"
                 )
         out.append("\n---\n")
     return "\n".join(out)
+
+
+def tokens_text(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def shade_code_blocks(doc) -> None:
@@ -325,7 +329,7 @@ class ChatPane(QWidget):
         )
         reply["meta"] = {
             "tokens": t["predicted_n"],
-            "tps": round(t["predicted_per_second"], 2),
+            "tps": round(t["predicted_per_second"], 1),  # shown the same in both places
             "mix": format_mix(done.mix, names),
             "mix_ids": [[int(a), float(s)] for a, s in done.mix],
             "stop": done.stop_type,
@@ -334,7 +338,7 @@ class ChatPane(QWidget):
             self.message.emit(f"Generation failed: {done.error}")
             reply["content"] = reply["content"] or f"*Error: {done.error}*"
         self.status.setText(
-            f"{t['predicted_n']} tokens · {t['predicted_per_second']:.1f} tok/s"
+            f"{tokens_text(t['predicted_n'])} · {reply['meta']['tps']:.1f} tok/s"
             + (" · stopped" if done.stop_type == "cancel" else "")
         )
         self._render_timer.stop()

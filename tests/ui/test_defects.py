@@ -225,3 +225,16 @@ def test_reopening_the_model_keeps_the_desk(loaded, qtbot, smollm_path):
     qtbot.waitUntil(lambda: by_name["lora_attn"].value == 0.75, timeout=5000)
     assert by_name["lora_ffn"].muted
     assert w.engine.get_mix()[by_name["lora_attn"].id] == 0.75
+
+
+def test_one_token_and_one_rounding_of_tok_s(window):
+    from ui.chat import render_markdown
+
+    conv = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "x", "meta": {"tokens": 1, "tps": 26.25}},
+        ]
+    }
+    text = render_markdown(conv)
+    assert "1 token ·" in text and "1 tokens" not in text
