@@ -11,6 +11,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 
 from .errors import UserError
+from .gguf_file import short_name
 
 SUPPORTED_ARCHS = ("llama",)  # Mistral-style and Llama 3.x models also say "llama"
 
@@ -61,7 +62,7 @@ class ModelConfig:
             )
         if arch not in SUPPORTED_ARCHS:
             raise ModelConfigError(
-                f"{source}: unsupported architecture {arch[:40]!r} "
+                f"{source}: unsupported architecture {short_name(arch)} "
                 f"(Mixdesk runs {', '.join(SUPPORTED_ARCHS)})"
             )
         a = f"{arch}."
@@ -96,7 +97,7 @@ class ModelConfig:
         scaling = m.text(a + "rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ModelConfigError(
-                f"{source}: unsupported rope scaling type {scaling[:40]!r} ({a}rope.scaling.type)"
+                f"{source}: unsupported rope scaling type {short_name(scaling)} ({a}rope.scaling.type)"
             )
         rope_scale = 1.0
         if scaling == "linear":

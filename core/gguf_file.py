@@ -89,9 +89,14 @@ def _file_kind(mode: int) -> str:
     return "not a file"
 
 
-def short_name(text: str, limit: int = 60) -> str:
-    """A key or tensor name from the file, quoted and cut short for a message."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
+def short_name(text: str | None, limit: int = 60) -> str:
+    """A key or tensor name from the file, quoted and cut short for a message. A name
+    that is not printable ASCII is corrupt (or hostile): it is not shown at all."""
+    if text is None:
+        return "None"
+    if not (isinstance(text, str) and text.isascii() and text.isprintable()):
+        return "(unreadable name)"
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 @dataclass(frozen=True)

@@ -250,13 +250,13 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     gtype, atype = text("general.type", "no general.type"), text("adapter.type", "lora")
     if gtype != "adapter" or atype != "lora":
         raise AdapterError(
-            f"adapter {label}: not a LoRA adapter GGUF (general.type={gtype[:40]!r}, "
-            f"adapter.type={atype[:40]!r})"
+            f"adapter {label}: not a LoRA adapter GGUF (general.type={short_name(gtype)}, "
+            f"adapter.type={short_name(atype)})"
         )
     arch = text("general.architecture", "none")
     if arch != cfg.arch:
         raise AdapterError(
-            f"adapter {label}: made for architecture {arch[:40]!r}, "
+            f"adapter {label}: made for architecture {short_name(arch)}, "
             f"but the base model is {cfg.arch!r}"
         )
     alpha = check_alpha(meta.get("adapter.lora.alpha"), "adapter.lora.alpha", label)
@@ -437,7 +437,9 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
 
     ptype = field("peft_type", (str,), "a string", "LORA")
     if ptype != "LORA":
-        raise AdapterError(f"adapter {label}: unsupported: PEFT type {ptype[:40]} (only LORA)")
+        raise AdapterError(
+            f"adapter {label}: unsupported: PEFT type {short_name(ptype)} (only LORA)"
+        )
     if field("use_dora", (bool,), "true or false"):
         raise AdapterError(f"adapter {label}: unsupported: DoRA (use_dora=true)")
     to_save = field("modules_to_save", (list,), "a list of module names")
@@ -449,11 +451,11 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
     if to_save:
         raise AdapterError(
             f"adapter {label}: unsupported: modules_to_save "
-            f"({', '.join(m[:60] for m in to_save[:8])}) stores full weights, not a LoRA"
+            f"({', '.join(short_name(m) for m in to_save[:8])}) stores full weights, not a LoRA"
         )
     bias = field("bias", (str,), "a string", "none")
     if bias != "none":
-        raise AdapterError(f"adapter {label}: unsupported: bias training (bias={bias[:40]!r})")
+        raise AdapterError(f"adapter {label}: unsupported: bias training (bias={short_name(bias)})")
     if field("fan_in_fan_out", (bool,), "true or false"):
         raise AdapterError(f"adapter {label}: unsupported: fan_in_fan_out=true (Conv1D models)")
     r_default = check_rank(pc.get("r", 8), "r in adapter_config.json", label)

@@ -28,6 +28,7 @@ import regex
 
 from .config import describe_value
 from .errors import UserError
+from .gguf_file import short_name
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class Tokenizer:
         self.model = meta.get("tokenizer.ggml.model")
         if self.model not in ("gpt2", "llama"):
             raise TokenizerError(
-                f"unsupported tokenizer model {self.model!r} (supported: 'gpt2' BPE, 'llama' SPM)"
+                f"unsupported tokenizer model {short_name(self.model)} (supported: 'gpt2' BPE, 'llama' SPM)"
             )
         self._load_vocab(meta)
         if self.model == "gpt2":
@@ -250,7 +251,7 @@ class Tokenizer:
         pre = _PRE_TOKENIZERS.get(pre_name)
         if pre is None:
             raise TokenizerError(
-                f"unsupported pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
+                f"unsupported pre-tokenizer {short_name(pre_name)} (tokenizer.ggml.pre); "
                 f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
             )
         merges = meta.get("tokenizer.ggml.merges")

@@ -31,6 +31,7 @@ from tests.tiny_gguf import write_lora_gguf, write_tiny_llama, write_tiny_peft
 
 REPO = Path(__file__).resolve().parents[1]
 DIM, N_HEADS, N_KV, FFN, VOCAB = 64, 4, 2, 96, 300  # write_tiny_llama's defaults
+BYTES_REPR = re.compile(r"(?:^|[\s(=,:])b['\"]|\\x[0-9a-f]{2}")  # b'..' or an escaped byte
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def load_model_error(path: Path) -> UserError:
 def assert_clean_message(msg: str) -> None:
     """One line, no Python bytes repr, no absurd 20-digit numbers."""
     assert "\n" not in msg
-    assert "b'" not in msg and 'b"' not in msg
+    assert not BYTES_REPR.search(msg), msg
     assert not re.search(r"\d{16,}", msg), msg
     assert len(msg) < 400, msg
 
@@ -584,3 +585,122 @@ def test_open_model_config_rejections_are_model_config_errors(tmp_path):
     with pytest.raises(ModelConfigError) as ei:
         ModelConfig.from_metadata(GGUFFile(path).metadata, source=path.name)
     assert "llama.rope.freq_base" in str(ei.value)
+
+
+# ---- seeded corruption fuzz ----------------------------------------------------------------
+
+
+def _mutants(blob: bytes, header_end: int, n: int, seed: int):
+    """``n`` corrupted copies of ``blob``: byte flips and random 1/4/8-byte values in
+    the header (where counts, lengths, types and offsets live), and truncations."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        data = bytearray(blob)
+        kind = i % 4
+        if kind == 0:  # flip a few header bytes
+            for pos in rng.integers(4, header_end, size=int(rng.integers(1, 4))):
+                data[pos] ^= 1 << int(rng.integers(0, 8))
+        elif kind in (1, 2):  # overwrite a header field-sized run with a random value
+            width = int(rng.choice([1, 4, 8]))
+            pos = int(rng.integers(4, header_end - width))
+            value = int(rng.integers(0, 2**63)) if kind == 1 else int(rng.integers(0, 2**16))
+            data[pos : pos + width] = value.to_bytes(8, "little")[:width]
+        else:  # truncate anywhere
+            del data[int(rng.integers(0, len(data))) :]
+        yield i, bytes(data)
+
+
+def _fuzz(tmp_path: Path, blob: bytes, n: int, seed: int, load) -> list[str]:
+    gf = GGUFFile(tmp_path / "clean.gguf")
+    header_end = min(t.offset for t in gf.tensors.values())
+    gf.close()
+    bad = []
+    for i, data in _mutants(blob, header_end, n, seed):
+        path = tmp_path / f"m{i}.gguf"
+        path.write_bytes(data)
+        try:
+            load(path)
+        except UserError as e:
+            msg = str(e)
+            if (
+                "\n" in msg
+                or BYTES_REPR.search(msg)
+                or re.search(r"\d{16,}", msg)
+                or len(msg) > 400
+            ):
+                bad.append(f"case {i}: unclean message: {msg[:200]}")
+        except Exception as e:  # noqa: BLE001 - the point of the test
+            bad.append(f"case {i}: {type(e).__name__}: {str(e)[:200]}")
+        path.unlink()
+    return bad
+
+
+def test_fuzzed_model_files_load_or_fail_cleanly(tmp_path, cache_home):
+    from core.tokenizer import Tokenizer
+
+    clean = write_tiny_llama(tmp_path / "clean.gguf", dim=32, n_heads=2, n_kv_heads=1, ffn=48)
+
+    def load(path):
+        gf, cfg = open_model_file(path)
+        Tokenizer.from_metadata(gf.metadata)
+        load_weights(gf, cfg, use_cache=False)
+
+    bad = bounded(
+        lambda: _FUZZ.append(_fuzz(tmp_path, clean.read_bytes(), 300, 7, load)), timeout=300
+    )
+    assert bad is None and _FUZZ.pop() == []
+
+
+def test_fuzzed_adapter_files_load_or_fail_cleanly(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    a, b = _pair(4, 4)
+    clean = write_lora_gguf(
+        tmp_path / "clean.gguf",
+        {
+            "blk.0.attn_q.weight.lora_a": a,
+            "blk.0.attn_q.weight.lora_b": b,
+            "blk.1.attn_q.weight.lora_a": a,
+            "blk.1.attn_q.weight.lora_b": b,
+        },
+        {"adapter.lora.alpha": 8.0},
+    )
+    bad = bounded(
+        lambda: _FUZZ.append(
+            _fuzz(tmp_path, clean.read_bytes(), 300, 11, lambda p: load_adapter(p, cfg))
+        ),
+        timeout=300,
+    )
+    assert bad is None and _FUZZ.pop() == []
+
+
+_FUZZ: list[list[str]] = []
+
+
+def test_fuzzed_peft_folders_load_or_fail_cleanly(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    clean = write_tiny_peft(tmp_path / "clean", config={"rank_pattern": {"q_proj": 4}})
+    st = (clean / "adapter_model.safetensors").read_bytes()
+    conf = (clean / "adapter_config.json").read_bytes()
+    header_end = 8 + int.from_bytes(st[:8], "little")
+    rng = np.random.default_rng(5)
+    bad = []
+
+    def run():
+        for i, data in _mutants(st, header_end, 150, 13):
+            c = bytearray(conf)
+            for pos in rng.integers(0, len(c), size=int(rng.integers(0, 3))):
+                c[pos] = int(rng.choice(list(b'{}[]":,0123456789-.eE \x00\xff')))
+            folder = write_tiny_peft(tmp_path / f"p{i}")
+            (folder / "adapter_model.safetensors").write_bytes(data)
+            (folder / "adapter_config.json").write_bytes(bytes(c))
+            try:
+                load_adapter(folder, cfg)
+            except UserError as e:
+                msg = str(e)
+                if "\n" in msg or BYTES_REPR.search(msg) or re.search(r"\d{16,}", msg):
+                    bad.append(f"case {i}: unclean message: {msg[:200]}")
+            except Exception as e:  # noqa: BLE001 - the point of the test
+                bad.append(f"case {i}: {type(e).__name__}: {str(e)[:200]}")
+
+    assert bounded(run, timeout=300) is None
+    assert bad == []
