@@ -278,7 +278,8 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
             arr = quants.dequantize(gf.raw(tname), info.qtype).reshape(info.shape)
         except NotImplementedError:
             raise AdapterError(
-                f"adapter {path.name}: tensor {tname!r} has unsupported type {info.qtype.name}"
+                f"adapter {path.name}: tensor {short_name(tname)} has unsupported type "
+                f"{info.qtype.name}"
             ) from None
         pairs.setdefault(base, {})[which] = np.ascontiguousarray(arr, dtype=np.float32)
     if skipped:
@@ -565,19 +566,20 @@ def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
         raise AdapterError(f"adapter {label}: contains no LoRA tensors")
     shapes = base_tensor_shapes(cfg)
     for name, pair in adapter.tensors.items():
+        shown = short_name(name)
         if name not in shapes:
             raise AdapterError(
-                f"adapter {label}: tensor {name!r} does not exist in the base "
+                f"adapter {label}: tensor {shown} does not exist in the base "
                 f"model ({cfg.name}, {cfg.n_layers} layers)"
             )
         out, inp = shapes[name]
         a, b = pair.a, pair.b
         if a.ndim != 2 or b.ndim != 2:
-            raise AdapterError(f"adapter {label}: tensor {name!r}: lora_a/lora_b must be 2-D")
+            raise AdapterError(f"adapter {label}: tensor {shown}: lora_a/lora_b must be 2-D")
         if 0 in a.shape or 0 in b.shape:
             # rank 0 would divide by zero in alpha/rank on every request
             raise AdapterError(
-                f"adapter {label}: tensor {name!r} has rank 0 (lora_a {a.shape}, "
+                f"adapter {label}: tensor {shown} has rank 0 (lora_a {a.shape}, "
                 f"lora_b {b.shape}); a LoRA needs rank 1 or more"
             )
         if name == "token_embd.weight":
@@ -586,9 +588,9 @@ def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
             want_a, want_b = (a.shape[0], inp), (out, a.shape[0])
         if a.shape != want_a or b.shape != want_b:
             raise AdapterError(
-                f"adapter {label}: tensor {name!r} does not fit the base: lora_a {a.shape}, "
+                f"adapter {label}: tensor {shown} does not fit the base: lora_a {a.shape}, "
                 f"lora_b {b.shape}; base weight is {(out, inp)} (out, in), so expected "
                 f"lora_a {want_a} and lora_b {want_b}"
             )
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
-            raise AdapterError(f"adapter {label}: tensor {name!r} contains NaN or Inf")
+            raise AdapterError(f"adapter {label}: tensor {shown} contains NaN or Inf")
