@@ -122,7 +122,10 @@ class Engine:
         cancel: threading.Event | None = None,
     ) -> ModelConfig:
         """Load (or replace) the base model. Raises ModelLoadError with a clear message;
-        on failure the previously loaded model stays in service."""
+        on failure the previously loaded model stays in service. On a reload the
+        adapters that fit the new model stay registered with their ids and scales;
+        the others are unloaded and announced by an "adapters_dropped" event
+        ({id, name, path, error} each)."""
         t0 = time.perf_counter()
         self.loading = True
         self._notify("model_loading", path=str(path), progress=0.0, message="opening")
@@ -157,6 +160,7 @@ class Engine:
                     f"sequences of {ctx} tokens ({gb:.1f} GB): {e}. Lower -c/--ctx-size or "
                     f"-np/--parallel."
                 ) from None
+            kept, dropped = self._refit_adapters(cfg)
         except BaseException as e:
             self.loading = False
             self._notify("model_error", path=str(path), error=str(e))
@@ -172,9 +176,12 @@ class Engine:
             self.tokenizer, self.chat_template = tok, template
             self.mixes = MixCache(cfg)
             self.prefix.clear()
-            dropped = list(self._adapters.values())
-            self._adapters.clear()
-            self._scales.clear()
+            # ids stay: an adapter removed while the model loaded is not brought back
+            before = set(self._adapters)
+            kept = {aid: ad for aid, ad in kept.items() if aid in before}
+            dropped = [d for d in dropped if d["id"] in before]
+            self._adapters = kept
+            self._scales = {aid: self._scales.get(aid, 0.0) for aid in kept}
             self.scheduler = scheduler
         self.load_ms = (time.perf_counter() - t0) * 1e3
         log.info(
@@ -184,12 +191,39 @@ class Engine:
             model.lin.describe(),
         )
         self.loading = False
-        if dropped:
-            self._notify("adapters_changed", adapters=self.adapters())
         self._notify("model_loaded", info=self.model_info())
+        if before:
+            self._notify("adapters_changed", adapters=self.adapters())
+        if dropped:
+            self._notify("adapters_dropped", dropped=dropped)
         if was_running:
             self.start()
         return cfg
+
+    def _refit_adapters(self, cfg: ModelConfig) -> tuple[dict[int, Adapter], list[dict]]:
+        """The registered adapters re-read and re-checked against the model being loaded:
+        ({id: adapter} of those that fit it, under their old ids, so that a client's
+        ``{"id": 0}`` keeps naming the same adapter across a reload; and an entry
+        {id, name, path, error} for each one that does not fit it). Re-read from the
+        file, not reused: the new model may differ in shapes, layers or architecture."""
+        with self._lock:
+            registered = dict(self._adapters)
+        kept: dict[int, Adapter] = {}
+        dropped: list[dict] = []
+        for aid, old in registered.items():
+            try:
+                adapter = load_adapter(old.path, cfg)
+                adapter.name, adapter.id = old.name, aid
+                self._check_usable(adapter, 0.0, cfg)
+            except UserError as e:
+                dropped.append(_dropped(aid, old, str(e)))
+            except Exception as e:  # a file that changed on disk in a way we did not foresee
+                log.exception("adapter %s failed its checks on reload", old.path)
+                why = f"cannot be read again ({type(e).__name__})"
+                dropped.append(_dropped(aid, old, f"adapter {Path(old.path).name}: {why}"))
+            else:
+                kept[aid] = adapter
+        return kept, dropped
 
     def model_info(self) -> dict[str, Any]:
         if self.config is None:
@@ -237,7 +271,7 @@ class Engine:
         self._notify("adapters_changed", adapters=self.adapters())
         return adapter.id
 
-    def _check_usable(self, adapter: Adapter, scale: float) -> None:
+    def _check_usable(self, adapter: Adapter, scale: float, cfg: ModelConfig | None = None) -> None:
         """Everything the engine will later do with an adapter, done once before it is
         registered: its listing entry, and its low-rank weights built into a mix. An
         adapter that gets past loading but fails here (a validation gap) is refused
@@ -247,7 +281,7 @@ class Engine:
         try:
             adapter.info()
             adapter.effective_scale(scale)
-            build_mix(self.config, ((-1, 1.0),), {-1: adapter})  # built, then dropped
+            build_mix(cfg or self.config, ((-1, 1.0),), {-1: adapter})  # built, then dropped
         except AdapterError:
             raise
         except Exception as e:
@@ -545,6 +579,10 @@ class Engine:
         """One chat reply as a string (scripts and the demo-adapter evaluation)."""
         p = SamplingParams(temperature=temperature, n_predict=max_tokens, **params)
         return self.complete(self.chat_prompt(messages), p, mix=mix).content
+
+
+def _dropped(aid: int, adapter: Adapter, error: str) -> dict[str, Any]:
+    return {"id": aid, "name": adapter.name, "path": str(adapter.path), "error": error}
 
 
 def _check_scale(value: Any, what: str) -> float:

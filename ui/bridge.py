@@ -155,6 +155,9 @@ class EngineBridge(QObject):
             self.model_error.emit(str(payload.get("error", "model load failed")))
         elif name == "adapters_changed":
             self.adapters_changed.emit(list(payload.get("adapters") or []))
+        elif name == "adapters_dropped":  # a reload unloaded those that do not fit
+            for d in payload.get("dropped") or []:
+                self.adapter_error.emit(str(d.get("path", "")), str(d.get("error", "")))
         elif name == "mix_changed":
             self.mix_changed.emit(dict(payload.get("mix") or {}), str(payload.get("source", "")))
         elif name == "request_started":

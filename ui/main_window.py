@@ -232,15 +232,18 @@ class MainWindow(FileDropMixin, QMainWindow):
     def open_model(
         self, path: str | Callable[[], Path], adapters: list[tuple[str, float]] | None = None
     ) -> None:
-        """Load a model; without ``adapters``, the desk's adapters are added back after
-        it (those that do not fit the new model become red rows with the reason)."""
+        """Load a model and then ``adapters``. Without them (a reload from the window),
+        the engine keeps the desk's adapters that fit the new model, with their ids
+        and faders; those that do not become red rows with the reason, and the red
+        rows already there are tried again (they may fit this model)."""
         self.banner.hide()
         if adapters is None:
-            adapters = self.mixer.expect(self.mixer.desk_state())
-            if adapters:
+            adapters = [(p, 0.0) for p in self.adapters.errors]
+            n = len(self.engine.adapters())
+            if n:
                 self.status(
-                    f"Opening the model; its {len(adapters)} adapter(s) on the desk will be "
-                    "loaded again (any that do not fit it will show why)"
+                    f"Opening the model; the {n} adapter(s) on the desk stay loaded, with "
+                    "their ids and faders, if they fit it (any that do not will show why)"
                 )
         self.bridge.load_model(path, adapters)
 

@@ -1,0 +1,111 @@
+"""Re-opening a model keeps the adapters that fit it, under their ids (issue #17 item 6).
+
+Tiny random models: a 3-layer one and a 2-layer one with the same shapes, an adapter
+on layer 0 (fits both) and one on layer 2 (fits only the 3-layer model)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from core.engine import Engine, EngineError
+from core.weights import LoadCancelled
+from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
+
+DIM, RANK = 64, 4
+
+
+def lora_on_layer(path, layer: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    name = f"blk.{layer}.attn_q.weight"
+    return write_lora_gguf(
+        path,
+        {
+            f"{name}.lora_a": 0.1 * rng.standard_normal((RANK, DIM)),  # (r, d_in)
+            f"{name}.lora_b": 0.1 * rng.standard_normal((DIM, RANK)),  # (d_out, r)
+        },
+        kv={"adapter.lora.alpha": 8.0},
+    )
+
+
+@pytest.fixture
+def files(tmp_path):
+    return {
+        "three": write_tiny_llama(tmp_path / "three.gguf", n_layers=3, seed=1),
+        "two": write_tiny_llama(tmp_path / "two.gguf", n_layers=2, seed=2),
+        "l0": lora_on_layer(tmp_path / "l0.gguf", 0),
+        "l2": lora_on_layer(tmp_path / "l2.gguf", 2, seed=3),
+    }
+
+
+@pytest.fixture
+def events():
+    return []
+
+
+@pytest.fixture
+def engine(files, events):
+    eng = Engine(ctx_size=64, n_parallel=1, draft_max=0)
+    eng.load_model(files["three"])
+    eng.subscribe(lambda name, payload: events.append((name, payload)))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def test_reloading_the_same_file_keeps_adapters_ids_and_scales(engine, files, events):
+    a = engine.add_adapter(files["l0"], scale=0.5)
+    b = engine.add_adapter(files["l2"])
+    engine.set_mix({a: 0.5, b: -1.25})
+    engine.load_model(files["three"])
+    assert [x["id"] for x in engine.adapters()] == [a, b] == [0, 1]
+    assert engine.get_mix() == {a: 0.5, b: -1.25}
+    # the HTTP form names adapters by id: id 0 is still the same adapter
+    assert engine.parse_mix([{"id": 0, "scale": 1.0}]) == {0: 1.0, 1: 0.0}
+    assert engine.adapter(0).path == files["l0"]
+    assert not [e for e in events if e[0] == "adapters_dropped"]
+    # a new adapter gets a new id; the kept ones were not re-numbered
+    assert engine.add_adapter(files["l0"]) == 2
+    # and the engine serves with the kept adapter in the mix
+    assert isinstance(
+        engine.chat([{"role": "user", "content": "hi"}], mix={0: 1.0}, max_tokens=2), str
+    )
+
+
+def test_adapters_that_do_not_fit_the_new_model_are_dropped_with_the_reason(engine, files, events):
+    a = engine.add_adapter(files["l0"], scale=0.75)
+    b = engine.add_adapter(files["l2"], scale=1.0)
+    engine.load_model(files["two"])
+    assert [x["id"] for x in engine.adapters()] == [a]
+    assert engine.get_mix() == {a: 0.75}
+    with pytest.raises(EngineError, match="no adapter with id 1"):
+        engine.parse_mix([{"id": b, "scale": 1.0}])
+    dropped = [p["dropped"] for name, p in events if name == "adapters_dropped"]
+    assert len(dropped) == 1 and [d["id"] for d in dropped[0]] == [b]
+    entry = dropped[0][0]
+    assert entry["path"] == str(files["l2"]) and entry["name"] == "l2"
+    assert "l2.gguf" in entry["error"] and entry["error"].count("l2.gguf") == 1
+    # the order of events lets a listener show the model first, then the red rows
+    names = [name for name, _ in events if name != "model_loading"]
+    assert names.index("model_loaded") < names.index("adapters_dropped")
+
+
+def test_a_cancelled_reload_changes_nothing(engine, files):
+    a = engine.add_adapter(files["l0"], scale=0.5)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(LoadCancelled):
+        engine.load_model(files["two"], cancel=cancel)
+    assert engine.path == files["three"] and engine.config.n_layers == 3
+    assert [x["id"] for x in engine.adapters()] == [a] and engine.get_mix() == {a: 0.5}
+
+
+def test_an_adapter_file_deleted_before_the_reload_becomes_a_dropped_entry(engine, files, events):
+    a = engine.add_adapter(files["l0"])
+    files["l0"].unlink()
+    engine.load_model(files["three"])
+    assert engine.adapters() == []
+    (dropped,) = [p["dropped"] for name, p in events if name == "adapters_dropped"]
+    assert dropped[0]["id"] == a and "no such file" in dropped[0]["error"]
