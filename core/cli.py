@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -92,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="load adapters with scale 0 (set scales later via /lora-adapters)",
     )
     m.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="let HTTP clients load adapters from files (POST /lora-adapters/load, "
+        "/v1/load_lora_adapter); only from the --lora-dir folders",
+    )
+    m.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="folder runtime-loaded adapters may come from (repeatable; default with "
+        "--allow-runtime-lora: the folders of the --lora adapters and the user's "
+        "mixdesk adapters folder)",
+    )
+    m.add_argument(
         "-c",
         "--ctx-size",
         type=int,
@@ -119,7 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
-        help="require this API key (repeatable)",
+        help="require this API key (repeatable; default: the LLAMA_API_KEY environment "
+        "variable, as llama-server)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        metavar="FNAME",
+        help="file with API keys, one per line (added to --api-key)",
     )
     s.add_argument("-np", "--parallel", type=int, default=4, help="sequences batched at once")
     s.add_argument("--alias", help="model name reported by the API")
@@ -175,6 +197,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except CliError as e:
         parser.error(str(e))
     args.api_key = [k for k in args.api_key if k]
+    if not args.api_key and os.environ.get("LLAMA_API_KEY", "").strip():
+        args.api_key = [os.environ["LLAMA_API_KEY"].strip()]
+    if args.api_key_file:
+        from .http.security import read_api_key_file
+
+        try:
+            args.api_key += read_api_key_file(args.api_key_file)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.lora_dir and not args.allow_runtime_lora:
+        parser.error("--lora-dir needs --allow-runtime-lora")
+    for d in args.lora_dir:
+        if not Path(d).is_dir():
+            parser.error(f"--lora-dir: no such folder {d}")
     args.cors_origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     if args.parallel < 1:
         parser.error("--parallel must be at least 1")

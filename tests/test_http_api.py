@@ -3,7 +3,8 @@ llama.cpp reference adapters, driven by a real HTTP client (aiohttp) and the ope
 
 One server for the module. Adapters 0, 1, 2 are lora_attn, lora_ffn, lora_all_q8, loaded
 as with --lora-init-without-apply (global scales 0). Tests that change the global mix
-put it back.
+put it back. Runtime adapter loading is on (--allow-runtime-lora) with the reference data
+folder as the only adapter folder (--lora-dir).
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ def server(smollm_path, ref_dir):
         eng.add_adapter(ref_dir / "adapters" / name, scale=0.0)
     eng.start()
     lines: list[str] = []
-    srv = ServerThread(
-        eng, ServerSettings(port=0, lora_init_without_apply=True, on_log=lines.append)
-    ).start()
+    settings = ServerSettings(
+        port=0,
+        lora_init_without_apply=True,
+        on_log=lines.append,
+        allow_runtime_lora=True,
+        lora_dirs=[ref_dir],
+    )
+    srv = ServerThread(eng, settings).start()
     srv.lines = lines
     yield srv
     srv.stop()
@@ -564,7 +570,11 @@ def test_load_and_unload_adapter(server, ref_dir):
                 {"path": str(ref_dir / "adapters" / "lora_ffn.gguf"), "name": "ffn_copy"},
             )
         )
-        assert_400(*req(server, "POST", "/lora-adapters/load", {"path": "/no/such.gguf"}))
+        assert_400(
+            *req(server, "POST", "/lora-adapters/load", {"path": str(ref_dir / "no-such.gguf")})
+        )
+        st, body = req(server, "POST", "/lora-adapters/load", {"path": "/no/such.gguf"})
+        assert st == 403 and body["error"]["type"] == "permission_error"  # outside --lora-dir
         assert_400(
             *req(server, "POST", "/lora-adapters/load", {"path": str(ref_dir / "README.md")})
         )

@@ -8,12 +8,19 @@ still loading: every endpoint then answers 503 ``unavailable_error``; call
 Generation never blocks the event loop: requests go to the engine's scheduler
 thread, whose events come back through ``loop.call_soon_threadsafe`` into an
 asyncio.Queue. A client that goes away cancels its request, which frees its slot.
+
+Other blocking work a client can trigger (loading an adapter, rendering a chat
+template, tokenizing a long text) runs on a :class:`BlockingPool` of its own kind:
+a few daemon threads, a short bounded queue (beyond it: 503, busy) and a time
+limit per call, so no client can tie up a shared executor or the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +33,14 @@ from ..sampling import SamplingParams
 from ..scheduler import DoneEvent, TokenEvent
 from . import responses as R
 from .responses import HttpError
-from .security import DISCONNECTED, add_cors_on_prepare, make_middlewares
+from .security import (
+    DISCONNECTED,
+    adapter_path,
+    add_cors_on_prepare,
+    make_middlewares,
+    printable,
+    runtime_lora_off,
+)
 
 log = logging.getLogger("mixdesk.http")
 
@@ -43,9 +57,26 @@ class ServerSettings:
     max_body: int = 8 << 20
     lora_init_without_apply: bool = False
     on_log: Callable[[str], None] | None = None
+    # POST /lora-adapters/load and /v1/load_lora_adapter open a path the client
+    # names: off unless asked for, and then only inside these folders
+    allow_runtime_lora: bool = False
+    lora_dirs: list[Path] = field(default_factory=list)
+    # a connection idle (or still sending its headers) this long is closed, and a
+    # body must arrive within body_timeout: slow clients cannot hold connections
+    idle_timeout: float = 30.0
+    body_timeout: float = 60.0
+    adapter_load_timeout: float = 120.0
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
+        from ..paths import data_dir
+        from .security import default_lora_dirs
+
+        allow = bool(getattr(args, "allow_runtime_lora", False))
+        dirs = [Path(d) for d in getattr(args, "lora_dir", None) or []]
+        if allow and not dirs:
+            given = [p for p, _ in getattr(args, "adapters", [])]
+            dirs = default_lora_dirs(given, data_dir() / "adapters")
         return cls(
             host=args.host,
             port=args.port,
@@ -55,7 +86,66 @@ class ServerSettings:
             n_predict_default=args.n_predict,
             verbose=bool(args.verbose),
             lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)),
+            allow_runtime_lora=allow,
+            lora_dirs=dirs,
         )
+
+
+class BlockingPool:
+    """Blocking calls of one kind (adapter loads, chat templates, tokenizing) run on at
+    most ``workers`` daemon threads; at most ``queue`` more calls wait for one, and a
+    call beyond that is refused at once with 503 (busy). A call still running after
+    ``timeout`` seconds is answered 503 too; its thread keeps its place until it
+    really ends, so a hung call (a file that never finishes reading) can only ever
+    block this pool, never the event loop or the other kinds of work. Daemon
+    threads: a hung call does not keep the process alive at exit."""
+
+    def __init__(self, kind: str, workers: int, queue: int, timeout: float):
+        self.kind, self.workers, self.queue, self.timeout = kind, workers, queue, timeout
+        self._sem: asyncio.Semaphore | None = None
+        self._waiting = 0
+
+    def _busy(self, why: str) -> HttpError:
+        return HttpError(f"server busy: {why}; retry later", 503, "unavailable_error")
+
+    async def run(self, fn, *args):
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.workers)
+        sem = self._sem
+        if sem.locked() and self._waiting >= self.queue:
+            raise self._busy(f"too many {self.kind} requests at once")
+        self._waiting += 1
+        try:
+            await sem.acquire()
+        finally:
+            self._waiting -= 1
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(ok: bool, value) -> None:
+            sem.release()  # the thread's place is free only once it has ended
+            if not fut.done():
+                (fut.set_result if ok else fut.set_exception)(value)
+
+        def work() -> None:
+            try:
+                ok, value = True, fn(*args)
+            except BaseException as e:  # handed to the awaiting handler
+                ok, value = False, e
+            try:
+                loop.call_soon_threadsafe(settle, ok, value)
+            except RuntimeError:  # the loop is gone (server stopped)
+                pass
+
+        try:
+            threading.Thread(target=work, name=f"mixdesk-{self.kind}", daemon=True).start()
+        except BaseException:
+            sem.release()
+            raise
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+        except TimeoutError:
+            raise self._busy(f"{self.kind} took longer than {self.timeout:g} s") from None
 
 
 class _EngineBox:
@@ -71,6 +161,8 @@ class _EngineBox:
 ENGINE = web.AppKey("engine", _EngineBox)
 SETTINGS = web.AppKey("settings", ServerSettings)
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
+ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
+TEXT_POOL = web.AppKey("text_pool", BlockingPool)
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TOKENIZE_INLINE_CHARS = 16384
@@ -93,6 +185,11 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     app[ENGINE] = _EngineBox(engine)
     app[SETTINGS] = settings
     app[LOAD_LOCK] = asyncio.Lock() if _has_loop() else None  # created lazily otherwise
+    app[ADAPTER_POOL] = BlockingPool(
+        "adapter load", workers=2, queue=4, timeout=settings.adapter_load_timeout
+    )
+    # chat templates stop themselves (RenderLimits); the timeout is a backstop
+    app[TEXT_POOL] = BlockingPool("text", workers=2, queue=64, timeout=60.0)
     app.on_response_prepare.append(add_cors_on_prepare)
     r = app.router
     r.add_get("/health", health)
@@ -145,8 +242,20 @@ def _settings(request: web.Request) -> ServerSettings:
     return request.app[SETTINGS]
 
 
+async def _read(request: web.Request) -> bytes:
+    """The body, which must arrive within body_timeout (a client trickling its body
+    byte by byte cannot hold a handler forever)."""
+    timeout = _settings(request).body_timeout
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise HttpError(
+            f"the request body did not arrive within {timeout:g} s", 408, "invalid_request_error"
+        ) from None
+
+
 async def _body(request: web.Request) -> dict:
-    return R.parse_json_body(await request.read())
+    return R.parse_json_body(await _read(request))
 
 
 def _model_id(request: web.Request, eng) -> str:
@@ -154,12 +263,13 @@ def _model_id(request: web.Request, eng) -> str:
     return s.alias or (Path(eng.path).name if eng.path else "mixdesk")
 
 
-def _verbose(request: web.Request, what: str, text: str) -> None:
+def _verbose(request: web.Request, what: str, text: Callable[[], str]) -> None:
+    """--verbose logging; ``text`` is only computed when it is logged."""
     if _settings(request).verbose:
-        log.info("%s %s: %r", request.path, what, text)
+        log.info("%s %s: %r", printable(request.path), what, text())
 
 
-async def _encode_prompt(eng, prompt: Any) -> list[int]:
+async def _encode_prompt(request: web.Request, eng, prompt: Any) -> list[int]:
     size = (
         len(prompt)
         if isinstance(prompt, str)
@@ -168,10 +278,18 @@ async def _encode_prompt(eng, prompt: Any) -> list[int]:
         else 0
     )
     if size > TOKENIZE_INLINE_CHARS:
-        return await asyncio.get_running_loop().run_in_executor(
-            None, R.parse_prompt, prompt, eng.tokenizer
-        )
-    return R.parse_prompt(prompt, eng.tokenizer)
+        ids = await request.app[TEXT_POOL].run(R.parse_prompt, prompt, eng.tokenizer)
+    else:
+        ids = R.parse_prompt(prompt, eng.tokenizer)
+    R.check_prompt_tokens(ids, eng.config.vocab_size)
+    return ids
+
+
+async def _render_chat(request: web.Request, eng, msgs: list[dict]) -> str:
+    """The chat template, off the event loop and under its render limits."""
+    return await request.app[TEXT_POOL].run(
+        lambda: eng.chat_template.render(msgs, add_generation_prompt=True)
+    )
 
 
 def _resolve_mix(eng, opts: R.GenOptions, oai: bool) -> dict[int, float] | None:
@@ -351,7 +469,7 @@ async def tokenize(request: web.Request) -> web.Response:
     parse_special = R.get_bool(body, "parse_special", True)
     with_pieces = R.get_bool(body, "with_pieces", False)
     ids = (
-        await _run(eng.tokenizer.encode, content, add_special, parse_special)
+        await request.app[TEXT_POOL].run(eng.tokenizer.encode, content, add_special, parse_special)
         if len(content) > TOKENIZE_INLINE_CHARS
         else eng.tokenizer.encode(content, add_special, parse_special)
     )
@@ -366,18 +484,18 @@ async def detokenize(request: web.Request) -> web.Response:
     eng = _engine(request)
     body = await _body(request)
     ids = R.parse_token_list(body.get("tokens", []), eng.config.vocab_size)
-    return web.json_response({"content": eng.tokenizer.decode(ids)})
+    if len(ids) > TOKENIZE_INLINE_CHARS:
+        text = await request.app[TEXT_POOL].run(eng.tokenizer.decode, ids)
+    else:
+        text = eng.tokenizer.decode(ids)
+    return web.json_response({"content": text})
 
 
 async def apply_template(request: web.Request) -> web.Response:
     eng = _engine(request)
     body = await _body(request)
     msgs = R.parse_messages(body)
-    return web.json_response({"prompt": eng.chat_template.render(msgs, add_generation_prompt=True)})
-
-
-async def _run(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return web.json_response({"prompt": await _render_chat(request, eng, msgs)})
 
 
 # ---- adapters --------------------------------------------------------------------------
@@ -391,7 +509,7 @@ async def get_lora(request: web.Request) -> web.Response:
 async def post_lora(request: web.Request) -> web.Response:
     """Set the global mix. Validated in full first: an invalid body changes nothing."""
     eng = _engine(request)
-    body = R.parse_json_any(await request.read())
+    body = R.parse_json_any(await _read(request))
     mix = eng.parse_mix(body, "lora-adapters")
     eng.set_mix(mix, source="http")
     return web.json_response({"success": True})
@@ -403,14 +521,48 @@ def _load_lock(app: web.Application) -> asyncio.Lock:
     return app[LOAD_LOCK]
 
 
+_BYTES_LITERAL = re.compile(r"(?<!\w)b'(?:[^'\\]|\\.)*'" + r'|(?<!\w)b"(?:[^"\\]|\\.)*"')
+
+
+def _no_file_bytes(message: str) -> str:
+    """An error about a file a client named must not quote the file's bytes
+    (``bad magic b'root'`` told anyone the start of any readable file)."""
+    return _BYTES_LITERAL.sub("<bytes not shown>", message)
+
+
+def _add_adapter(eng, path, scale: float, name: str | None) -> dict:
+    """Load (blocking) and return the new adapter's entry, read in the same breath,
+    so an unload of the new id racing this load cannot leave us without it."""
+    aid = eng.add_adapter(path, scale, name)
+    info = next((a for a in eng.adapters() if a["id"] == aid), None)
+    if info is None:
+        raise HttpError(
+            f"adapter {aid} was unloaded by another request while it was being loaded",
+            409,
+            "invalid_request_error",
+        )
+    return info
+
+
 async def _load_adapter(request: web.Request, path: str, scale: float, name: str | None) -> dict:
+    s = _settings(request)
+    if not s.allow_runtime_lora:
+        raise runtime_lora_off()
     eng = _engine(request)
+    target = adapter_path(path, s.lora_dirs)
     async with _load_lock(request.app):  # one load at a time: names stay unique
         if name is not None and any(a.get("name") == name for a in eng.adapters()):
             raise HttpError(f"an adapter named {name!r} is already loaded")
-        aid = await _run(eng.add_adapter, path, scale, name)
-    info = next(a for a in eng.adapters() if a["id"] == aid)
-    return info
+        try:
+            return await request.app[ADAPTER_POOL].run(_add_adapter, eng, target, scale, name)
+        except HttpError:
+            raise
+        except ValueError as e:  # AdapterError, GGUFError, ...
+            raise HttpError(_no_file_bytes(str(e))) from None
+        except OSError as e:
+            raise HttpError(
+                f"adapter {printable(path)}: cannot read it ({e.strerror or type(e).__name__})"
+            ) from None
 
 
 async def lora_load(request: web.Request) -> web.Response:
@@ -484,14 +636,14 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     mix = _resolve_mix(eng, opts, oai)
     if chat:
         msgs = R.parse_messages(body)
-        text = eng.chat_template.render(msgs, add_generation_prompt=True)
-        prompt = await _encode_prompt(eng, text)
-        _verbose(request, "prompt", text)
+        text = await _render_chat(request, eng, msgs)
+        prompt = await _encode_prompt(request, eng, text)
+        _verbose(request, "prompt", lambda: text)
     else:
         if "prompt" not in body:
             raise HttpError('"prompt" is required')
-        prompt = await _encode_prompt(eng, body["prompt"])
-        _verbose(request, "prompt", eng.tokenizer.decode(prompt))
+        prompt = await _encode_prompt(request, eng, body["prompt"])
+        _verbose(request, "prompt", lambda: eng.tokenizer.decode(prompt))
     gen = _Generation(request, eng, prompt, opts.params, mix, opts.cache_prompt)
     return eng, opts, prompt, gen
 
@@ -538,7 +690,7 @@ async def _stream(
                 if ev.stop_type in ("error", "cancel"):
                     await resp.write(R.sse(_stream_error(ev)))
                 else:
-                    _verbose(request, "content", ev.content)
+                    _verbose(request, "content", lambda ev=ev: ev.content)
                     for chunk in final_chunks(ev):
                         await resp.write(chunk)
                 break
@@ -568,7 +720,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
-        _verbose(request, "content", done.content)
+        _verbose(request, "content", lambda: done.content)
         probs = (
             [R.completion_probability(tok, t.token, t.logprob, t.top) for t in toks]
             if n_probs
@@ -669,7 +821,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
-        _verbose(request, "content", done.content)
+        _verbose(request, "content", lambda: done.content)
         lp = (
             [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
             if n_top

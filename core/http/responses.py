@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,12 +55,7 @@ def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object; 400 for anything else."""
     if not raw.strip():
         raise HttpError("the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise HttpError(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise HttpError("the request body is nested too deeply") from None
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise HttpError("the request body must be a JSON object")
     return body
@@ -69,12 +65,46 @@ def parse_json_any(raw: bytes) -> Any:
     """Any JSON value (POST /lora-adapters takes a bare list); 400 if malformed."""
     if not raw.strip():
         raise HttpError("the request body is empty")
+    return _loads(raw)
+
+
+# a \uD800-\uDFFF escape: JSON allows a lone surrogate there, UTF-8 cannot carry one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _loads(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise HttpError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise HttpError("the request body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(value, "")
+        if where is not None:
+            # refused here, before any answer starts: a stream would otherwise send
+            # its 200 headers and then break on the first chunk that echoes it
+            raise HttpError(f"{where or 'the body'}: a lone surrogate escape is not valid text")
+    return value
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """The place of the first string holding a lone surrogate, or None."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, at))
+                stack.append((x, f"{at}.{k}" if at else k))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 _MISSING = object()
@@ -254,6 +284,16 @@ def parse_prompt(prompt: Any, tokenizer) -> list[int]:
     if prompt is None:
         raise HttpError('"prompt" is required')
     raise HttpError("prompt must be a string, a list of token ids, or a list mixing both")
+
+
+def check_prompt_tokens(ids: list[int], n_vocab: int) -> None:
+    """Every prompt token id must be in the vocabulary: a 400 naming the first one
+    that is not (it would otherwise fail deep in the engine, or in a log line)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < n_vocab:
+            raise HttpError(
+                f"prompt[{i}]: token id {t} is out of range (vocabulary has {n_vocab} tokens)"
+            )
 
 
 def parse_messages(body: Mapping) -> list[dict]:

@@ -15,6 +15,11 @@ can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
 * Body size (413) before anything reads the body; the app's client_max_size
   enforces the same limit for chunked bodies.
 * API key (401) with ``hmac.compare_digest`` on every endpoint but /health.
+  The key is never logged.
+
+Runtime adapter loading opens a path the client names, so it is off unless the
+server was started with ``--allow-runtime-lora``, and then only paths inside the
+adapter folders (``--lora-dir``) are opened (:func:`adapter_path`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -38,6 +45,103 @@ DISCONNECTED = web.RequestKey("disconnected", bool)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; longer paths fail in open() anyway
+LOGGED_PATH_CHARS = 300
+
+
+def printable(text: str, limit: int = LOGGED_PATH_CHARS) -> str:
+    """``text`` safe for one log line: control and other unprintable characters are
+    escaped (a ``%0a`` in a URL must not start a forged line), long text is cut."""
+    if len(text) > limit:
+        text = text[:limit] + f"...({len(text)} chars)"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# ---- runtime adapter loading -----------------------------------------------------------
+
+
+def runtime_lora_off() -> HttpError:
+    return HttpError(
+        "loading adapters over HTTP is off; start the server with --allow-runtime-lora "
+        "(and --lora-dir DIR for the folders it may load from)",
+        403,
+        "permission_error",
+    )
+
+
+def default_lora_dirs(adapter_paths: Iterable[str | Path], user_dir: Path) -> list[Path]:
+    """With --allow-runtime-lora but no --lora-dir: the folders of the adapters given
+    on the command line, plus the user's own adapters folder."""
+    out: list[Path] = []
+    for p in [*(Path(a).parent for a in adapter_paths), user_dir]:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def adapter_path(path: str, dirs: Iterable[Path]) -> Path:
+    """The file (or PEFT folder) a client asked to load, if it lies inside one of the
+    adapter folders; else HttpError. Nothing is opened here: a path outside the
+    folders is refused before the file system is asked anything about it (beyond
+    resolving symlinks), so a client cannot probe for files elsewhere. A relative
+    path is looked up in each folder in turn."""
+    roots = [_resolved(Path(d)) for d in dirs]
+    if not roots:
+        raise HttpError("no adapter folder is configured (--lora-dir)", 403, "permission_error")
+    if not path:
+        raise HttpError("path must not be empty")
+    if len(path) > MAX_PATH_CHARS:
+        raise HttpError(f"path is too long ({len(path)} characters, limit {MAX_PATH_CHARS})")
+    if "\0" in path:
+        raise HttpError("path must not contain a NUL character")
+    p = Path(path)
+    if ".." in p.parts:
+        raise HttpError("path must not contain '..'", 403, "permission_error")
+    if p.is_absolute():
+        candidates = [_resolved(p)]
+    else:
+        candidates = [_resolved(r / p) for r in roots]
+        existing = [c for c in candidates if _inside(c, roots) and os.path.lexists(c)]
+        candidates = existing[:1] or candidates
+    target = candidates[0]
+    if not _inside(target, roots):
+        raise HttpError(
+            f"path {printable(path)} is outside the adapter folders "
+            f"({', '.join(str(r) for r in roots)}; see --lora-dir)",
+            403,
+            "permission_error",
+        )
+    return target
+
+
+def _resolved(p: Path) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop, a name too long
+        raise HttpError(
+            f"path {printable(str(p))} cannot be resolved: {type(e).__name__}"
+        ) from None
+
+
+def _inside(p: Path, roots: list[Path]) -> bool:
+    return any(p == r or p.is_relative_to(r) for r in roots)
+
+
+def read_api_key_file(path: str | Path) -> list[str]:
+    """--api-key-file: one key per line; blank lines and surrounding spaces ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--api-key-file: {p} is not a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file: cannot read {p}: {type(e).__name__}") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    if not keys:
+        raise ValueError(f"--api-key-file: {p} holds no key")
+    return keys
 
 
 def split_host(host_header: str) -> str:
@@ -133,7 +237,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             status_s = "499 (client disconnected)" if request.get(DISCONNECTED) else str(status)
-            on_line(f"{request.method} {request.path} {status_s} {ms:.1f} ms")
+            on_line(f"{request.method} {printable(request.path)} {status_s} {ms:.1f} ms")
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -159,7 +263,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
                 e.status, "invalid_request_error"
             )
             msg = "no such endpoint" if e.status == 404 else e.reason
-            return json_error(f"{msg}: {request.method} {request.path}", e.status, kind)
+            return json_error(f"{msg}: {request.method} {printable(request.path)}", e.status, kind)
         except ValueError as e:  # AdapterError, SamplingError, ChatTemplateError, TokenizerError
             return json_error(str(e), 400, "invalid_request_error")
         except (ConnectionError, TimeoutError):

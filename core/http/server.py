@@ -18,7 +18,7 @@ import threading
 
 from aiohttp import web
 
-from .app import ServerSettings, create_app, set_engine
+from .app import SETTINGS, ServerSettings, create_app, set_engine
 from .security import WILDCARD_HOSTS, is_loopback, split_host
 
 log = logging.getLogger("mixdesk.http")
@@ -27,7 +27,16 @@ log = logging.getLogger("mixdesk.http")
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving ``app``; returns (runner, the bound port). port 0 picks a free one.
     A client that disconnects cancels its handler (which frees its engine slot)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    settings = app.get(SETTINGS) or ServerSettings()
+    # keepalive_timeout also closes a connection whose request headers are still
+    # incomplete after that long (a slowloris client sending them byte by byte)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=2.0,
+        keepalive_timeout=settings.idle_timeout,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
