@@ -33,7 +33,7 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
 from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_weights, open_model_file
+from .weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,14 @@ DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs 
 # float32 in the forward pass, and a global mix like that broke every request.
 LORA_SCALE_MAX = 100.0
 LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
+# A model load's progress bar: the weights fill it up to LOAD_WEIGHTS_DONE (a cold load
+# dequantizes for tens of seconds); weights mapped from the cache take ~no time, so the
+# bar then stands at LOAD_CACHED_WEIGHTS. Timing the matrix products (LlamaModel's
+# calibration: 4 s for SmolLM2 on 2 busy cores, ~10 s seen on a laptop) fills it up to
+# LOAD_CALIBRATED; the KV pool and the adapters' checks take the rest. 100% is never
+# shown before the model is in service.
+LOAD_OPENED, LOAD_WEIGHTS_DONE, LOAD_CACHED_WEIGHTS = 0.02, 0.8, 0.05
+LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
 
 
 class EngineError(UserError):
@@ -136,34 +144,50 @@ class Engine:
                 progress(frac, msg)
             self._notify("model_loading", path=str(path), progress=frac, message=msg)
 
+        def check() -> None:  # Cancel works until the new model is swapped in
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled()
+
+        def weights_progress(frac: float, msg: str) -> None:
+            if msg == FROM_CACHE:  # mapped, not computed: the work left is all after it
+                report(LOAD_CACHED_WEIGHTS, "weights mapped from the cache")
+            else:
+                report(LOAD_OPENED + (LOAD_WEIGHTS_DONE - LOAD_OPENED) * frac, msg)
+
         try:
             gf, cfg = open_model_file(path)
             n_params = sum(t.n_elements for t in gf.tensors.values())
+            report(LOAD_OPENED / 2, "reading the tokenizer")
             try:
                 tok = Tokenizer.from_metadata(gf.metadata)
             except ValueError as e:
                 raise ModelLoadError(f"{Path(path).name}: {e}") from None
             template = ChatTemplate.from_metadata(gf.metadata, tok)
-            weights = load_weights(gf, cfg, progress=report, cancel=cancel)
+            check()
+            weights = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
+            check()
             ctx = self.requested_ctx or cfg.ctx_len
-            model = LlamaModel(cfg, weights, threads=self.threads)
+            lo = self.load_progress
+
+            def calibrating(frac: float) -> None:
+                check()
+                report(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
+
+            model = LlamaModel(cfg, weights, threads=self.threads, calibrate_step=calibrating)
             try:
-                # the KV pool reserves address space for every slot's whole context
-                scheduler = Scheduler(
-                    model, tok, self.prefix, ctx, self.n_parallel, draft_max=self.draft_max
-                )
-            except (MemoryError, OSError) as e:
-                model.lin.close()
-                gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9
-                raise ModelLoadError(
-                    f"{Path(path).name}: cannot reserve the KV cache for {self.n_parallel} "
-                    f"sequences of {ctx} tokens ({gb:.1f} GB): {e}. Lower -c/--ctx-size or "
-                    f"-np/--parallel."
-                ) from None
-            kept, dropped = self._refit_adapters(cfg)
+                report(LOAD_CALIBRATED, "reserving the KV cache")
+                scheduler = self._new_scheduler(model, tok, path, cfg, ctx)
+                if self._adapters:
+                    report(LOAD_KV_DONE, "checking the adapters against the model")
+                kept, dropped = self._refit_adapters(cfg, check)
+                check()  # the last point where Cancel is honoured
+            except BaseException:
+                model.lin.close()  # its helper threads would outlive a failed load
+                raise
         except BaseException as e:
             self.loading = False
-            self._notify("model_error", path=str(path), error=str(e))
+            cancelled = isinstance(e, LoadCancelled)
+            self._notify("model_error", path=str(path), error=str(e), cancelled=cancelled)
             raise
         was_running = self._thread is not None
         self.stop()
@@ -200,7 +224,25 @@ class Engine:
             self.start()
         return cfg
 
-    def _refit_adapters(self, cfg: ModelConfig) -> tuple[dict[int, Adapter], list[dict]]:
+    def _new_scheduler(
+        self, model: LlamaModel, tok: Tokenizer, path: str | Path, cfg: ModelConfig, ctx: int
+    ) -> Scheduler:
+        try:
+            # the KV pool reserves address space for every slot's whole context
+            return Scheduler(
+                model, tok, self.prefix, ctx, self.n_parallel, draft_max=self.draft_max
+            )
+        except (MemoryError, OSError) as e:
+            gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9
+            raise ModelLoadError(
+                f"{Path(path).name}: cannot reserve the KV cache for {self.n_parallel} "
+                f"sequences of {ctx} tokens ({gb:.1f} GB): {e}. Lower -c/--ctx-size or "
+                f"-np/--parallel."
+            ) from None
+
+    def _refit_adapters(
+        self, cfg: ModelConfig, check: Callable[[], None] = lambda: None
+    ) -> tuple[dict[int, Adapter], list[dict]]:
         """The registered adapters re-read and re-checked against the model being loaded:
         ({id: adapter} of those that fit it, under their old ids, so that a client's
         ``{"id": 0}`` keeps naming the same adapter across a reload; and an entry
@@ -211,6 +253,7 @@ class Engine:
         kept: dict[int, Adapter] = {}
         dropped: list[dict] = []
         for aid, old in registered.items():
+            check()
             try:
                 adapter = load_adapter(old.path, cfg)
                 adapter.name, adapter.id = old.name, aid

@@ -101,6 +101,7 @@ class Linear:
         mats: list[np.ndarray],
         rounds: int = 2,
         timer: Callable[[], float] = time.perf_counter,
+        step: Callable[[float], None] | None = None,
     ) -> dict[int, dict[str, float]]:
         """Time one pass over ``mats`` in each regime for each of CALIBRATE_ROWS row
         counts (best of ``rounds``, alternating, so all see the same minute of a
@@ -110,7 +111,9 @@ class Linear:
 
         ``timer`` is the clock the passes are read from (seconds); the tests give a
         fake clock that the products advance, so the choice is checked without time.
-        ``MIXDESK_SMALL_BATCH=gemv|gemm|blocked`` skips the timing and forces one."""
+        ``MIXDESK_SMALL_BATCH=gemv|gemm|blocked`` skips the timing and forces one.
+        ``step(fraction_done)`` is called after each pass (a model load's progress; it
+        may raise to cancel: calibration takes seconds, ~10 s on a busy laptop)."""
         forced = os.environ.get("MIXDESK_SMALL_BATCH")
         if forced:
             self.force(forced)
@@ -127,6 +130,7 @@ class Linear:
             t: {m.shape[1]: rng.standard_normal((t, m.shape[1])).astype(np.float32) for m in mats}
             for t in CALIBRATE_ROWS
         }
+        n_passes, done = rounds * sum(len(times) for times in best.values()), 0
         for _ in range(rounds):
             for t, times in best.items():
                 for regime in times:
@@ -135,6 +139,9 @@ class Linear:
                         for m in mats:
                             self.small_product(regime, xs[t][m.shape[1]], m)
                     times[regime] = min(times[regime], timer() - t0)
+                    done += 1
+                    if step is not None:
+                        step(done / n_passes)
         choice = {t: _fastest(times) for t, times in best.items()}
         for t in range(2, SMALL_ROWS + 1):
             self._by_rows[t] = choice[t if t in choice else CALIBRATE_ROWS[-1]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -137,13 +137,25 @@ class RopeTable:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: Weights, threads: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        threads: int | None = None,
+        calibrate_step: Callable[[float], None] | None = None,
+    ):
         self.cfg = cfg
         self.w = weights
         self.lin = Linear(threads)  # every x @ W.T goes through here
         # pick the fastest small-batch products on this CPU: passes over the first
-        # layers' matrices (~60 MB for SmolLM2, more than an L3) in each regime
-        self.lin.calibrate([m for lw in weights.layers[:CALIBRATE_LAYERS] for m in lw.projections])
+        # layers' matrices (~60 MB for SmolLM2, more than an L3) in each regime;
+        # calibrate_step(fraction) reports progress and may raise to cancel the load
+        mats = [m for lw in weights.layers[:CALIBRATE_LAYERS] for m in lw.projections]
+        try:
+            self.lin.calibrate(mats, step=calibrate_step)
+        except BaseException:
+            self.lin.close()  # its helper threads would outlive a cancelled load
+            raise
         self._stacks: OrderedDict[tuple, AdapterStack] = OrderedDict()
         self.rope = RopeTable(cfg, weights.rope_freqs)
         self.scale = float(

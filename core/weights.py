@@ -39,7 +39,11 @@ class ModelLoadError(UserError):
 
 
 class LoadCancelled(Exception):
-    pass
+    def __init__(self, message: str = "cancelled"):
+        super().__init__(message)
+
+
+FROM_CACHE = "loaded from cache"  # the progress message of weights mapped from the cache
 
 
 @dataclass
@@ -227,7 +231,7 @@ def load_weights(
             idx = json.loads(idx_path.read_text())
             if idx.get("total") == total and bin_path.stat().st_size == total * 4:
                 buf = np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,))
-                progress(1.0, "loaded from cache")
+                progress(1.0, FROM_CACHE)
                 return _assemble(cfg, _views(buf, layout))
         except (OSError, ValueError) as e:
             log.warning("ignoring unreadable weight cache %s: %s", bin_path, e)

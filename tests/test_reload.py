@@ -109,3 +109,36 @@ def test_an_adapter_file_deleted_before_the_reload_becomes_a_dropped_entry(engin
     assert engine.adapters() == []
     (dropped,) = [p["dropped"] for name, p in events if name == "adapters_dropped"]
     assert dropped[0]["id"] == a and "no such file" in dropped[0]["error"]
+
+
+# -- the load's progress and Cancel (issue #17 item 7) ------------------------------
+
+
+def test_progress_never_says_done_before_the_model_is_in_service(engine, files):
+    seen = []
+    engine.load_model(files["three"], progress=lambda f, m: seen.append((f, m)))
+    fracs = [f for f, _ in seen]
+    assert fracs == sorted(fracs) and max(fracs) < 1.0
+    # the weights are mapped from the cache now: the bar says so near the start, and
+    # the products' timing that follows moves it on
+    cached = [i for i, (_, m) in enumerate(seen) if "cache" in m]
+    assert cached and seen[cached[0]][0] < 0.1
+    timing = [f for f, m in seen[cached[0] :] if "timing" in m]
+    assert len(timing) > 3 and timing[-1] > 0.9
+
+
+def test_cancel_during_the_products_timing_is_honoured(engine, files):
+    """Before: Cancel after the weights was ignored and the load went on for ~10 s."""
+    a = engine.add_adapter(files["l0"], scale=0.5)
+    cancel = threading.Event()
+
+    def progress(frac, msg):
+        if "timing" in msg:
+            cancel.set()  # the user presses Cancel while the bar is past the weights
+
+    with pytest.raises(LoadCancelled):
+        engine.load_model(files["two"], progress=progress, cancel=cancel)
+    assert engine.path == files["three"] and engine.config.n_layers == 3
+    assert [x["id"] for x in engine.adapters()] == [a] and engine.get_mix() == {a: 0.5}
+    assert engine.ready and not engine.loading
+    assert isinstance(engine.chat([{"role": "user", "content": "hi"}], max_tokens=2), str)

@@ -125,6 +125,7 @@ class EngineBridge(QObject):
     model_loading = Signal(float, str)
     model_loaded = Signal(object)
     model_error = Signal(str)
+    model_cancelled = Signal()  # the user's Cancel: the model in service stays
     adapters_changed = Signal(object)
     mix_changed = Signal(object, str)  # {id: scale}, source
     request_started = Signal(object)
@@ -151,6 +152,8 @@ class EngineBridge(QObject):
             )
         elif name == "model_loaded":
             self.model_loaded.emit(dict(payload.get("info") or {}))
+        elif name == "model_error" and payload.get("cancelled"):
+            self.model_cancelled.emit()
         elif name == "model_error":
             self.model_error.emit(str(payload.get("error", "model load failed")))
         elif name == "adapters_changed":

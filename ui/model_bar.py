@@ -72,6 +72,7 @@ class ModelBar(FileDropMixin, QWidget):
         bridge.model_loading.connect(self._loading)
         bridge.model_loaded.connect(self.show_info)
         bridge.model_error.connect(self._failed)
+        bridge.model_cancelled.connect(self._cancelled)
         if bridge.engine.config is not None:
             self.show_info(bridge.engine.model_info())
 
@@ -104,6 +105,12 @@ class ModelBar(FileDropMixin, QWidget):
         self.progress.hide()
         self.cancel_btn.hide()
         self.message.emit(f"Model not loaded: {err}")
+
+    def _cancelled(self) -> None:
+        self.progress.hide()
+        self.cancel_btn.hide()
+        name = self.bridge.engine.model_info().get("name")
+        self.message.emit(f"Load cancelled; {name} stays loaded" if name else "Load cancelled")
 
     def show_info(self, info: dict) -> None:
         self.progress.hide()

@@ -27,3 +27,32 @@ def test_bad_model_file_shows_error_and_keeps_the_old_model(window, qtbot, tmp_p
     assert w.banner.isVisible() and "Model not loaded" in w.banner.label.text()
     assert w.engine.ready  # the previous model stays in service
     w.mixer.bypass.setChecked(True)  # and the window keeps working
+
+
+def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
+    loaded, qtbot, smollm_path, tmp_path
+):
+    """Before: the bar showed "loaded from cache 100%" ~10 s before the end, and Cancel
+    pressed then was ignored (the new model replaced the old one anyway)."""
+    import shutil
+
+    w = loaded
+    other = tmp_path / "copy.gguf"  # another file: a finished load would change the path
+    shutil.copy(smollm_path, other)
+    seen, said = [], []
+    w.statusBar().messageChanged.connect(said.append)
+
+    def on_progress(frac, msg):
+        seen.append((frac, msg))
+        if "timing" in msg and w.model_bar.cancel_btn.isVisible():
+            w.model_bar.cancel_btn.click()
+
+    w.bridge.model_loading.connect(on_progress)
+    with qtbot.waitSignal(w.bridge.model_cancelled, timeout=120000):
+        w.open_model(str(other))
+    assert any("timing" in m for _, m in seen) and max(f for f, _ in seen) < 1.0
+    assert w.engine.path == smollm_path and w.engine.ready
+    assert {a["name"]: a["id"] for a in w.engine.adapters()} == w.ids
+    assert not w.model_bar.progress.isVisible() and not w.model_bar.cancel_btn.isVisible()
+    assert not w.banner.isVisible()  # a cancel is not an error
+    assert any("Load cancelled" in m for m in said)
