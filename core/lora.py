@@ -237,7 +237,10 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     try:
         gf = GGUFFile(path)
     except GGUFError as e:
-        raise AdapterError(f"adapter {path.name}: {e}") from None
+        # its message already names the file: "adapter x.gguf is not a valid GGUF
+        # file: ...", never "adapter x.gguf: x.gguf is not ..."
+        named = path.name in str(e).split(":", 1)[0]
+        raise AdapterError(f"adapter {e}" if named else f"adapter {path.name}: {e}") from None
     meta = gf.metadata
     label = path.name
 

@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QMessageBox,
     QPushButton,
     QTreeWidget,
     QTreeWidgetItem,
@@ -25,11 +26,26 @@ from PySide6.QtWidgets import (
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .util import FileDropMixin, human_bytes
+from .util import FileDropMixin, file_size, human_bytes, is_model_gguf
 
 COLUMNS = ("Adapter", "Rank", "Alpha", "Size", "Task", "Base check", "Targets")
-BASE_COL, TARGETS_COL = 5, 6
+SIZE_COL, BASE_COL, TARGETS_COL = 3, 5, 6
 ERROR_ROLE = Qt.UserRole + 1
+
+
+def problem_text(message: str) -> str:
+    """The engine's "adapter x.gguf: why" for a line that already says "Adapter":
+    "x.gguf: why" (never "Adapter not loaded: adapter x.gguf: ...")."""
+    return message[len("adapter ") :] if message.startswith("adapter ") else message
+
+
+def reason_text(path: str, message: str) -> str:
+    """The reason alone, for a row whose first column already shows the file name."""
+    text = problem_text(message)
+    for prefix in (f"{Path(path).name}: ", f"{path}: "):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
 
 
 def compact_targets(targets: list[str]) -> str:
@@ -48,6 +64,7 @@ def compact_targets(targets: list[str]) -> str:
 
 class AdapterPanel(FileDropMixin, QWidget):
     message = Signal(str)
+    open_model_requested = Signal(str)  # a model file added as an adapter, to open instead
 
     def __init__(self, bridge: EngineBridge, settings: Settings, parent: QWidget | None = None):
         super().__init__(parent)
@@ -99,10 +116,33 @@ class AdapterPanel(FileDropMixin, QWidget):
 
     # -- actions ---------------------------------------------------------------------
     def add_paths(self, paths: list[str | Path], scale: float = 0.0) -> None:
+        models = [str(p) for p in paths if is_model_gguf(p)]
         for p in paths:
+            if str(p) in models:
+                continue
             self.errors.pop(str(p), None)
             self.bridge.add_adapter(str(p), scale)
         self._rebuild()
+        if models:
+            self.offer_model(models[0])
+
+    def offer_model(self, path: str) -> None:
+        """A whole model was added as an adapter: offer to open it as the model."""
+        box = self.model_prompt = QMessageBox(self)
+        box.setIcon(QMessageBox.Question)
+        box.setWindowTitle("This is a model, not an adapter")
+        box.setText(f"{Path(path).name} is a model file, not a LoRA adapter.")
+        box.setInformativeText("Open it as the model? The adapters that fit it stay loaded.")
+        box.open_btn = box.addButton("Open as model", QMessageBox.AcceptRole)
+        box.addButton(QMessageBox.Cancel)
+        box.setDefaultButton(box.open_btn)
+
+        def done(_=None) -> None:
+            if box.clickedButton() is box.open_btn:
+                self.open_model_requested.emit(path)
+
+        box.finished.connect(done)
+        box.open()  # window-modal, without a nested event loop
 
     def _add_files(self) -> None:
         files, _ = QFileDialog.getOpenFileNames(
@@ -149,7 +189,7 @@ class AdapterPanel(FileDropMixin, QWidget):
     def show_error(self, path: str, message: str) -> None:
         self.errors[path] = message
         self._rebuild()
-        self.message.emit(f"Adapter not loaded: {message}")
+        self.message.emit(f"Adapter not loaded: {problem_text(message)}")
 
     def set_adapters(self, adapters: list[dict]) -> None:
         self._adapters = adapters
@@ -165,13 +205,18 @@ class AdapterPanel(FileDropMixin, QWidget):
                     a["name"],
                     str(a.get("rank", "")),
                     alpha,
-                    human_bytes(a.get("size_bytes", 0)),
+                    human_bytes(file_size(a.get("path", ""))),
                     a.get("task_name") or "—",
                     "✓ fits base",
                     targets,
                 ]
             )
             item.setToolTip(BASE_COL, f"shapes and targets match {self._model_name or 'the model'}")
+            item.setToolTip(
+                SIZE_COL,
+                f"on disk; {human_bytes(a.get('size_bytes', 0))} in memory (as float32)",
+            )
+            item.setTextAlignment(SIZE_COL, Qt.AlignRight | Qt.AlignVCenter)
             item.setData(0, Qt.UserRole, a["id"])
             item.setToolTip(0, f"{a.get('path', '')}\nformat: {a.get('format', '')}")
             item.setToolTip(TARGETS_COL, ", ".join(a.get("targets") or []))
@@ -180,11 +225,12 @@ class AdapterPanel(FileDropMixin, QWidget):
             item.setForeground(BASE_COL, QBrush(QColor("#2e9d5b")))
             self.tree.addTopLevelItem(item)
         for path, msg in self.errors.items():
-            item = QTreeWidgetItem([Path(path).name, "", "", "", "", f"✗ {msg}", ""])
+            reason = reason_text(path, msg)
+            item = QTreeWidgetItem([Path(path).name, "", "", "", "", f"✗ {reason}", ""])
             item.setData(0, ERROR_ROLE, path)
             for c in range(len(COLUMNS)):
                 item.setForeground(c, QBrush(QColor("#d64545")))
-                item.setToolTip(c, f"{path}\n{msg}")
+                item.setToolTip(c, f"{path}\n{reason}")
             self.tree.addTopLevelItem(item)
 
     def error_rows(self) -> list[str]:

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 from core.engine import Engine
 from core.settings import Conversations, Settings
 
-from .adapters import AdapterPanel
+from .adapters import AdapterPanel, problem_text
 from .bridge import EngineBridge
 from .chat import ChatPane
 from .compare import ComparePane
@@ -168,9 +168,12 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.exporter.error.connect(self.show_error)
         self.chat.problem.connect(self.show_error)
         self.model_bar.open_requested.connect(self.open_model)
+        self.adapters.open_model_requested.connect(self.open_model)
         self.bridge.error.connect(self.show_error)
         self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
-        self.bridge.adapter_error.connect(lambda p, e: self.show_error(f"Adapter not loaded: {e}"))
+        self.bridge.adapter_error.connect(
+            lambda p, e: self.show_error(f"Adapter not loaded: {problem_text(e)}")
+        )
         self.bridge.model_loaded.connect(self._model_loaded)
         self.bridge.adapter_added.connect(lambda *_: self.banner.success())
         self.chat.reply_finished.connect(

@@ -11,12 +11,27 @@ RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 
 
 def human_bytes(n: float) -> str:
+    """Binary units, named as such (a 4,917,000-byte file is "4.69 MiB", as file
+    managers and ls -h show it), two decimals below 10 and one above."""
     n = float(n or 0)
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.2f} {unit}" if n < 10 else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GB"
+    return f"{n:.1f} GiB"
+
+
+def file_size(path: str | Path) -> int:
+    """Bytes on disk of a file, or of the files directly in a folder (a PEFT adapter)."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        return p.stat().st_size
+    except OSError:
+        return 0
 
 
 def human_count(n: float) -> str:
@@ -62,6 +77,22 @@ def is_adapter_path(path: str | Path) -> bool:
         return str(GGUFFile(p).metadata.get("general.type", "")) == "adapter"
     except Exception:
         return False
+
+
+def is_model_gguf(path: str | Path) -> bool:
+    """A readable GGUF that holds a whole model (general.type is not "adapter" and it
+    has the token embeddings): added as an adapter by mistake, it can be opened as
+    the model instead."""
+    p = Path(path)
+    if p.is_dir():
+        return False
+    try:
+        from core.gguf_file import GGUFFile
+
+        gf = GGUFFile(p)
+    except Exception:
+        return False
+    return gf.metadata.get("general.type") != "adapter" and "token_embd.weight" in gf.tensors
 
 
 def format_mix(mix, names: dict[int, str]) -> str:

@@ -261,3 +261,44 @@ def test_one_token_and_one_rounding_of_tok_s(window):
     }
     text = render_markdown(conv)
     assert "1 token ·" in text and "1 tokens" not in text
+
+
+def test_adapter_size_is_the_file_size_in_mib(loaded, ref_dir):
+    w = loaded
+    tree = w.adapters.tree
+    rows = {tree.topLevelItem(i).text(0): tree.topLevelItem(i) for i in range(3)}
+    for name in ("lora_all_q8", "lora_attn"):
+        size = (ref_dir / "adapters" / f"{name}.gguf").stat().st_size
+        mib = size / 2**20
+        want = f"{mib:.2f} MiB" if mib < 10 else f"{mib:.1f} MiB"
+        assert rows[name].text(3) == want
+    # q8 on disk is not what float32 takes in memory: that is in the tooltip
+    q8 = w.engine.adapter(w.ids["lora_all_q8"])
+    assert q8.nbytes > (ref_dir / "adapters" / "lora_all_q8.gguf").stat().st_size
+    assert "in memory" in rows["lora_all_q8"].toolTip(3)
+
+
+def test_error_texts_name_the_file_once(window, qtbot, tmp_path):
+    w = window
+    notes = tmp_path / "notes.txt"
+    notes.write_text("shopping list")
+    w.adapters.add_paths([notes])
+    qtbot.waitUntil(lambda: str(notes) in w.adapters.errors, timeout=5000)
+    banner = w.banner.label.text()
+    assert banner.startswith("Adapter not loaded: notes.txt is not a valid GGUF file")
+    assert banner.count("notes.txt") == 1 and "adapter notes" not in banner.lower()
+    row = w.adapters.tree.topLevelItem(0)
+    assert row.text(0) == "notes.txt" and row.text(5).count("notes.txt") <= 1
+
+
+def test_a_model_added_as_an_adapter_offers_to_open_it_as_the_model(loaded, qtbot, smollm_path):
+    w = loaded
+    w.adapters.add_paths([smollm_path])
+    box = w.adapters.model_prompt
+    qtbot.waitUntil(box.isVisible, timeout=5000)
+    assert "model file, not a LoRA adapter" in box.text()
+    assert w.adapters.errors == {}  # no red row for it
+    with qtbot.waitSignal(w.bridge.model_loaded, timeout=120000):
+        box.open_btn.click()
+    assert w.engine.path == smollm_path
+    assert {a["name"]: a["id"] for a in w.engine.adapters()} == w.ids

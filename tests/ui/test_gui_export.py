@@ -70,7 +70,7 @@ def test_export_lora_from_the_menu_reproduces_the_desk_mix(loaded, qtbot, tmp_pa
     assert seen and seen[-1][0] == 1.0 and {t for _, t in seen} == {gui}  # queued to the GUI
     assert not w.banner.isVisible()
     status = w.statusBar().currentMessage()
-    assert str(out) in status and ("KB" in status or "MB" in status)
+    assert str(out) in status and ("KiB" in status or "MiB" in status)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["desk_mix.gguf"]  # no temp file
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=5000)
     assert w.exporter.actions["lora"].isEnabled()
