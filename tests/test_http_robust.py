@@ -460,3 +460,15 @@ def test_lora_dir_flags(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         parse_args(["--allow-runtime-lora", "--lora-dir", str(tmp_path / "nope")])
     assert os.environ.get("LLAMA_API_KEY") is None
+
+
+def test_runtime_lora_on_a_network_address_is_warned_about(tmp_path):
+    from core.http import exposure_warnings
+
+    assert exposure_warnings(ServerSettings(allow_runtime_lora=True, lora_dirs=[tmp_path])) == []
+    warned = exposure_warnings(
+        ServerSettings(
+            host="0.0.0.0", api_keys=["k"], allow_runtime_lora=True, lora_dirs=[tmp_path]
+        )
+    )
+    assert len(warned) == 2 and str(tmp_path) in warned[1]

@@ -66,6 +66,11 @@ def exposure_warnings(settings: ServerSettings) -> list[str]:
                 "WARNING: no --api-key set: anyone who can reach this address can "
                 "generate text and load or change adapters"
             )
+        if settings.allow_runtime_lora:
+            out.append(
+                "WARNING: --allow-runtime-lora on a network address: clients can load any "
+                "adapter file from " + ", ".join(str(d) for d in settings.lora_dirs)
+            )
     return out
 
 
