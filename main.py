@@ -20,8 +20,8 @@ def _fail(msg: str) -> int:
 
 
 def one_shot(args) -> int:
-    from core.engine import DoneEvent
-    from core.sampling import SamplingParams
+    from core.serve.engine import DoneEvent
+    from core.serve.sampling import SamplingParams
     from core.startup import engine_from_args
 
     eng = engine_from_args(args, say=lambda m: print(m, file=sys.stderr))
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     _limits = limit_threads(args.threads)  # noqa: F841 (kept alive for the process)
     try:
         if args.export_lora or args.export_merged or args.export_peft:
-            from core.export import run_exports
+            from core.lora.export import run_exports
 
             return run_exports(args)
         if args.prompt is not None:

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from core.default_model import ensure_default_model  # noqa: E402
-from core.engine import Engine  # noqa: E402
-from core.sampling import SamplingParams  # noqa: E402
-from core.weights import load_weights, open_model_file  # noqa: E402
+from core.model.weights import load_weights, open_model_file  # noqa: E402
+from core.serve.engine import Engine  # noqa: E402
+from core.serve.sampling import SamplingParams  # noqa: E402
 from tests.reference import reference_dir  # noqa: E402
 
 REF_ADAPTERS = reference_dir() / "adapters"
@@ -55,7 +55,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     """tok/s of the pure matmuls at this batch size: every fused weight matrix once.
     Batch 1 as a gemv (``W @ x``, as the engine decodes one stream); more rows as
     ``x @ W.T`` (OpenBLAS's own choice of kernel), or with ``regime`` in one of the
-    engine's small-batch regimes (core/linear.py: "blocked" products on our threads,
+    engine's small-batch regimes (core/model/linear.py: "blocked" products on our threads,
     or "gemm", OpenBLAS's packed gemm on its threads)."""
     w = model.w
     mats = [m for lw in w.layers for m in lw.projections] + [w.output]
@@ -81,7 +81,7 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
 
 def kernel_rates() -> tuple[float, float]:
     """Weights per second one thread streams through: a gemv over one row, and the
-    small-matrix NT kernel (core/linear.py: x @ Wbᵀ per 64-row block) over 8 rows, on
+    small-matrix NT kernel (core/model/linear.py: x @ Wbᵀ per 64-row block) over 8 rows, on
     blocks larger than this machine's L3."""
     from threadpoolctl import threadpool_limits
 
@@ -234,7 +234,7 @@ def main() -> None:
 
     # -- tokenizer ----------------------------------------------------------------------------
     # (was a timed test; speed lives here): build from metadata, then a cold-cache encode
-    from core.gguf_file import GGUFFile
+    from core.gguf.reader import GGUFFile
     from core.tokenizer import Tokenizer
 
     meta = GGUFFile(path).metadata

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .errors import UserError
-from .gguf_file import check_regular_file
+from .gguf.reader import check_regular_file
 from .paths import cache_dir
 
 # progress(done_bytes, total_bytes, stage); stage is a short human sentence

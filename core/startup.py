@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .chat_template import ChatTemplate
 from .default_model import ensure_default_model
-from .engine import Engine
+from .serve.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import regex
 
-from .config import describe_value
 from .errors import UserError
-from .gguf_file import short_name
+from .gguf.reader import short_name
+from .model.config import describe_value
 
 log = logging.getLogger(__name__)
 

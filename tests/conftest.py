@@ -99,14 +99,14 @@ def gemma3_path() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen2_meta(qwen2_path) -> dict:
-    from core.gguf_file import GGUFFile
+    from core.gguf.reader import GGUFFile
 
     return GGUFFile(qwen2_path).metadata
 
 
 @pytest.fixture(scope="session")
 def gemma3_meta(gemma3_path) -> dict:
-    from core.gguf_file import GGUFFile
+    from core.gguf.reader import GGUFFile
 
     return GGUFFile(gemma3_path).metadata
 
@@ -123,7 +123,7 @@ def gemma3_reference(ref_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def smollm_meta(smollm_path) -> dict:
-    from core.gguf_file import GGUFFile
+    from core.gguf.reader import GGUFFile
 
     return GGUFFile(smollm_path).metadata
 

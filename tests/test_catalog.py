@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from core import catalog
-from core.gguf_file import GGUFFile
+from core.gguf.reader import GGUFFile
 
 # --- the catalogue itself -----------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from core.engine import Engine, EngineError
-from core.sampling import SamplingParams
-from core.weights import ModelLoadError
+from core.model.weights import ModelLoadError
+from core.serve.engine import Engine, EngineError
+from core.serve.sampling import SamplingParams
 from tests.reference import reference_dir
 from tests.tiny_gguf import write_tiny_llama
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.engine import Engine
-from core.export import ExportError, export_lora, export_merged, export_peft
-from core.gguf_file import GGUFFile
-from core.lora import AdapterError
-from core.mix import mix_key
-from core.model import BatchItem
-from core.sampling import SamplingParams
+from core.gguf.reader import GGUFFile
+from core.lora.adapter import AdapterError
+from core.lora.export import ExportError, export_lora, export_merged, export_peft
+from core.lora.mix import mix_key
+from core.model.llama import BatchItem
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
 from tests.tiny_gguf import write_lora_gguf
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as T
 
-from core.config import ModelConfigError
-from core.engine import Engine
 from core.errors import UserError
-from core.gguf_file import GGUFError, GGUFFile
-from core.lora import AdapterError, load_adapter
-from core.weights import ModelLoadError, load_weights, open_model_file
+from core.gguf.reader import GGUFError, GGUFFile
+from core.lora.adapter import AdapterError, load_adapter
+from core.model.config import ModelConfigError
+from core.model.weights import ModelLoadError, load_weights, open_model_file
+from core.serve.engine import Engine
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama, write_tiny_peft
 
 REPO = Path(__file__).resolve().parents[1]
@@ -580,7 +580,7 @@ def test_open_model_config_rejections_are_model_config_errors(tmp_path):
     path = write_tiny_llama(
         tmp_path / "nan.gguf", kv={"llama.rope.freq_base": (math.nan, T.FLOAT32)}
     )
-    from core.config import ModelConfig
+    from core.model.config import ModelConfig
 
     with pytest.raises(ModelConfigError) as ei:
         ModelConfig.from_metadata(GGUFFile(path).metadata, source=path.name)

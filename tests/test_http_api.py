@@ -16,8 +16,8 @@ import time
 import aiohttp
 import pytest
 
-from core.engine import Engine
 from core.http import ServerSettings, ServerThread
+from core.serve.engine import Engine
 
 CTX = 256
 ADAPTERS = ["lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf"]

@@ -17,8 +17,8 @@ import random
 import aiohttp
 import pytest
 
-from core.engine import Engine
 from core.http import ServerSettings, ServerThread
+from core.serve.engine import Engine
 
 SEED = 1515
 CASES = 240

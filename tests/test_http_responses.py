@@ -12,7 +12,7 @@ from core.http.app import ServerSettings
 from core.http.responses import HttpError
 from core.http.security import host_allowed, is_loopback, same_origin, split_host
 from core.http.server import exposure_warnings
-from core.scheduler import DoneEvent, Timings
+from core.serve.scheduler import DoneEvent, Timings
 
 
 class FakeTok:

@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 
 from core.chat_template import ChatTemplate, RenderLimits
-from core.engine import Engine
 from core.http import ServerSettings, ServerThread
 from core.http.app import BlockingPool, HttpError
+from core.serve.engine import Engine
 
 KEY = "k3y-that-must-never-be-logged"
 SECRET = b"TOPSECRET-FILE-CONTENT\n"

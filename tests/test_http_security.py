@@ -9,8 +9,8 @@ import json
 import aiohttp
 import pytest
 
-from core.engine import Engine
 from core.http import ServerSettings, ServerThread
+from core.serve.engine import Engine
 
 KEY = "s3cret-key"
 ALLOWED = "http://app.allowed.example"

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from core.engine import Engine
-from core.kv_cache import KVPool
-from core.model import BatchItem, PooledDecode
-from core.sampling import SamplingParams
+from core.model.kv_cache import KVPool
+from core.model.llama import BatchItem, PooledDecode
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
 from tests.test_model_shapes import build
 
 
@@ -55,7 +55,7 @@ def test_pooled_decode_equals_standalone_caches(tmp_path, kw, regime):
 
 
 def test_pool_commits_memory_only_for_used_positions(smollm_path):
-    from core.weights import open_model_file
+    from core.model.weights import open_model_file
 
     _, cfg = open_model_file(smollm_path)
 
@@ -168,8 +168,8 @@ def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
 
 
 def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_path, monkeypatch):
-    import core.kv_cache as kv
-    from core.engine import ModelLoadError
+    import core.model.kv_cache as kv
+    from core.serve.engine import ModelLoadError
 
     eng = Engine.from_path(smollm_path, ctx_size=128, n_parallel=2, draft_max=0)
     try:
@@ -202,7 +202,7 @@ def test_a_pool_larger_than_memory_can_be_reserved(smollm_path):
     a plain anonymous mapping of that size."""
     import sys
 
-    from core.weights import open_model_file
+    from core.model.weights import open_model_file
 
     if not sys.platform.startswith("linux"):
         pytest.skip("MAP_NORESERVE semantics are Linux's")

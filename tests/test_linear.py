@@ -1,4 +1,4 @@
-"""core/linear.py: every regime computes x @ W.T (gemv, blocked on our threads,
+"""core/model/linear.py: every regime computes x @ W.T (gemv, blocked on our threads,
 packed gemm), on awkward shapes and on the real model's matrices."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from core.linear import CHUNK, SMALL_ROWS, Linear
+from core.model.linear import CHUNK, SMALL_ROWS, Linear
 
 
 def blas_thread_counts() -> list[int]:
@@ -53,7 +53,7 @@ def test_non_contiguous_weights_fall_back_to_plain_matmul(lin):
 
 @pytest.mark.parametrize("regime", ["gemv", "gemm", "blocked"])
 def test_real_matrices_every_regime_equals_plain_matmul(smollm_path, regime):
-    from core.weights import load_weights, open_model_file
+    from core.model.weights import load_weights, open_model_file
 
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)
@@ -132,8 +132,8 @@ def test_blocked_product_takes_strided_rows(lin, rows):
 
 
 def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch):
-    from core.linear import CALIBRATE_ROWS, GEMV_ROWS
-    from core.weights import load_weights, open_model_file
+    from core.model.linear import CALIBRATE_ROWS, GEMV_ROWS
+    from core.model.weights import load_weights, open_model_file
 
     gf, cfg = open_model_file(smollm_path)
     w = load_weights(gf, cfg)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from core import default_model
-from core.engine import Engine
-from core.lora import AdapterError, load_adapter
-from core.weights import LoadCancelled, load_weights, open_model_file
+from core.lora.adapter import AdapterError, load_adapter
+from core.model.weights import LoadCancelled, load_weights, open_model_file
+from core.serve.engine import Engine
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 
@@ -150,8 +150,8 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
         tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a, "token_embd.weight.lora_b": b}
     )
     aid = tiny_engine.add_adapter(p)
-    from core.mix import mix_key
-    from core.model import BatchItem
+    from core.lora.mix import mix_key
+    from core.model.llama import BatchItem
 
     m = tiny_engine.model
     toks = np.array([7, 8, 9])

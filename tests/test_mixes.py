@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from core.engine import Engine, EngineError
-from core.lora import effective_scale
-from core.mix import build_mix, mix_key
-from core.model import BatchItem
-from core.sampling import SamplingParams
+from core.lora.adapter import effective_scale
+from core.lora.mix import build_mix, mix_key
+from core.model.llama import BatchItem
+from core.serve.engine import Engine, EngineError
+from core.serve.sampling import SamplingParams
 from tests.tiny_gguf import write_lora_gguf
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -213,7 +213,7 @@ def test_prefix_cache_is_bounded(smollm_path):
 
 @pytest.fixture(params=["blocked", "gemm", "gemv"])
 def regime(request, engine):
-    """Each small-batch regime in turn (core/linear.py), whichever calibration chose."""
+    """Each small-batch regime in turn (core/model/linear.py), whichever calibration chose."""
     before = engine.model.lin._by_rows
     engine.model.lin.force(request.param)
     yield request.param
@@ -327,7 +327,7 @@ def test_mix_cache_is_capped_by_bytes_not_only_by_count(engine):
     """24 distinct mixes once added 576 MB on SmolLM2 with only a count cap. With a
     byte cap the cache keeps as many whole mixes as fit, least recently used out
     first, and always the newest one."""
-    from core.mix import MixCache, mix_key
+    from core.lora.mix import MixCache, mix_key
 
     ads = adapters_of(engine)
     one = MixCache(engine.config).get(mix_key({0: 1.0}), ads)

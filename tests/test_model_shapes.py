@@ -9,8 +9,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from core.model import BatchItem, LlamaModel
-from core.weights import load_weights, open_model_file
+from core.model.llama import BatchItem, LlamaModel
+from core.model.weights import load_weights, open_model_file
 from tests.tiny_gguf import write_tiny_llama
 
 
@@ -119,7 +119,7 @@ def test_every_quant_type_loads_to_its_dequantized_values(tmp_path, qtype):
 def test_chunked_prefill_equals_full_forward(tmp_path, monkeypatch, block):
     """Prompts are run in chunks (the scheduler's PREFILL_CHUNK) and attention in query
     blocks; a chunk starting at p0 > 0 must see exactly the keys a full forward sees."""
-    import core.model as M
+    import core.model.llama as M
 
     monkeypatch.setattr(M, "ATTN_BLOCK", block)
     model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
@@ -136,8 +136,8 @@ def test_chunked_prefill_equals_full_forward(tmp_path, monkeypatch, block):
 def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
     """A 700-token prompt is prefilled in 512-token chunks by the scheduler; its first
     greedy token must be the argmax of a single full forward."""
-    from core.engine import Engine
-    from core.sampling import SamplingParams
+    from core.serve.engine import Engine
+    from core.serve.sampling import SamplingParams
 
     eng = Engine.from_path(smollm_path, ctx_size=1024)
     try:
@@ -155,7 +155,7 @@ def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
 @pytest.mark.parametrize("rows", [1, 2, 7])
 def test_rms_norm_matches_the_formula_for_one_row_and_many(rows):
     # one row takes a scalar shortcut (decode), more rows the vectorised path
-    from core.model import rms_norm
+    from core.model.llama import rms_norm
 
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, 576)) * 3).astype(np.float32)

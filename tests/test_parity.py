@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.mix import mix_key
-from core.model import BatchItem
-from core.sampling import SamplingParams, log_softmax
+from core.lora.mix import mix_key
+from core.model.llama import BatchItem
+from core.serve.sampling import SamplingParams, log_softmax
 
 N_CASES = 32
 
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir, reference):
-    from core.engine import Engine
+    from core.serve.engine import Engine
 
     eng = Engine.from_path(smollm_path, ctx_size=512)
     for name in reference["adapters"]:

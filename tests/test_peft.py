@@ -3,7 +3,7 @@ bad adapters fail with a clear error while the engine keeps serving.
 
 The GGUF side is written here with gguf's GGUFWriter and this file's own copy of
 llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, LlamaModel.permute), so
-the loader under test (core.lora) is checked against an independent conversion.
+the loader under test (core.lora.adapter) is checked against an independent conversion.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from core.engine import Engine
-from core.lora import AdapterError
-from core.mix import mix_key
-from core.model import BatchItem
-from core.sampling import SamplingParams
+from core.lora.adapter import AdapterError
+from core.lora.mix import mix_key
+from core.model.llama import BatchItem
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
 from tests.tiny_gguf import write_lora_gguf
 
 PROMPT = [1, 504, 3426, 314, 253, 9357, 436]

@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from core.engine import Engine, EngineError
-from core.weights import LoadCancelled
+from core.model.weights import LoadCancelled
+from core.serve.engine import Engine, EngineError
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 DIM, RANK = 64, 4

@@ -16,12 +16,12 @@ import time
 import numpy as np
 import pytest
 
-import core.engine
-import core.scheduler
-from core.engine import Engine, EngineError
-from core.lora import AdapterError, LoraPair
-from core.sampling import SamplingParams
-from core.scheduler import DoneEvent
+import core.serve.engine
+import core.serve.scheduler
+from core.lora.adapter import AdapterError, LoraPair
+from core.serve.engine import Engine, EngineError
+from core.serve.sampling import SamplingParams
+from core.serve.scheduler import DoneEvent
 from tests.tiny_gguf import write_lora_gguf
 
 WAIT_S = 120  # a request that never finishes fails the test instead of hanging it
@@ -82,7 +82,7 @@ def test_unvalidated_penalty_fails_only_its_request_and_the_engine_keeps_serving
     let through as a value no check foresaw) made the sampler raise IndexError on the
     scheduler thread: every later request waited forever."""
     (want,) = run_jobs(engine, [job(engine, SHORT, greedy())])
-    monkeypatch.setattr(core.engine, "validate", lambda p: p)
+    monkeypatch.setattr(core.serve.engine, "validate", lambda p: p)
     bad = SamplingParams(temperature=1, n_predict=4, frequency_penalty=-1e300, seed=1)
     # the repeated prompt token makes the penalty apply at the first sample
     bad_done, good = run_jobs(engine, [job(engine, "Hi Hi Hi", bad), job(engine, SHORT, greedy())])
@@ -158,7 +158,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_survives(engine, monkeyp
 
 def test_a_bug_in_one_sequences_sampling_fails_it_alone(engine, monkeypatch):
     (want,) = run_jobs(engine, [job(engine, SHORT, greedy())])
-    real = core.scheduler.make_sampler
+    real = core.serve.scheduler.make_sampler
 
     def make(p, eog=()):
         if p.seed != 4242:
@@ -169,7 +169,7 @@ def test_a_bug_in_one_sequences_sampling_fails_it_alone(engine, monkeypatch):
 
         return broken
 
-    monkeypatch.setattr(core.scheduler, "make_sampler", make)
+    monkeypatch.setattr(core.serve.scheduler, "make_sampler", make)
     bad, good = run_jobs(
         engine, [job(engine, LONG, greedy(seed=4242)), job(engine, SHORT, greedy())]
     )
@@ -224,7 +224,7 @@ def test_an_engine_without_a_model_refuses_requests_with_503():
 def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatch, where):
     """An adapter that passes loading but fails later (a validation gap) is refused as an
     AdapterError naming it: no id, no scale, listings and the mix as they were."""
-    real = core.engine.load_adapter
+    real = core.serve.engine.load_adapter
 
     def load(path, cfg):
         ad = real(path, cfg)
@@ -239,7 +239,7 @@ def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatc
             ad.info = info
         return ad
 
-    monkeypatch.setattr(core.engine, "load_adapter", load)
+    monkeypatch.setattr(core.serve.engine, "load_adapter", load)
     engine.set_mix({0: 0.5})
     listed, mix, next_id, info = (
         engine.adapters(),

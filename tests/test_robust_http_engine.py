@@ -11,8 +11,8 @@ import json
 import aiohttp
 import pytest
 
-from core.engine import Engine
 from core.http import ServerSettings, ServerThread
+from core.serve.engine import Engine
 from tests.test_robust_engine import write_hostile_adapter
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.engine import Engine, EngineError
-from core.sampling import (
+from core.serve.engine import Engine, EngineError
+from core.serve.sampling import (
     NonFiniteLogits,
     SamplingError,
     SamplingParams,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.engine import Engine
-from core.sampling import SamplingParams
-from core.scheduler import prompt_lookup
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
+from core.serve.scheduler import prompt_lookup
 
 TEXT = (
     "The mixing desk has three faders. The first fader controls the pirate voice. "
@@ -83,7 +83,7 @@ def test_drafts_that_keep_failing_back_off(engines, monkeypatch):
     """Every draft is wrong here: after each miss the sequence waits twice as long
     before drafting again, so a long reply pays for a handful of drafts, not one
     in five steps, and still equals plain decoding."""
-    import core.scheduler as sched
+    import core.serve.scheduler as sched
 
     plain, spec = engines
     bad = spec.config.vocab_size - 1  # a token greedy decoding never picks

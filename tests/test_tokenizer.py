@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from core.gguf_file import GGUFFile  # noqa: E402
+from core.gguf.reader import GGUFFile  # noqa: E402
 from core.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError  # noqa: E402
 
 N_REFERENCE = 32  # entries in both reference["tokenize"] and reference["greedy"]

@@ -86,7 +86,7 @@ class EngineBackend:
     parallel = 8
 
     def __init__(self, model_path: Path):
-        from core.engine import Engine
+        from core.serve.engine import Engine
 
         self.eng = Engine.from_path(model_path, n_parallel=self.parallel)
         self.ids: dict[str, int] = {}

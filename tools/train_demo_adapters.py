@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import torch  # noqa: E402  (dev-only dependency, see requirements-train.txt)
 import torch.nn.functional as F  # noqa: E402
 
-from core.gguf_file import GGUFFile  # noqa: E402
+from core.gguf.reader import GGUFFile  # noqa: E402
 from tests.reference import reference_dir  # noqa: E402
 
 TIMING = (

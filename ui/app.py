@@ -61,7 +61,7 @@ def app_icon():
 def create_window(args: argparse.Namespace):
     """The window with its engine, model load started (tests and run_gui share this)."""
     from core.default_model import ensure_default_model
-    from core.engine import Engine
+    from core.serve.engine import Engine
     from core.settings import Settings
 
     from .main_window import MainWindow

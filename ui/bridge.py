@@ -21,9 +21,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal
 
-from core.engine import Engine
-from core.sampling import SamplingParams
-from core.scheduler import DoneEvent, Timings
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
+from core.serve.scheduler import DoneEvent, Timings
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.001

@@ -19,7 +19,7 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMenu, QProgressDialog, QWidget
 
-from core.export import export_lora, export_merged, export_peft
+from core.lora.export import export_lora, export_merged, export_peft
 from core.settings import Settings
 
 from .bridge import EngineBridge

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from core.engine import Engine
+from core.serve.engine import Engine
 from core.settings import Conversations, Settings
 
 from .adapters import AdapterPanel, problem_text

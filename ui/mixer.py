@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from core.lora import effective_scale
+from core.lora.adapter import effective_scale
 from core.settings import Settings
 
 from .bridge import EngineBridge

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from core.sampling import SamplingParams
+from core.serve.sampling import SamplingParams
 from core.settings import DEFAULTS, Settings
 
 

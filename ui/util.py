@@ -72,7 +72,7 @@ def is_adapter_path(path: str | Path) -> bool:
     if p.is_dir() or p.suffix in (".safetensors", ".json"):
         return True
     try:
-        from core.gguf_file import GGUFFile
+        from core.gguf.reader import GGUFFile
 
         return str(GGUFFile(p).metadata.get("general.type", "")) == "adapter"
     except Exception:
@@ -87,7 +87,7 @@ def is_model_gguf(path: str | Path) -> bool:
     if p.is_dir():
         return False
     try:
-        from core.gguf_file import GGUFFile
+        from core.gguf.reader import GGUFFile
 
         gf = GGUFFile(p)
     except Exception:

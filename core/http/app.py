@@ -29,8 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..sampling import SamplingParams
-from ..scheduler import DoneEvent, TokenEvent
+from ..serve.sampling import SamplingParams
+from ..serve.scheduler import DoneEvent, TokenEvent
 from . import responses as R
 from .responses import HttpError
 from .security import (
@@ -336,7 +336,7 @@ class _Generation:
                 prompt, params, on_event, mix=mix, cache_prompt=cache_prompt, source="http"
             )
         except Exception as e:
-            from ..engine import EngineError
+            from ..serve.engine import EngineError
 
             if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
                 raise HttpError(

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import SamplingError, SamplingParams, validate
+from ..serve.sampling import SamplingError, SamplingParams, validate
 
 
 class HttpError(Exception):

@@ -242,7 +242,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every failure becomes llama-server's {"error": {...}} JSON; the server lives on."""
-        from ..engine import EngineError
+        from ..serve.engine import EngineError
 
         try:
             return await handler(request)

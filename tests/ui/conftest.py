@@ -16,7 +16,7 @@ ADAPTERS = ("lora_all_q8", "lora_attn", "lora_ffn")
 
 @pytest.fixture(scope="session")
 def engine(smollm_path):
-    from core.engine import Engine
+    from core.serve.engine import Engine
 
     eng = Engine(ctx_size=1024, n_parallel=4)
     eng.load_model(smollm_path)

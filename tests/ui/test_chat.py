@@ -8,7 +8,7 @@ import threading
 import pytest
 from PySide6.QtCore import QTimer
 
-from core.sampling import SamplingParams
+from core.serve.sampling import SamplingParams
 
 
 def test_chat_round_trip_streams_and_records_the_mix(loaded, qtbot, greedy):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from core.sampling import SamplingParams
+from core.serve.sampling import SamplingParams
 
 
 def test_ab_compare_matches_each_mix_alone(loaded, qtbot, greedy):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QPushButton
 
-from core.lora import load_adapter
-from core.mix import mix_key
-from core.model import BatchItem
+from core.lora.adapter import load_adapter
+from core.lora.mix import mix_key
+from core.model.llama import BatchItem
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 

@@ -12,8 +12,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .kv_cache import KVCache
-from .mix import MixKey
+from ..lora.mix import MixKey
+from ..model.kv_cache import KVCache
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import MixdeskError, UserError
+from ..errors import MixdeskError, UserError
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 

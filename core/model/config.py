@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import LlamaFileType
 
-from .errors import UserError
-from .gguf_file import short_name
+from ..errors import UserError
+from ..gguf.reader import short_name
 
 SUPPORTED_ARCHS = ("llama",)  # Mistral-style and Llama 3.x models also say "llama"
 
@@ -50,7 +50,7 @@ class ModelConfig:
     def from_metadata(cls, meta: Mapping[str, Any], source: str = "model") -> ModelConfig:
         """Every hyper-parameter is type- and range-checked here, so a hostile file
         fails with the key's name instead of NaN logits, a hang or a huge allocation
-        later. Shapes are checked against the tensors in core.weights."""
+        later. Shapes are checked against the tensors in core.model.weights."""
         m = _Meta(meta, source)
         arch = m.text("general.architecture", None)
         if arch is None:

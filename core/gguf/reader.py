@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import UserError
+from ..errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .lora import Adapter, fused_slot
+from ..model.config import ModelConfig
+from .adapter import Adapter, fused_slot
 
 MixKey = tuple[tuple[int, float], ...]
 

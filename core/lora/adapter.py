@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from gguf import quants
 
-from .config import ModelConfig, describe_value
-from .errors import UserError
-from .gguf_file import GGUFError, GGUFFile, check_regular_file, short_name
+from ..errors import UserError
+from ..gguf.reader import GGUFError, GGUFFile, check_regular_file, short_name
+from ..model.config import ModelConfig, describe_value
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def effective_scale(scale: float, alpha: float | None, rank: int) -> float:
 
 # ---- the one mapping from base tensors to fused projections ---------------
 
-# GGUF tensor suffix -> (fused target in core.model, which row block of it)
+# GGUF tensor suffix -> (fused target in core.model.llama, which row block of it)
 _BLOCK_TENSORS = {
     "attn_q": ("wqkv", 0),
     "attn_k": ("wqkv", 1),

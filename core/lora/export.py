@@ -1,10 +1,10 @@
 """Export a mix: one LoRA GGUF, a merged model GGUF, or a PEFT folder.
 
 Every export is a pure function of (base, adapters + scales, output path,
-options, progress). ``base`` is an :class:`~core.engine.Engine` (its model file
+options, progress). ``base`` is an :class:`~core.serve.engine.Engine` (its model file
 and loaded adapters; ``adapters=None`` means its current global mix) or the path
 of a base model GGUF. ``adapters`` is a list of ``(adapter, scale)`` where
-adapter is an :class:`~core.lora.Adapter`, an adapter path, or (with an engine)
+adapter is an :class:`~core.lora.adapter.Adapter`, an adapter path, or (with an engine)
 an adapter id. Zero-scale adapters are dropped.
 
 All three are exact, with no SVD: the mix's per-tensor (A_i, s_i·B_i) pairs are
@@ -36,11 +36,11 @@ import numpy as np
 from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
-from .config import ModelConfig
-from .errors import UserError
-from .gguf_file import GGUFError, GGUFFile, _Cursor
-from .lora import _HF_TO_GGUF, Adapter, base_tensor_shapes, fused_slot, load_adapter
-from .weights import open_model_file
+from ..errors import UserError
+from ..gguf.reader import GGUFError, GGUFFile, _Cursor
+from ..model.config import ModelConfig
+from ..model.weights import open_model_file
+from .adapter import _HF_TO_GGUF, Adapter, base_tensor_shapes, fused_slot, load_adapter
 
 Progress = Callable[[float, str], None]
 
@@ -464,7 +464,7 @@ _GGUF_TO_HF = {v: k for k, v in _HF_TO_GGUF.items()}
 
 
 def unpermute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of :func:`core.lora.permute_qk_rows`: llama.cpp's (GGUF) Q/K row
+    """Inverse of :func:`core.lora.adapter.permute_qk_rows`: llama.cpp's (GGUF) Q/K row
     order back to Hugging Face's rotate-half order."""
     out, r = b.shape
     return b.reshape(n_head, out // n_head // 2, 2, r).swapaxes(1, 2).reshape(out, r)
@@ -618,7 +618,7 @@ def run_exports(args) -> int:
     """main.py's export mode: -m BASE, --lora/--lora-scaled, one or more of
     --export-lora/--export-merged/--export-peft. Raises ValueError subclasses
     (printed as one line by main.py); returns the exit status."""
-    from .default_model import ensure_default_model
+    from ..default_model import ensure_default_model
 
     adapters = list(getattr(args, "adapters", None) or [])
     if not adapters:
@@ -672,7 +672,7 @@ def run_exports(args) -> int:
 
 def _explicit_outtype(args) -> str | None:
     try:
-        from .cli import build_parser
+        from ..cli import build_parser
 
         default = build_parser().get_default("outtype")
     except Exception:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kv_cache import ContextOverflow, KVCache
-from .mix import MixKey, MixWeights
-from .model import BatchItem, LlamaModel
+from ..lora.mix import MixKey, MixWeights
+from ..model.kv_cache import ContextOverflow, KVCache
+from ..model.llama import BatchItem, LlamaModel
 from .prefix_cache import PrefixCache
 from .sampling import (
     NonFiniteLogits,
@@ -347,7 +347,7 @@ class Scheduler:
                 return
             if i == len(draft) or s.next_token != draft[i]:
                 # A step with 9 rows costs 2-3 plain steps here (blocked products vs
-                # gemv, core/linear.py), so after a draft that paid off poorly, decode
+                # gemv, core/model/linear.py), so after a draft that paid off poorly, decode
                 # plainly for a while, and for longer after each further poor draft:
                 # text that rarely repeats its context (chat) then almost never pays
                 # for drafts, while text that does (copying, code) keeps drafting.

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 from gguf import quants
 
+from ..errors import UserError
+from ..gguf.reader import GGUFError, GGUFFile
+from ..paths import cache_dir
 from .config import ModelConfig
-from .errors import UserError
-from .gguf_file import GGUFError, GGUFFile
-from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _views(
 ) -> dict[str, np.ndarray]:
     """Views of the flat buffer. Matrices are stored (out, in) C-contiguous, as in
     the GGUF file: a gemv ``W @ x`` streams them at memory speed, and any run of
-    rows is one contiguous block, which the small-batch products in core/linear.py
+    rows is one contiguous block, which the small-batch products in core/model/linear.py
     depend on."""
     # Plain ndarray views (the memmap stays alive as their base): np.memmap's
     # subclass hooks would otherwise run on every slice in the forward pass.

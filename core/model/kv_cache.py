@@ -14,8 +14,8 @@ import sys
 
 import numpy as np
 
+from ..errors import UserError
 from .config import ModelConfig
-from .errors import UserError
 
 
 class ContextOverflow(UserError):

@@ -16,10 +16,10 @@ from typing import Protocol
 
 import numpy as np
 
+from ..lora.mix import AdapterStack, Delta, stack_adapters
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
 from .linear import SMALL_ROWS, Linear
-from .mix import AdapterStack, Delta, stack_adapters
 from .weights import LayerWeights, Weights
 
 # Fused projections that LoRA deltas attach to, in the order a block uses them.
@@ -31,7 +31,7 @@ CALIBRATE_LAYERS = 4  # layers whose matrices time the small-batch regimes at lo
 
 
 class MixWeights(Protocol):
-    """What the forward pass needs from a mix (see core/mix.py)."""
+    """What the forward pass needs from a mix (see core/lora/mix.py)."""
 
     layers: list[dict[str, Delta]]  # per layer: target -> low-rank delta
     embd: tuple[np.ndarray, np.ndarray] | None  # (A (vocab,R), B (dim,R)·scale)
@@ -255,7 +255,7 @@ class LlamaModel:
     def _linear(self, x, w, lora: LoraDeltas, li: int, target: str) -> np.ndarray:
         """x @ W.T plus every row's LoRA delta. With several mixes in a small batch
         under the blocked products, the delta is computed on this thread while the
-        helper threads run their share of the base product (core/linear.py sizes
+        helper threads run their share of the base product (core/model/linear.py sizes
         the shares to match); under gemv or gemm it is added in place afterwards."""
         if lora.stack is None:
             y = self.lin(x, w)

@@ -22,18 +22,18 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .chat_template import ChatTemplate
-from .config import ModelConfig
-from .errors import UserError
-from .kv_cache import ContextOverflow
-from .lora import Adapter, AdapterError, load_adapter
-from .mix import MixCache, MixKey, build_mix, mix_key
-from .model import LlamaModel
+from ..chat_template import ChatTemplate
+from ..errors import UserError
+from ..lora.adapter import Adapter, AdapterError, load_adapter
+from ..lora.mix import MixCache, MixKey, build_mix, mix_key
+from ..model.config import ModelConfig
+from ..model.kv_cache import ContextOverflow
+from ..model.llama import LlamaModel
+from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
+from ..tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
 from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
-from .tokenizer import Tokenizer
-from .weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""GGUF files: the bounded reader every model and adapter load goes through."""
