@@ -19,6 +19,12 @@ from .util import RESOURCES
 
 log = logging.getLogger(__name__)
 CLI_DEFAULT_HOST, CLI_DEFAULT_PORT = "127.0.0.1", 8080
+# The engine thread holds the GIL between numpy calls, so the GUI thread waits for it
+# each time it re-enters Python. Measured with SmolLM2 generating on 2 busy cores and
+# the GUI thread waking every 4 ms to run a slot's worth of Python: with Python's
+# default 5 ms interval it waited p95 2.5 ms, max 17.8 ms; with 1 ms, p95 1.5 ms,
+# max 7.1 ms (median 0.34 ms both). Set once, for the process, when the window starts.
+GIL_SWITCH_S = 0.001
 
 
 def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
@@ -103,6 +109,7 @@ def run_gui(args: argparse.Namespace) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Mixdesk")
     app.setOrganizationName("Mixdesk")

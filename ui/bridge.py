@@ -1,11 +1,13 @@
 """The one bridge between the engine (plain threads, no Qt) and the GUI thread.
 
-* :class:`EngineThread` is the QThread that runs ``engine.run_loop()``.
+* The engine runs its scheduler loop on its own thread (``engine.start()``), and
+  restarts it across model reloads itself.
 * :class:`EngineBridge` subscribes to engine events and re-emits them as Qt
   signals; signals emitted from another thread are queued to the GUI thread.
-  It also runs slow calls (model load, adapter load) on worker threads and
-  reports their outcome as signals, so widgets never block and never see an
-  exception: errors arrive as ``error`` signals.
+  It also runs slow calls (model load, adapter load, chat submissions) on
+  :class:`ui.workers.Worker` threads and reports their outcome as signals, so
+  widgets never block and never see an exception: errors arrive as ``error``
+  signals.
 * :class:`Generation` wraps one submitted request; its ``token`` and
   ``finished`` signals arrive on the GUI thread.
 """
@@ -13,51 +15,20 @@
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, QThread, QTimer, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import DoneEvent, Timings
 
+from .workers import Worker
+
 log = logging.getLogger(__name__)
-GIL_SWITCH_S = 0.001
-
-
-class EngineThread(QThread):
-    """Runs the scheduler loop. A model (re)load replaces the engine's scheduler and
-    stops the old one; the thread then picks up the new one."""
-
-    def __init__(self, engine: Engine, parent: QObject | None = None):
-        super().__init__(parent)
-        self.setObjectName("mixdesk-engine")
-        self.engine = engine
-        self._quit = threading.Event()
-
-    def run(self) -> None:
-        ran = None
-        while not self._quit.is_set():
-            sched = self.engine.scheduler
-            if sched is None or sched is ran:  # no model yet, or a reload in progress
-                self._quit.wait(0.02)
-                continue
-            ran = sched
-            try:
-                self.engine.run_loop()
-            except Exception:  # never let the engine thread die silently
-                log.exception("engine loop failed")
-                self._quit.wait(0.2)
-                ran = None
-
-    def shutdown(self, timeout_ms: int = 5000) -> None:
-        self._quit.set()
-        self.engine.stop()
-        self.wait(timeout_ms)
 
 
 class Generation(QObject):
@@ -137,11 +108,8 @@ class EngineBridge(QObject):
     def __init__(self, engine: Engine, parent: QObject | None = None):
         super().__init__(parent)
         self.engine = engine
-        # The engine thread holds the GIL between numpy calls; a short switch interval
-        # bounds how long the GUI thread waits each time it re-enters Python.
-        sys.setswitchinterval(GIL_SWITCH_S)
-        self.thread = EngineThread(engine)
-        self._cancel_load: threading.Event | None = None
+        self.load_worker: Worker | None = None
+        self._workers: set[Worker] = set()  # referenced until they finish
         self._unsubscribe = engine.subscribe(self._on_engine_event)
 
     # -- engine events (any thread) -> signals -------------------------------------
@@ -170,59 +138,61 @@ class EngineBridge(QObject):
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
-        if not self.thread.isRunning():
-            self.thread.start()
+        """Serve requests: the engine's loop thread (a no-op until a model is loaded;
+        a load started here starts it when it completes)."""
+        self.engine.start()
 
     def shutdown(self) -> None:
         self.cancel_load()
         self._unsubscribe()
-        self.thread.shutdown()
+        self.engine.stop()
+
+    def run(self, fn, *args, **kwargs) -> Worker:
+        """A Worker for ``fn`` kept alive until it finishes; connect, then start()."""
+        worker = Worker(fn, *args, **kwargs)
+        self._workers.add(worker)
+        worker.finished.connect(lambda: self._workers.discard(worker))
+        return worker
 
     # -- slow work on worker threads ------------------------------------------------------
     @property
     def loading(self) -> bool:
-        return self._cancel_load is not None
+        return self.load_worker is not None and self.load_worker.running
 
-    def load_model(self, path, adapters: list[tuple[str, float]] = ()) -> None:
+    def load_model(self, path, adapters: list[tuple[str, float]] = ()) -> Worker:
         """Load a model off the GUI thread, then the given adapters. Progress, success
-        and failure arrive through the model_* and adapter_* signals."""
-        if self._cancel_load is not None:
-            self._cancel_load.set()
-        cancel = self._cancel_load = threading.Event()
+        and failure arrive through the model_* and adapter_* signals; Cancel is
+        ``cancel_load()`` (the worker's abort event is the engine's cancel event)."""
+        if self.load_worker is not None:
+            self.load_worker.abort()
 
-        def work() -> None:
-            try:
-                target = path
-                if callable(path):  # e.g. ensure_default_model: may download once
-                    self.model_loading.emit(0.0, "fetching the default model")
-                    try:
-                        target = path()
-                    except Exception as e:
-                        self.model_error.emit(f"could not get the default model: {e}")
-                        return
+        def load(abort: threading.Event) -> None:
+            target = path
+            if callable(path):  # e.g. ensure_default_model: may download once
+                self.model_loading.emit(0.0, "fetching the default model")
                 try:
-                    self.engine.load_model(target, cancel=cancel)
-                except BaseException as e:  # the engine already sent model_error
-                    log.info(
-                        "model load failed%s: %s", " (cancelled)" if cancel.is_set() else "", e
-                    )
+                    target = path()
+                except Exception as e:
+                    self.model_error.emit(f"could not get the default model: {e}")
                     return
-            finally:
-                if self._cancel_load is cancel:
-                    self._cancel_load = None
+            try:
+                self.engine.load_model(target, cancel=abort)
+            except BaseException as e:  # the engine already sent model_error
+                log.info("model load failed%s: %s", " (cancelled)" if abort.is_set() else "", e)
+                return
+            self.engine.start()  # the first model: serve from now on (a reload restarts it)
             for apath, scale in adapters:
                 self._add_adapter_now(apath, scale)
 
-        threading.Thread(target=work, name="mixdesk-load", daemon=True).start()
+        worker = self.load_worker = self.run(load, name="mixdesk-load")
+        return worker.start()
 
     def cancel_load(self) -> None:
-        if self._cancel_load is not None:
-            self._cancel_load.set()
+        if self.load_worker is not None:
+            self.load_worker.abort()
 
-    def add_adapter(self, path: str | Path, scale: float = 0.0) -> None:
-        threading.Thread(
-            target=self._add_adapter_now, args=(path, scale), name="mixdesk-adapter", daemon=True
-        ).start()
+    def add_adapter(self, path: str | Path, scale: float = 0.0) -> Worker:
+        return self.run(self._add_adapter_now, path, scale, name="mixdesk-adapter").start()
 
     def _add_adapter_now(self, path, scale: float) -> None:
         try:
@@ -296,7 +266,7 @@ class EngineBridge(QObject):
                 if gen._cancel_early:
                     got.cancel()
 
-        worker = threading.Thread(target=work, name="mixdesk-submit", daemon=True)
+        worker = self.run(work, name="mixdesk-submit")
         QTimer.singleShot(0, worker.start)  # after the caller has connected its slots
         return gens
 

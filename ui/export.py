@@ -1,10 +1,11 @@
 """File → Export mix: write the desk's current mix as a LoRA GGUF, a merged model
 GGUF or a PEFT folder (core.export does the work).
 
-The export runs on an :class:`ExportWorker` QThread; core's ``progress(frac, msg)``
-callback reaches a QProgressDialog through a queued signal. Core's exports take
-no cancel flag, so Cancel makes that callback raise a private exception: core
-then removes its temporary file and nothing is left at the target. What is
+The export runs on an :class:`ExportWorker` (a :class:`ui.workers.Worker`); core's
+``progress(frac, msg)`` callback reaches a QProgressDialog through a queued signal.
+Core's exports take no cancel flag, so Cancel is honoured in that callback
+(``Worker.check``): core then removes its temporary file and nothing is left at
+the target. What is
 exported is the engine's global mix at the moment the export starts
 (``engine.get_mix()``: faders with mute, solo and bypass applied).
 """
@@ -12,18 +13,19 @@ exported is the engine's global mix at the moment the export starts
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMenu, QProgressDialog, QWidget
 
+from core.errors import UserError
 from core.lora.export import export_lora, export_merged, export_peft
 from core.settings import Settings
 
 from .bridge import EngineBridge
 from .util import human_bytes
+from .workers import Worker
 
 log = logging.getLogger(__name__)
 
@@ -45,75 +47,38 @@ EMPTY_MIX = (
 )
 
 
-class _Cancelled(Exception):
-    """Raised from inside core's progress callback when the user pressed Cancel."""
-
-
-class ExportWorker(QThread):
-    """One export on its own thread. Exactly one of ``succeeded(ExportResult)``,
-    ``failed(message)`` or ``cancelled()`` is emitted, then QThread.finished."""
+class ExportWorker(Worker):
+    """One export on a worker thread. Exactly one of ``returned(ExportResult)``,
+    ``errored(exception)`` or ``aborted()`` is emitted, then ``finished()``;
+    ``progressed(frac, msg)`` on the way."""
 
     progressed = Signal(float, str)
-    succeeded = Signal(object)  # core.export.ExportResult
-    failed = Signal(str)
-    cancelled = Signal()
 
-    def __init__(
-        self,
-        engine,
-        kind: str,
-        adapters: list,
-        out: Path,
-        outtype: str = "f16",
-        parent: QObject | None = None,
-    ):
-        super().__init__(parent)
+    def __init__(self, engine, kind: str, adapters: list, out: Path, outtype: str = "f16"):
         if kind not in KINDS:
             raise ValueError(f"unknown export kind {kind!r}")
-        self.setObjectName("mixdesk-export")
+        super().__init__(self._export, name="mixdesk-export")
         self.engine, self.kind, self.adapters = engine, kind, adapters
         self.out, self.outtype = Path(out), outtype
         self.what = WHAT[kind] + (f" ({outtype})" if kind == "merged" else "")
-        self._cancel = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel.is_set()
 
     def _progress(self, frac: float, msg: str) -> None:  # worker thread, called by core
-        # At 1.0 the file is already in place: a late Cancel does not undo a finished export.
-        if self._cancel.is_set() and frac < 1.0:
-            raise _Cancelled()
+        # core's exports take no cancel event: their progress callback is where the
+        # abort is honoured (core then removes its temporary file). At 1.0 the file is
+        # already in place: a late Cancel does not undo a finished export.
+        if frac < 1.0:
+            self.check()
         self.progressed.emit(frac, msg)
 
-    def run(self) -> None:
-        try:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            if self.kind == "lora":
-                res = export_lora(self.engine, self.adapters, self.out, progress=self._progress)
-            elif self.kind == "merged":
-                res = export_merged(
-                    self.engine,
-                    self.adapters,
-                    self.out,
-                    outtype=self.outtype,
-                    progress=self._progress,
-                )
-            else:
-                res = export_peft(self.engine, self.adapters, self.out, progress=self._progress)
-        except _Cancelled:
-            self.cancelled.emit()
-        except ValueError as e:  # ExportError, AdapterError: one line for the user
-            self.failed.emit(str(e))
-        except Exception as e:  # a bug or an unexpected I/O error: still no raise
-            log.exception("export failed")
-            self.failed.emit(f"{type(e).__name__}: {e}")
-        else:
-            self.succeeded.emit(res)
+    def _export(self):
+        self.check()
+        if self.kind == "lora":
+            return export_lora(self.engine, self.adapters, self.out, progress=self._progress)
+        if self.kind == "merged":
+            return export_merged(
+                self.engine, self.adapters, self.out, outtype=self.outtype, progress=self._progress
+            )
+        return export_peft(self.engine, self.adapters, self.out, progress=self._progress)
 
 
 class MixExporter(QObject):
@@ -237,9 +202,9 @@ class MixExporter(QObject):
 
         q = Qt.QueuedConnection  # emitted on the worker thread
         worker.progressed.connect(self._progressed, q)
-        worker.succeeded.connect(self._succeeded, q)
-        worker.failed.connect(self._failed, q)
-        worker.cancelled.connect(self._cancelled, q)
+        worker.returned.connect(self._succeeded, q)
+        worker.errored.connect(self._failed, q)
+        worker.aborted.connect(self._cancelled, q)
         worker.finished.connect(self._thread_done, q)
         for act in self.actions.values():
             act.setEnabled(False)
@@ -248,15 +213,15 @@ class MixExporter(QObject):
         return worker
 
     def cancel(self) -> None:
-        if self.worker is not None and not self.worker.cancel_requested:
-            self.worker.cancel()
+        if self.worker is not None and not self.worker.abort_requested:
+            self.worker.abort()
             self.message.emit("Cancelling the export…")
 
-    def shutdown(self, timeout_ms: int = 10000) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
         """Window closing: cancel a running export and wait for its thread."""
         if self.worker is not None:
-            self.worker.cancel()
-            self.worker.wait(timeout_ms)
+            self.worker.abort()
+            self.worker.wait(timeout_s)
 
     # -- outcomes (GUI thread) --------------------------------------------------------------
     def _refuse(self, text: str) -> None:
@@ -279,8 +244,10 @@ class MixExporter(QObject):
         self.message.emit(f"Exported the mix to {res.path} ({human_bytes(res.nbytes)})")
         self.finished.emit(res)
 
-    def _failed(self, err: str) -> None:
+    def _failed(self, e: BaseException) -> None:
         self._close_dialog()
+        # a user's problem (ExportError, AdapterError) in one line; a bug names its type
+        err = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         self.error.emit(f"Export failed: {err}")
         self.finished.emit(None)
 

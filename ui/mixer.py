@@ -34,6 +34,7 @@ from core.lora.adapter import effective_scale
 from core.settings import Settings
 
 from .bridge import EngineBridge
+from .desk import Channel, desk_mix
 from .util import ElidedLabel
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
@@ -103,6 +104,9 @@ class Strip:
     @property
     def muted(self) -> bool:
         return not self.on.isChecked()
+
+    def channel(self) -> Channel:
+        return Channel(self.value, self.muted, self.solo.isChecked())
 
     def set_flags(self, muted: bool | None = None, solo: bool | None = None) -> None:
         for btn, val in ((self.on, None if muted is None else not muted), (self.solo, solo)):
@@ -300,16 +304,12 @@ class MixerPanel(QWidget):
             self.settings.set("desk", self.desk_state())
 
     # -- the mix ------------------------------------------------------------------------
+    def channels(self) -> dict[int, Channel]:
+        return {aid: s.channel() for aid, s in self.strips.items()}
+
     def desk_mix(self) -> dict[int, float]:
-        """The engine scales implied by faders, mutes, solos and bypass."""
-        soloing = any(s.solo.isChecked() for s in self.strips.values())
-        out = {}
-        for aid, s in self.strips.items():
-            live = (
-                not self.bypass.isChecked() and not s.muted and (s.solo.isChecked() or not soloing)
-            )
-            out[aid] = s.value if live else 0.0
-        return out
+        """The engine scales implied by faders, mutes, solos and bypass (ui.desk's rule)."""
+        return desk_mix(self.channels(), self.bypass.isChecked())
 
     def _apply(self) -> None:
         if self._syncing:
@@ -392,18 +392,10 @@ class MixerPanel(QWidget):
         preset = self.settings.presets.get(name)
         if preset is None:
             return None
-        entries = {aid: self._entry_for(preset, s) or {} for aid, s in self.strips.items()}
-        soloing = any(e.get("solo") for e in entries.values())
-        return {
-            aid: (
-                float(e.get("scale", 0.0))
-                if not preset.get("bypass")
-                and not e.get("muted")
-                and (e.get("solo") or not soloing)
-                else 0.0
-            )
-            for aid, e in entries.items()
+        channels = {
+            aid: Channel.from_entry(self._entry_for(preset, s)) for aid, s in self.strips.items()
         }
+        return desk_mix(channels, bool(preset.get("bypass")))
 
     def save_preset(self, name: str) -> None:
         self.settings.presets.save(name, self.preset_state())

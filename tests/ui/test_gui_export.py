@@ -159,9 +159,9 @@ def test_closing_the_window_cancels_a_running_export(loaded, qtbot, tmp_path, sa
     desk(w, attn=0.5)
     save_to(tmp_path / "merged.gguf")
     worker = w.exporter.start("merged", tmp_path / "merged.gguf", "f32")
-    assert worker is not None and worker.isRunning()
+    assert worker is not None and worker.running
     w.close()  # cancels and waits for the thread
-    assert worker.isFinished() and worker.cancel_requested
+    assert worker.done.is_set() and worker.abort_requested
     qtbot.waitUntil(lambda: w.exporter.worker is None, timeout=5000)
     assert list(tmp_path.iterdir()) == []
 
@@ -182,12 +182,12 @@ def test_cancel_while_writing_leaves_nothing(loaded, tmp_path, kind, name, at):
 
     def progress(frac, msg):
         if msg.startswith(at):
-            worker.cancel()
+            worker.abort()
         report(frac, msg)
 
     worker._progress = progress
-    worker.cancelled.connect(lambda: outcome.append("cancelled"))
-    worker.succeeded.connect(lambda r: outcome.append(r))
-    worker.run()  # on this thread
+    worker.aborted.connect(lambda: outcome.append("cancelled"))
+    worker.returned.connect(lambda r: outcome.append(r))
+    worker._run()  # on this thread
     assert outcome == ["cancelled"]
     assert list(tmp_path.iterdir()) == []

@@ -157,6 +157,6 @@ def test_closing_the_window_stops_the_server_then_the_engine_thread(served, qtbo
     w, url = served
     w.close()
     qtbot.waitUntil(lambda: not w.server.running, timeout=5000)
-    qtbot.waitUntil(lambda: not w.bridge.thread.isRunning(), timeout=5000)
+    qtbot.waitUntil(lambda: not w.engine.health()[0], timeout=5000)  # its loop stopped
     assert not w.isVisible()
     assert (w.settings.get("server") or {}).get("enabled") is True  # restarts next time
