@@ -79,6 +79,45 @@ _QWEN2 = (
 )
 
 
+# Tekken (Mistral Nemo / Small 3) and GPT-4o (Phi-4-mini, Llama 4) split words at
+# case changes. Their tokenizer.json regexes use \p{Lu}/\p{Ll}...; llama.cpp runs an
+# adapted form where "upper" is any letter but a-z and "lower" any letter but A-Z,
+# and so do we (a non-ASCII letter counts as both, as in llama.cpp).
+_UPPERISH = r"(?:(?=\p{L})[^a-z])"
+_LOWERISH = r"(?:(?=\p{L})[^A-Z])"
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTION}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTION}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek LLM / Coder: a cascade of simple regexes. The CJK/Hangul run covers
+# U+4E00-U+9FA5, U+0800-U+4E00 and U+AC00-U+D7FF, as llama.cpp's ranges do.
+_CJK_RUN = r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    # llama.cpp spells out the cased letters (Lu, Ll, Lt) as ranges; \p{LC} is that set
+    r"\s?\p{LC}+",
+    # ASCII !-/ and :-~ (which includes the letters), full-width punctuation and
+    # letters, curly quotes and the ideographic space/comma/full stop
+    r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+\Z",  # llama.cpp's "\s+$": trailing whitespace of the piece (ECMAScript $)
+    _CJK_RUN,
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUN, r"\p{N}")
+_DEEPSEEK_V3 = (
+    r"\p{N}{1,3}",
+    r"[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+
 @dataclass(frozen=True)
 class _PreTokenizer:
     regexes: tuple[str, ...]
@@ -89,6 +128,7 @@ class _PreTokenizer:
 _DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
 _LLAMA3_PRE = _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 _SMOLLM_PRE = _PreTokenizer((r"\p{N}", _GPT2))
+# tokenizer.ggml.pre -> pre-tokenizer, with the names llama.cpp maps to each
 _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "default": _DEFAULT_PRE,
     **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo"), _PreTokenizer((_GPT2,))),
@@ -96,6 +136,11 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     **dict.fromkeys(("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _PreTokenizer((_QWEN2,))),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), _SMOLLM_PRE),
+    "tekken": _PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
+    **dict.fromkeys(("gpt-4o", "llama4"), _PreTokenizer((_GPT4O,))),
+    "deepseek-llm": _PreTokenizer(_DEEPSEEK_LLM),
+    "deepseek-coder": _PreTokenizer(_DEEPSEEK_CODER),
+    "deepseek-v3": _PreTokenizer(_DEEPSEEK_V3),
 }
 
 
@@ -181,6 +226,7 @@ _EOG_NAMES = frozenset(_EOT_NAMES) | {
 }
 
 _BPE_CACHE_LIMIT = 100_000  # words; bounds memory on huge, varied inputs
+_SPM_CACHE_MAX_CHARS = 256  # longer SPM pieces (a run without spaces) are not cached
 
 
 class Tokenizer:
@@ -213,7 +259,14 @@ class Tokenizer:
         special = [i for i, a in enumerate(self._attrs) if a & _ATTR_SPECIAL]
         special.sort(key=lambda i: -len(self._tokens[i]))
         self._special_all = special
-        self._special_user = [i for i in special if self._attrs[i] & ATTR_USER_DEFINED]
+        # Without parse_special only user-defined tokens are matched, and never one that
+        # also carries the control attribute (Gemma 3's "</s>" is user-defined in the
+        # file and made control by the EOG detection above), as in llama.cpp.
+        self._special_user = [
+            i
+            for i in special
+            if self._attrs[i] & ATTR_USER_DEFINED and not self._attrs[i] & _ATTR_HIDDEN
+        ]
         self._pieces: list[bytes | None] = [None] * self.vocab_size
 
     @classmethod
@@ -274,6 +327,8 @@ class Tokenizer:
         self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         self.add_bos, self.add_eos = True, False
         self._default_bos_eos = (1, 2)  # <s>, </s>
+        self._spm_cut = _spm_word_boundaries(self._tokens)
+        self._spm_cache: dict[str, tuple[int, ...]] = {}
 
     def _load_special_ids(self, meta: Mapping[str, Any]) -> None:
         def read(name: str, default: int | None) -> int | None:
@@ -389,7 +444,7 @@ class Tokenizer:
             if self.model == "llama":
                 if self.add_space_prefix and prev_special:
                     fragment = " " + fragment
-                self._spm_encode(fragment.replace(" ", _SPM_SPACE), ids)
+                self._spm_encode_words(fragment.replace(" ", _SPM_SPACE), ids)
             else:
                 for word in self._pre_tokenize(fragment):
                     ids.extend(self._bpe_word(word))
@@ -462,6 +517,25 @@ class Tokenizer:
                 ids.extend(vocab[c] for c in part if c in vocab)
         return tuple(ids)
 
+    def _spm_encode_words(self, text: str, out: list[int]) -> None:
+        """SPM over text cut where no token can span (see _spm_word_boundaries), with
+        each piece's tokens cached: the same result as one pass over the whole text,
+        at the speed of a word cache (Gemma 3's 262k vocabulary would otherwise be
+        several times slower per character than SmolLM2's BPE)."""
+        pieces = self._spm_cut.split(text) if self._spm_cut is not None else (text,)
+        cache = self._spm_cache
+        for piece in pieces:
+            ids = cache.get(piece)
+            if ids is None:
+                found: list[int] = []
+                self._spm_encode(piece, found)
+                ids = tuple(found)
+                if len(piece) <= _SPM_CACHE_MAX_CHARS:
+                    if len(cache) >= _BPE_CACHE_LIMIT:
+                        cache.clear()
+                    cache[piece] = ids
+            out.extend(ids)
+
     def _spm_encode(self, text: str, out: list[int]) -> None:
         """llama.cpp's SPM tokenizer: greedily merge the adjacent pair whose joined text
         is the highest-scoring token (leftmost on ties), then map leftovers to bytes."""
@@ -515,19 +589,36 @@ class Tokenizer:
 
     # --- decoding -------------------------------------------------------------------
 
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+    def decode(
+        self, ids: Iterable[int], skip_special: bool = False, strip_prefix_space: bool = True
+    ) -> str:
         """Concatenated token pieces; invalid UTF-8 becomes U+FFFD.
 
-        Two deliberate differences from llama.cpp's detokenize, both so that
-        decode(encode(text)) == text: the SPM prefix space is also dropped after a
-        leading BOS (llama.cpp keeps it there), and BPE "clean_spaces" rewriting
-        (" ," -> ",", " 's" -> "'s", ...) is not applied.
+        With strip_prefix_space (the default, for text shown to the user) two
+        deliberate differences from llama.cpp's detokenize keep decode(encode(text))
+        == text: the SPM prefix space is also dropped after a leading BOS (llama.cpp
+        keeps it there), and BPE "clean_spaces" rewriting (" ," -> ",", " 's" ->
+        "'s", ...) is not applied. strip_prefix_space=False returns the pieces as
+        they are, leading space included: what llama-server's /detokenize returns
+        (it concatenates token_to_piece with special tokens rendered).
         """
         ids = list(ids)
         data = b"".join(self._visible_bytes(i, skip_special) for i in ids)
-        if self.add_space_prefix and data.startswith(b" ") and self._starts_with_text(ids):
+        if (
+            strip_prefix_space
+            and self.add_space_prefix
+            and data.startswith(b" ")
+            and self._starts_with_text(ids)
+        ):
             data = data[1:]
         return data.decode("utf-8", errors="replace")
+
+    def probs_piece(self, id: int, skip_special: bool = False) -> tuple[str, bytes]:
+        """(token, bytes) of a top_logprobs entry as llama-server writes them: the text
+        is the piece without a trailing incomplete UTF-8 character, the bytes are all
+        of the piece's bytes."""
+        data = self._visible_bytes(id, skip_special)
+        return data[: utf8_complete_len(data)].decode("utf-8", errors="replace"), data
 
     def _starts_with_text(self, ids: list[int]) -> bool:
         """True if the first non-empty piece comes from a normal token after at most a BOS."""
@@ -539,6 +630,9 @@ class Tokenizer:
 
     def decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
+
+    def probs_merger(self, skip_special: bool = False) -> ProbsMerger:
+        return ProbsMerger(self, skip_special)
 
 
 class IncrementalDecoder:
@@ -560,6 +654,72 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+def utf8_complete_len(data: bytes) -> int:
+    """Length of data without a trailing, incomplete UTF-8 character (a lead byte in
+    the last 3 bytes whose sequence is longer than what follows it). This is the
+    check llama-server applies to generated text and to top_logprobs pieces; bytes
+    that can never be valid are left for the decoder to replace."""
+    n = len(data)
+    # like llama-server, look at each of the last 4 bytes (not only the nearest lead
+    # byte): b"\xf0\xc3\xa9" counts as incomplete because of its \xf0
+    for back in range(1, min(4, n) + 1):
+        c = data[n - back]
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 0
+        if back < need:
+            return n - back
+    return n
+
+
+class ProbsMerger:
+    """Groups generated tokens into completion_probabilities entries as llama-server
+    does: a token after which the generated text ends inside a UTF-8 character gets
+    no entry (push returns None); the token that completes the character gets one
+    entry carrying the bytes of every token since the last entry (push returns
+    them), with its own id, logprob and top_logprobs.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._pending = b""  # bytes of tokens not yet given an entry
+        self._tail = b""  # the last bytes already given out, for the incomplete check
+
+    def push(self, id: int) -> bytes | None:
+        self._pending += self._tokenizer._visible_bytes(id, self._skip_special)
+        window = self._tail + self._pending
+        if utf8_complete_len(window) < len(window):
+            return None
+        out, self._pending = self._pending, b""
+        self._tail = window[-3:]
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes still waiting for the rest of their character (lost if generation
+        stops here, as in llama-server)."""
+        return self._pending
+
+
+def _spm_word_boundaries(tokens: list[str]) -> regex.Pattern | None:
+    """Where SPM text can be cut into independent pieces: before a "▁" that follows
+    a character c such that no token contains c + "▁".
+
+    A merge across such a cut would make a token containing that pair, so none can
+    happen, and the score-ordered merging inside each piece is unchanged: encoding
+    the pieces one by one gives llama.cpp's result for the whole text. Gemma 3 has
+    one such token (">▁</"), so its text is cut at almost every word.
+    """
+    blockers = set()
+    for t in tokens:
+        at = t.find(_SPM_SPACE, 1)
+        while at > 0:
+            if t[at - 1] != _SPM_SPACE:
+                blockers.add(t[at - 1])
+            at = t.find(_SPM_SPACE, at + 1)
+    allowed = "".join(regex.escape(c) for c in sorted(blockers | {_SPM_SPACE}))
+    return regex.compile(rf"(?<=[^{allowed}])(?={_SPM_SPACE})")
 
 
 def _regex_split(pattern: regex.Pattern, text: str) -> list[str]:

@@ -7,7 +7,7 @@ import gguf
 import pytest
 
 from core.gguf.reader import GGUFFile  # noqa: E402
-from core.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError  # noqa: E402
+from core.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError, utf8_complete_len
 
 N_REFERENCE = 32  # entries in both reference["tokenize"] and reference["greedy"]
 
@@ -293,3 +293,117 @@ def test_add_bos_without_bos_token_is_rejected():
     }
     with pytest.raises(TokenizerError, match="BOS"):
         Tokenizer.from_metadata(meta)
+
+
+# --- the pre-tokenizers of other families (regexes as llama.cpp runs them) ---------------
+
+
+@pytest.mark.parametrize(
+    "pre, text, pieces",
+    [
+        # Tekken (Mistral Nemo / Small 3): words split at case changes, digits alone
+        (
+            "tekken",
+            "HelloWorld ÉcoleNormale 12345",
+            ["Hello", "World", " École", "Normale", " ", "1", "2", "3", "4", "5"],
+        ),
+        ("tekken", "it's OK/path/\n\nx", ["it", "'s", " OK", "/path", "/\n\n", "x"]),
+        # GPT-4o (Phi-4-mini, Llama 4): the same case split, contractions kept, 3 digits
+        ("gpt-4o", "HelloWorld 12345", ["Hello", "World", " ", "123", "45"]),
+        ("gpt-4o", "it's OK/path/\n\nx", ["it's", " OK", "/path", "/\n\n", "x"]),
+        # DeepSeek LLM: a cascade; each regex re-splits every piece of the previous one,
+        # so the ASCII-symbol pass cuts a non-ASCII letter off its word
+        (
+            "deepseek-llm",
+            "Hello 世界123, déjà  ",
+            ["Hello", " ", "世界", "123", ",", " d", "é", "j", "à", "  "],
+        ),
+        ("deepseek-llm", "it's\n\nx", ["it", "'", "s", "\n", "\n", "x"]),
+        # DeepSeek Coder: letters, punctuation, CJK runs, every digit alone
+        (
+            "deepseek-coder",
+            "HelloWorld 世界123, déjà",
+            ["HelloWorld", " ", "世界", "1", "2", "3", ",", " déjà"],
+        ),
+        ("deepseek-v3", "Hello 世界12345, x", ["Hello", " ", "世界", "123", "45", ",", " x"]),
+    ],
+)
+def test_family_pre_tokenizers_split_like_llamacpp(pre, text, pieces):
+    t = Tokenizer.from_metadata(_bpe_meta(pre, [], []))
+    assert t._pre_tokenize(text) == pieces
+    assert t.decode(t.encode(text)) == text
+
+
+def test_tekken_defaults_add_bos_and_ignores_merges():
+    meta = _bpe_meta("tekken", ["<s>", "Hello"], [], **{"tokenizer.ggml.bos_token_id": 256})
+    t = Tokenizer.from_metadata(meta)
+    assert t.add_bos  # llama.cpp's default for tekken, before tokenizer.ggml.add_bos_token
+    assert t.encode("Hello", add_special=True) == [256, t.token_id_of("Hello")]
+    gpt4o = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "gpt-4o"})
+    assert not gpt4o.add_bos
+    assert gpt4o.encode("Hello") == _ids(gpt4o, "H", "e", "l", "l", "o")  # no merges
+
+
+def test_deepseek_llm_trailing_whitespace_is_its_own_piece_only_at_the_end():
+    t = Tokenizer.from_metadata(_bpe_meta("deepseek-llm", [], []))
+    # "\s+$" is ECMAScript's end of input, not Python's "before a final newline"
+    assert t._pre_tokenize("a  ") == ["a", "  "]
+    assert t._pre_tokenize("  a") == [" ", " a"]
+
+
+# --- parse_special=False never matches a control token ------------------------------------
+
+
+def test_a_user_defined_token_that_is_also_control_needs_parse_special():
+    # Phi-3 and Gemma 3 files mark "<|end|>" / "</s>" user-defined; llama.cpp adds the
+    # control attribute when it finds them end-of-generation, so parse_special=False
+    # must leave them as text, while a plain user-defined token is still matched.
+    meta = _bpe_meta("gpt2", ["<|end|>", "</s>", "<tool>"], [])
+    meta["tokenizer.ggml.token_type"] = [1] * 256 + [4, 4, 4]
+    t = Tokenizer.from_metadata(meta)
+    end, eos, tool = _ids(t, "<|end|>", "</s>", "<tool>")
+    assert t.is_control(end) and t.is_control(eos) and not t.is_control(tool)
+    raw = t.encode("a<|end|>b</s>c<tool>", parse_special=False)
+    assert end not in raw and eos not in raw and tool in raw
+    assert t.decode(raw) == "a<|end|>b</s>c<tool>"
+    parsed = t.encode("a<|end|>b</s>c<tool>", parse_special=True)
+    assert parsed == [*_ids(t, "a"), end, *_ids(t, "b"), eos, *_ids(t, "c"), tool]
+
+
+# --- /detokenize keeps SPM's leading space; completion_probabilities per character --------
+
+
+def test_detokenize_keeps_the_spm_leading_space_like_llama_server(spm):
+    ids = spm.encode("a b")
+    assert spm.decode(ids) == "a b"  # for display: the added prefix space is dropped
+    assert spm.decode(ids, strip_prefix_space=False) == " a b"  # llama-server /detokenize
+    with_bos = spm.encode("a b", add_special=True)
+    assert spm.decode(with_bos, strip_prefix_space=False) == "<s> a b"
+
+
+@pytest.mark.parametrize(
+    "data, complete",
+    [
+        (b"", 0),
+        (b"abc", 3),
+        ("é".encode(), 2),
+        ("é".encode()[:1], 0),
+        (b"a" + "🙂".encode()[:3], 1),
+        ("a🙂".encode(), 5),
+        (b"\xf0\xc3\xa9", 0),  # llama-server looks at each of the last 4 bytes
+        (b"\x80\x80", 2),  # stray continuation bytes are left for the decoder to replace
+    ],
+)
+def test_utf8_complete_len(data, complete):
+    assert utf8_complete_len(data) == complete
+
+
+def test_probs_merger_gives_one_entry_per_complete_character(spm):
+    c3, a9 = spm.token_id_of("<0xC3>"), spm.token_id_of("<0xA9>")
+    a = spm.token_id_of("a")
+    merger = spm.probs_merger()
+    assert [merger.push(i) for i in (a, c3, a9, a)] == [b"a", None, "é".encode(), b"a"]
+    assert merger.pending == b""
+    assert merger.push(c3) is None and merger.pending == b"\xc3"
+    assert spm.probs_piece(c3) == ("", b"\xc3")  # top_logprobs: text cut, bytes kept
+    assert spm.probs_piece(a) == ("a", b"a")
