@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +228,8 @@ _EOG_NAMES = frozenset(_EOT_NAMES) | {
 
 _BPE_CACHE_LIMIT = 100_000  # words; bounds memory on huge, varied inputs
 _SPM_CACHE_MAX_CHARS = 256  # longer SPM pieces (a run without spaces) are not cached
+_SPM_SHORT = 48  # up to this many characters the list-based SPM beats the heap
+_NO_MERGE = float("-inf")  # score of a pair that is not a token
 
 
 class Tokenizer:
@@ -280,18 +283,27 @@ class Tokenizer:
         if not tokens:
             raise TokenizerError("model has no tokenizer.ggml.tokens vocabulary")
         # llama.cpp renames empty tokens so every id keeps a unique, findable text
-        self._tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        if all(tokens):
+            self._tokens = list(tokens)
+        else:
+            self._tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self.vocab_size = len(self._tokens)
-        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
+        # (built with C-level calls: Gemma 3 has 262k tokens, and this runs at each load)
+        self._token_to_id = dict(zip(self._tokens, range(self.vocab_size)))
         if len(self._token_to_id) != self.vocab_size:
             raise TokenizerError("duplicate token text in tokenizer.ggml.tokens")
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
             self._attrs = [ATTR_NORMAL] * self.vocab_size
         else:
-            self._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in map(int, types[: self.vocab_size])]
-            if len(self._attrs) < self.vocab_size:
+            types = np.asarray(types[: self.vocab_size], dtype=np.int64)
+            if len(types) < self.vocab_size:
                 raise TokenizerError("tokenizer.ggml.token_type is shorter than the vocabulary")
+            lut = np.zeros(8, dtype=np.int64)  # GGUF token type -> attribute bit; others 0
+            for t, attr in _TYPE_TO_ATTR.items():
+                lut[t] = attr
+            known = (types >= 0) & (types < len(lut))
+            self._attrs = np.where(known, lut[np.where(known, types, 0)], 0).tolist()
 
     def _init_bpe(self, meta: Mapping[str, Any]) -> None:
         pre_name = meta.get("tokenizer.ggml.pre")
@@ -321,13 +333,18 @@ class Tokenizer:
 
     def _init_spm(self, meta: Mapping[str, Any]) -> None:
         scores = meta.get("tokenizer.ggml.scores")
-        self._scores = [0.0] * self.vocab_size if scores is None else [float(s) for s in scores]
+        self._scores = (
+            [0.0] * self.vocab_size
+            if scores is None
+            else np.asarray(scores, dtype=np.float64).tolist()  # float32 values, exactly
+        )
         if len(self._scores) < self.vocab_size:
             raise TokenizerError("tokenizer.ggml.scores is shorter than the vocabulary")
         self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         self.add_bos, self.add_eos = True, False
         self._default_bos_eos = (1, 2)  # <s>, </s>
         self._spm_cut = _spm_word_boundaries(self._tokens)
+        self._spm_score = dict(zip(self._tokens, self._scores))  # token text -> score
         self._spm_cache: dict[str, tuple[int, ...]] = {}
 
     def _load_special_ids(self, meta: Mapping[str, Any]) -> None:
@@ -528,13 +545,43 @@ class Tokenizer:
             ids = cache.get(piece)
             if ids is None:
                 found: list[int] = []
-                self._spm_encode(piece, found)
+                if len(piece) <= _SPM_SHORT:
+                    self._spm_encode_short(piece, found)
+                else:
+                    self._spm_encode(piece, found)
                 ids = tuple(found)
                 if len(piece) <= _SPM_CACHE_MAX_CHARS:
                     if len(cache) >= _BPE_CACHE_LIMIT:
                         cache.clear()
                     cache[piece] = ids
             out.extend(ids)
+
+    def _spm_encode_short(self, text: str, out: list[int]) -> None:
+        """_spm_encode for a short piece (a word): the same merges in the same order
+        (highest score, leftmost on ties), with the candidate scores in a flat list
+        instead of a heap, which is ~3x faster for a handful of symbols."""
+        score = self._spm_score.get
+        sym = list(text)
+        none = _NO_MERGE
+        pairs = [score(a + b, none) for a, b in zip(sym, sym[1:])]  # pairs[i]: sym[i]+sym[i+1]
+        while pairs:
+            best = max(pairs)
+            if best == none:
+                break
+            i = pairs.index(best)  # leftmost of the best
+            sym[i : i + 2] = [sym[i] + sym[i + 1]]
+            del pairs[i]
+            if i > 0:
+                pairs[i - 1] = score(sym[i - 1] + sym[i], none)
+            if i < len(pairs):
+                pairs[i] = score(sym[i] + sym[i + 1], none)
+        vocab = self._token_to_id
+        for piece in sym:
+            tid = vocab.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self._spm_byte_token(b) for b in piece.encode("utf-8"))
 
     def _spm_encode(self, text: str, out: list[int]) -> None:
         """llama.cpp's SPM tokenizer: greedily merge the adjacent pair whose joined text
@@ -711,13 +758,9 @@ def _spm_word_boundaries(tokens: list[str]) -> regex.Pattern | None:
     the pieces one by one gives llama.cpp's result for the whole text. Gemma 3 has
     one such token (">▁</"), so its text is cut at almost every word.
     """
-    blockers = set()
-    for t in tokens:
-        at = t.find(_SPM_SPACE, 1)
-        while at > 0:
-            if t[at - 1] != _SPM_SPACE:
-                blockers.add(t[at - 1])
-            at = t.find(_SPM_SPACE, at + 1)
+    # one C-level scan of all tokens joined by NUL: a NUL before a token's leading "▁"
+    # only adds a harmless blocker (a cut that is never made is always safe)
+    blockers = set(re.findall(f"([^{_SPM_SPACE}]){_SPM_SPACE}", "\0".join(tokens)))
     allowed = "".join(regex.escape(c) for c in sorted(blockers | {_SPM_SPACE}))
     return regex.compile(rf"(?<=[^{allowed}])(?={_SPM_SPACE})")
 
@@ -743,7 +786,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_str_list(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+    return isinstance(v, (list, tuple)) and set(map(type, v)) <= {str}
 
 
 def _is_array_of(kinds: str) -> Any:

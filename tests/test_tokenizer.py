@@ -407,3 +407,21 @@ def test_probs_merger_gives_one_entry_per_complete_character(spm):
     assert merger.push(c3) is None and merger.pending == b"\xc3"
     assert spm.probs_piece(c3) == ("", b"\xc3")  # top_logprobs: text cut, bytes kept
     assert spm.probs_piece(a) == ("a", b"a")
+
+
+def test_spm_short_path_merges_exactly_like_the_heap(tmp_path):
+    # words use a flat list instead of the heap; ties (equal scores) must still merge
+    # leftmost first. Equal scores for "ab"/"bc" and for "▁a"/"aa" force ties.
+    import random
+
+    path = tmp_path / "ties.gguf"
+    _write_spm_gguf(path, {"ab": -1.0, "bc": -1.0, "▁": -2.0})
+    t = Tokenizer.from_metadata(GGUFFile(path).metadata)
+    rng = random.Random(1)
+    for _ in range(500):
+        text = "".join(rng.choice("abc▁é") for _ in range(rng.randint(1, 40)))
+        short: list[int] = []
+        heap: list[int] = []
+        t._spm_encode_short(text, short)
+        t._spm_encode(text, heap)
+        assert short == heap, text
