@@ -128,7 +128,8 @@ def timed_completion(eng, prompt, n, mix=None, cache_prompt=True):
 
 def tokenizer_lines(path: Path) -> list[str]:
     """One line per model: tokenizer build time and cold encode speed per character of
-    a fixed, varied 8 KiB text, with the ratio to SmolLM2 (the default model)."""
+    a fixed, varied text (few repeated words: the word caches do not hide the merge
+    cost), with the ratio to SmolLM2 (the default model)."""
     from core import catalog
     from core.gguf.reader import GGUFFile
     from core.tokenizer import Tokenizer
