@@ -425,3 +425,35 @@ def test_spm_short_path_merges_exactly_like_the_heap(tmp_path):
         t._spm_encode_short(text, short)
         t._spm_encode(text, heap)
         assert short == heap, text
+
+
+def _naive_partition(t: Tokenizer, text: str, parse_special: bool) -> list:
+    """llama.cpp's partition spelled out: every special token, longest first."""
+    fragments: list = [text] if text else []
+    ids = t._special_all if parse_special else t._special_user
+    for tid in ids:
+        needle, out = t._tokens[tid], []
+        for f in fragments:
+            if not isinstance(f, str):
+                out.append(f)
+                continue
+            for n, part in enumerate(f.split(needle)):
+                out.extend([tid] if n else [])
+                out.extend([part] if part else [])
+        fragments = out
+    return fragments
+
+
+def test_special_token_index_partitions_like_the_naive_loop():
+    # overlapping specials sharing prefixes, control and user-defined, in random texts
+    import random
+
+    specials = ["<a>", "<ab>", "b<a>", "<a", "ab", "<<", "a>", "<ctl>", "<c"]
+    meta = _bpe_meta("gpt2", specials, [])
+    meta["tokenizer.ggml.token_type"] = [1] * 256 + [4, 3, 4, 3, 4, 4, 3, 3, 4]
+    t = Tokenizer.from_metadata(meta)
+    rng = random.Random(7)
+    for _ in range(400):
+        text = "".join(rng.choice(["<", ">", "a", "b", "c", "tl", " "]) for _ in range(30))
+        for parse_special in (False, True):
+            assert t._partition(text, parse_special) == _naive_partition(t, text, parse_special)
