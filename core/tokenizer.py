@@ -270,11 +270,25 @@ class Tokenizer:
             for i in special
             if self._attrs[i] & ATTR_USER_DEFINED and not self._attrs[i] & _ATTR_HIDDEN
         ]
+        self._rstrip = self._rstrip_tokens(meta)
         self._special_index = {
             False: _SpecialIndex(self._special_user, self._tokens),
             True: _SpecialIndex(special, self._tokens),
         }
         self._pieces: list[bytes | None] = [None] * self.vocab_size
+
+    def _rstrip_tokens(self, meta: Mapping[str, Any]) -> frozenset[int]:
+        """Special tokens that swallow the whitespace after them when partitioning.
+        llama.cpp sets this by model name: for Phi-3 every special token but <unk>,
+        <s> and <|endoftext|> (plus "</s>"), so "<|user|>\nhi" tokenizes without the
+        newline, as Phi-3's own tokenizer does."""
+        name = meta.get("general.name")
+        if not isinstance(name, str) or not ("phi-3" in name.lower() or "phi3" in name.lower()):
+            return frozenset()
+        ids = set(self._special_all)
+        ids |= {self._token_to_id[t] for t in ("</s>",) if t in self._token_to_id}
+        ids -= {self._token_to_id.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
+        return frozenset(ids)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -490,9 +504,12 @@ class Tokenizer:
                 if not isinstance(f, str) or needle not in f:
                     split.append(f)
                     continue
+                rstrip = tid in self._rstrip
                 for n, part in enumerate(f.split(needle)):
                     if n:
                         split.append(tid)
+                        if rstrip:  # C isspace, as llama.cpp strips
+                            part = part.lstrip(" \t\n\v\f\r")
                     if part:
                         split.append(part)
             fragments = split

@@ -457,3 +457,30 @@ def test_special_token_index_partitions_like_the_naive_loop():
         text = "".join(rng.choice(["<", ">", "a", "b", "c", "tl", " "]) for _ in range(30))
         for parse_special in (False, True):
             assert t._partition(text, parse_special) == _naive_partition(t, text, parse_special)
+
+
+def _phi3_like_meta(name: str) -> dict:
+    tokens, types = _spm_tokens()
+    extra = ["<|user|>", "<|end|>", "<|endoftext|>"]
+    return {
+        "general.name": name,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens + extra,
+        "tokenizer.ggml.token_type": types + [4, 4, 4],
+        "tokenizer.ggml.scores": [0.0] * (len(tokens) + 3),
+    }
+
+
+def test_phi3_special_tokens_swallow_the_whitespace_after_them():
+    # llama.cpp gives every Phi-3 special token but <unk>, <s>, <|endoftext|> the
+    # rstrip attribute (by model name): "<|user|>\nab" tokenizes as "<|user|>ab"
+    phi3 = Tokenizer.from_metadata(_phi3_like_meta("Phi-3-mini-4k-instruct"))
+    user, end, eot = _ids(phi3, "<|user|>", "<|end|>", "<|endoftext|>")
+    nl = phi3.token_id_of("<0x0A>")
+    assert phi3.encode("<|user|>\n ab<|end|>\n", parse_special=True) == phi3.encode(
+        "<|user|>ab<|end|>", parse_special=True
+    )
+    assert nl in phi3.encode("<|endoftext|>\nab", parse_special=True)  # not stripped
+    other = Tokenizer.from_metadata(_phi3_like_meta("Mistral-7B"))
+    assert nl in other.encode("<|user|>\nab", parse_special=True)
+    assert {user, end} <= phi3._rstrip and eot not in phi3._rstrip
