@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +97,16 @@ class _Budget:
 
 
 _current = threading.local()  # .budget: the _Budget of the render on this thread
+# .probe: a marker text whose reading the capability probe records in .probe_seen
+
+
+def _note_probe(value: Any) -> Any:
+    """During a capability probe, record that the template read the marker value
+    (llama-server's engine tracks the same: was the system content used at all)."""
+    marker = getattr(_current, "probe", None)
+    if marker is not None and isinstance(value, str) and value == marker:
+        _current.probe_seen = True
+    return value
 
 
 def _budget() -> _Budget | None:
@@ -179,6 +189,19 @@ class _GuardedCodeGenerator(CodeGenerator):
         self.write("))")
 
 
+class _LenientUndefined(jinja2.ChainableUndefined):
+    """An undefined name renders as "" and its attributes and items are undefined too
+    (``functions.x``, ``tools[0]``), as in llama-server's template engine: templates
+    written for it read variables Mixdesk may not pass. Unsafe attributes still
+    raise (the sandbox's ``unsafe_undefined`` below)."""
+
+    __slots__ = ()
+
+
+def _blank(v: Any) -> bool:
+    return v is None or isinstance(v, jinja2.Undefined)
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """Jinja's sandbox normally turns a blocked attribute into an Undefined that
     prints as "", so ``{{ ''.__class__ }}`` would pass silently. Raise instead, so a
@@ -208,6 +231,11 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         if b is not None:
             b.check_time()
             _check_binop(b, operator, left, right)
+        if operator == "+":  # llama-server: none/undefined + text is the text
+            if isinstance(left, str) and _blank(right):
+                return left
+            if isinstance(right, str) and _blank(left):
+                return right
         return super().call_binop(context, operator, left, right)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
@@ -216,7 +244,10 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             b.check_time()
             if isinstance(obj, str) and attribute in ("format", "format_map"):
                 _check_format(obj)
-        return super().getattr(obj, attribute)
+        return _note_probe(super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return _note_probe(super().getitem(obj, argument))
 
     def guarded_concat(self, parts: tuple) -> str:
         strs = [p if isinstance(p, str) else str(p) for p in parts]
@@ -290,6 +321,7 @@ def _make_environment() -> jinja2.Environment:
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols],
         optimized=False,
+        undefined=_LenientUndefined,
     )
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(fn) for name, fn in env.filters.items()}
@@ -320,6 +352,8 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         limits: RenderLimits = DEFAULT_LIMITS,
+        add_bos: bool = False,
+        add_eos: bool = False,
     ):
         self.limits = limits
         self.is_fallback = not source
@@ -328,6 +362,10 @@ class ChatTemplate:
             source = CHATML_TEMPLATE
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
+        # whether the tokenizer adds BOS/EOS itself: then a BOS/EOS the template
+        # writes is cut from the text, as llama-server does (no double BOS)
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self._system_role: bool | None = None
         # Jinja evaluates constant parts ({{ 'x'|center(10**9) }}) while compiling, so
         # compiling runs under the limits too (an over-limit constant is left to the render).
         outer = getattr(_current, "budget", None)
@@ -361,16 +399,54 @@ class ChatTemplate:
             source,
             bos_token=token_text(tokenizer.bos_id if tokenizer else None),
             eos_token=token_text(tokenizer.eos_id if tokenizer else None),
+            add_bos=bool(tokenizer and tokenizer.add_bos),
+            add_eos=bool(tokenizer and tokenizer.add_eos),
         )
 
+    def with_source(self, source: str) -> ChatTemplate:
+        """Another template (--chat-template, --chat-template-file) for the same
+        tokenizer: same BOS/EOS texts and flags."""
+        return ChatTemplate(
+            source, self.bos_token, self.eos_token, self.limits, self.add_bos, self.add_eos
+        )
+
+    @property
+    def supports_system_role(self) -> bool:
+        """Whether the template reads a leading system message's content at all, found
+        as llama-server finds it: render [system, user] and watch whether the system
+        text is read (Gemma 2 and Mistral v0.1 raise before reading it). When not,
+        build_prompt merges the system text into the first user turn."""
+        if self._system_role is None:
+            marker = "System message \u2063probe"
+            probe = [
+                {"role": "system", "content": marker},
+                {"role": "user", "content": "User message"},
+            ]
+            _current.probe, _current.probe_seen = marker, False
+            try:
+                self.render(probe, add_generation_prompt=True, tools=[])
+            except ChatTemplateError:
+                pass  # a template that raises may still have read it
+            finally:
+                seen = bool(getattr(_current, "probe_seen", False))
+                _current.probe = None
+            self._system_role = seen
+        return self._system_role
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The template's text for these messages, as is (build_prompt is the full
+        llama-server prompt: variables, system-role merge, prefill, BOS cut).
+        ``add_generation_prompt`` is left undefined when false, as llama-server does."""
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             **extra,
             "messages": [_flatten_content(m) for m in messages],
-            "add_generation_prompt": add_generation_prompt,
         }
+        if add_generation_prompt:
+            context["add_generation_prompt"] = True
+        else:
+            context.pop("add_generation_prompt", None)
         try:
             return self._render_limited(context)
         except ChatTemplateError:
@@ -403,3 +479,281 @@ class ChatTemplate:
         finally:
             sys.settrace(previous_trace)
             _current.budget = outer
+
+
+# ---- llama-server's built-in template names ----------------------------------------
+# Our own Jinja sources for the formats llama.cpp writes in C++ (src/llama-chat.cpp)
+# under these names: --chat-template NAME selects one.
+
+
+def _mistral_source(lead: str, trail: str, trim: bool) -> str:
+    """Mistral v1/v3/v3-tekken: one [INST] per turn; a system text opens the turn."""
+    content = "m.content|trim" if trim else "m.content"
+    return (
+        "{%- set ns = namespace(inside=false) -%}"
+        "{%- for m in messages -%}"
+        "{%- if not ns.inside -%}{{- '" + lead + "[INST]" + trail + "' -}}"
+        "{%- set ns.inside = true -%}{%- endif -%}"
+        "{%- if m.role == 'system' -%}{{- m.content + '\n\n' -}}"
+        "{%- elif m.role == 'user' -%}{{- m.content + '" + lead + "[/INST]' -}}"
+        "{%- else -%}{{- '" + trail + "' + " + content + " + '</s>' -}}"
+        "{%- set ns.inside = false -%}{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+def _mistral_v7_source(space: str) -> str:
+    return (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{{- '[SYSTEM_PROMPT]" + space + "' + m.content + "
+        "'[/SYSTEM_PROMPT]' -}}"
+        "{%- elif m.role == 'user' -%}{{- '[INST]" + space + "' + m.content + '[/INST]' -}}"
+        "{%- else -%}{{- '" + space + "' + m.content + '</s>' -}}{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+def _llama2_source(system: bool, bos_inside: bool = False) -> str:
+    sys_text = "'<<SYS>>\n' + m.content + '\n<</SYS>>\n\n'" if system else "m.content + '\n'"
+    reopen = "<s>[INST] " if bos_inside else "[INST] "
+    return (
+        "{{- '[INST] ' -}}{%- set ns = namespace(inside=true) -%}"
+        "{%- for m in messages -%}"
+        "{%- if not ns.inside -%}{{- '" + reopen + "' -}}{%- set ns.inside = true -%}{%- endif -%}"
+        "{%- if m.role == 'system' -%}{{- " + sys_text + " -}}"
+        "{%- elif m.role == 'user' -%}{{- m.content + ' [/INST]' -}}"
+        "{%- else -%}{{- m.content + '</s>' -}}{%- set ns.inside = false -%}{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+def _per_message_source(head: str, tail: str, gen: str, content: str = "m.content") -> str:
+    """``head`` (with ROLE for the role) + content + ``tail`` per message, ``gen`` last."""
+    head_expr = "'" + head.replace("ROLE", "' + m.role + '") + "'"
+    return (
+        "{%- for m in messages -%}{{- " + head_expr + " + " + content + " + '" + tail + "' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '" + gen + "' -}}{%- endif -%}"
+    )
+
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML_TEMPLATE,
+    "llama2": _llama2_source(system=False),
+    "llama2-sys": _llama2_source(system=True),
+    "llama2-sys-bos": _llama2_source(system=True, bos_inside=True),
+    "llama3": _per_message_source(
+        "<|start_header_id|>ROLE<|end_header_id|>\n\n",
+        "<|eot_id|>",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        content="m.content|trim",
+    ),
+    "mistral-v1": _mistral_source(" ", " ", trim=False),
+    "mistral-v3": _mistral_source("", " ", trim=True),
+    "mistral-v3-tekken": _mistral_source("", "", trim=False),
+    "mistral-v7": _mistral_v7_source(" "),
+    "mistral-v7-tekken": _mistral_v7_source(""),
+    "phi3": _per_message_source("<|ROLE|>\n", "<|end|>\n", "<|assistant|>\n"),
+    "phi4": _per_message_source(
+        "<|im_start|>ROLE<|im_sep|>", "<|im_end|>", "<|im_start|>assistant<|im_sep|>"
+    ),
+    "falcon3": _per_message_source("<|ROLE|>\n", "\n", "<|assistant|>\n"),
+    "zephyr": _per_message_source("<|ROLE|>\n", "<|endoftext|>\n", "<|assistant|>\n"),
+    "granite": _per_message_source(
+        "<|start_of_role|>ROLE<|end_of_role|>",
+        "<|end_of_text|>\n",
+        "<|start_of_role|>assistant<|end_of_role|>",
+    ),
+    "gemma": (  # no system turn: its text opens the next user turn
+        "{%- set ns = namespace(sys='') -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{%- set ns.sys = ns.sys + m.content|trim -%}"
+        "{%- else -%}"
+        "{%- set role = 'model' if m.role == 'assistant' else m.role -%}"
+        "{{- '<start_of_turn>' + role + '\n' -}}"
+        "{%- if ns.sys and role != 'model' -%}{{- ns.sys + '\n\n' -}}{%- set ns.sys = '' -%}"
+        "{%- endif -%}"
+        "{{- m.content|trim + '<end_of_turn>\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+    ),
+    "deepseek3": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{{- m.content + '\n\n' -}}"
+        "{%- elif m.role == 'user' -%}{{- '<\uff5cUser\uff5c>' + m.content -}}"
+        "{%- elif m.role == 'assistant' -%}"
+        "{{- '<\uff5cAssistant\uff5c>' + m.content + '<\uff5cend\u2581of\u2581sentence\uff5c>' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<\uff5cAssistant\uff5c>' -}}{%- endif -%}"
+    ),
+    "vicuna": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{{- m.content + '\n\n' -}}"
+        "{%- elif m.role == 'user' -%}{{- 'USER: ' + m.content + '\n' -}}"
+        "{%- elif m.role == 'assistant' -%}{{- 'ASSISTANT: ' + m.content + '</s>\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
+    ),
+    "command-r": (
+        "{%- for m in messages -%}"
+        "{%- set tag = {'system': 'SYSTEM', 'user': 'USER', 'assistant': 'CHATBOT'}[m.role] -%}"
+        "{%- if tag -%}{{- '<|START_OF_TURN_TOKEN|><|' + tag + '_TOKEN|>' + m.content|trim + "
+        "'<|END_OF_TURN_TOKEN|>' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}"
+        "{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}{%- endif -%}"
+    ),
+}
+
+
+def resolve_template_arg(value: str) -> str:
+    """--chat-template VALUE: a built-in name (BUILTIN_TEMPLATES) or an inline Jinja
+    template. Raises ChatTemplateError for a name that is neither."""
+    name = value.strip()
+    if name in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[name]
+    if "{{" in value or "{%" in value:
+        return value
+    known = ", ".join(sorted(BUILTIN_TEMPLATES))
+    raise ChatTemplateError(
+        f"--chat-template: {name[:40]!r} is neither a built-in template ({known}) "
+        "nor a Jinja template"
+    )
+
+
+# ---- the prompt, built as llama-server builds it ------------------------------------
+
+REASONING_MODES = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class ChatDefaults:
+    """Server-wide prompt settings from the command line: llama-server's
+    ``--reasoning on|off|auto``, ``--chat-template-kwargs`` and
+    ``--no-prefill-assistant``. A request's chat_template_kwargs override them."""
+
+    reasoning: str = "auto"
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    prefill_assistant: bool = True
+
+    @property
+    def enable_thinking(self) -> bool:
+        return self.reasoning != "off"  # auto: on (llama-server: enable_reasoning != 0)
+
+
+DEFAULT_CHAT = ChatDefaults()
+
+
+def _continuation(value: Any) -> bool:
+    """llama-server's continue_final_message: true, "content" or
+    "reasoning_content" continue the last message; anything else does not."""
+    return value is True or value in ("content", "reasoning_content")
+
+
+def _merge_system(messages: list[dict]) -> list[dict]:
+    """The system-role polyfill: a leading system text opens the next message
+    (joined by a newline); alone, it is dropped."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    if len(messages) == 1:
+        log.warning("the chat template has no system role; the system message is dropped")
+        return []
+    first, second = messages[0], messages[1]
+    merged = {
+        **second,
+        "content": f"{first.get('content') or ''}\n{second.get('content') or ''}",
+    }
+    return [merged, *messages[2:]]
+
+
+def _template_context(
+    enable_thinking: bool,
+    tools: list | None,
+    kwargs: Mapping[str, Any],
+    now: datetime,
+) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"enable_thinking": enable_thinking}
+    if tools:
+        ctx["tools"] = tools
+    ctx["datetime"] = now.strftime("%b %d %Y")
+    ctx["date_string"] = now.strftime("%d %b %Y")
+    ctx.update(kwargs)  # request kwargs override everything above, as in llama-server
+    return ctx
+
+
+def build_prompt(
+    template: ChatTemplate,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: Any = None,
+    tools: list | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    defaults: ChatDefaults = DEFAULT_CHAT,
+    now: datetime | None = None,
+) -> str:
+    """The prompt text llama-server builds from these messages (the one function the
+    HTTP API, the window's chat and Engine.chat use):
+
+    - a trailing assistant message is continued (prefill) unless
+      ``--no-prefill-assistant``; ``continue_final_message`` asks for it explicitly;
+    - ``developer`` messages become ``system``; a system message opens the first user
+      turn when the template has no system role;
+    - the template gets ``bos_token``, ``eos_token``, ``enable_thinking``,
+      ``date_string``, ``datetime``, ``tools`` (when given), ``add_generation_prompt``
+      (when true), the ``strftime_now`` function and the template kwargs;
+    - a BOS (EOS) text the template writes first (last) is cut when the tokenizer adds
+      its own, so the prompt has one BOS.
+
+    Raises ChatTemplateError (a 400 on the API) for requests llama-server refuses."""
+    kwargs = {**defaults.template_kwargs, **(template_kwargs or {})}
+    enable_thinking = defaults.enable_thinking
+    if "enable_thinking" in kwargs:
+        v = kwargs["enable_thinking"]
+        if not isinstance(v, bool):
+            raise ChatTemplateError(
+                f'invalid type for "enable_thinking" (expected boolean, got {type(v).__name__})'
+            )
+        enable_thinking = v
+    msgs = list(messages)
+    cont = _continuation(continue_final_message)
+    if not cont and defaults.prefill_assistant and msgs and msgs[-1].get("role") == "assistant":
+        if len(msgs) >= 2 and msgs[-2].get("role") == "assistant":
+            raise ChatTemplateError(
+                "Cannot have 2 or more assistant messages at the end of the list."
+            )
+        cont, add_generation_prompt = True, False
+    if cont and add_generation_prompt:
+        raise ChatTemplateError(
+            "Cannot set both add_generation_prompt and continue_final_message to true."
+        )
+    last = msgs[-1] if cont and msgs else None
+    if last is not None and last.get("role") == "assistant" and last.get("tool_calls"):
+        raise ChatTemplateError("Cannot continue an assistant message that contains tool calls.")
+    if last is not None:
+        msgs = msgs[:-1]
+    if "<|channel|>" not in template.source:  # GPT-OSS keeps its developer role
+        msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
+    if not template.supports_system_role:
+        msgs = [_flatten_content(m) for m in msgs]
+        msgs = _merge_system(msgs)
+    extra = _template_context(enable_thinking, tools, kwargs, now or datetime.now())
+    if last is None:
+        text = template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
+    else:
+        # the history, the template's own generation prompt, then the text to continue
+        before = template.render(msgs, add_generation_prompt=False, **extra)
+        opened = template.render(msgs, add_generation_prompt=True, **extra)
+        n = 0
+        while n < min(len(before), len(opened)) and before[n] == opened[n]:
+            n += 1
+        text = before + opened[n:] + (_flatten_content(last).get("content") or "")
+    if template.add_bos and template.bos_token and text.startswith(template.bos_token):
+        text = text[len(template.bos_token) :]
+    if template.add_eos and template.eos_token and text.endswith(template.eos_token):
+        text = text[: -len(template.eos_token)]
+    return text
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Tokens of a built prompt, as llama-server tokenizes it: the tokenizer's own BOS
+    (the template's was cut by build_prompt) and special tokens parsed."""
+    return tokenizer.encode(text, add_special=True, parse_special=True)

@@ -7,6 +7,7 @@ One parser serves every mode of main.py: the GUI (default), ``--headless``
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -114,7 +115,56 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="context size per sequence (default 4096; 0 = the model's)",
     )
+    m.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_JINJA",
+        help="chat template overriding the model's: a built-in name (chatml, llama2, "
+        "llama3, gemma, mistral-v1, mistral-v3, mistral-v7, phi3, deepseek3, zephyr, ...) "
+        "or an inline Jinja template",
+    )
     m.add_argument("--chat-template-file", help="Jinja chat template overriding the model's")
+    m.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help='extra template variables for every chat, a JSON object: \'{"key": "value"}\' '
+        "(a request's chat_template_kwargs override them)",
+    )
+    m.add_argument(
+        "--jinja",
+        dest="jinja",
+        action="store_true",
+        default=True,
+        help="render chat templates with Jinja (always on: Mixdesk has no other engine)",
+    )
+    m.add_argument(
+        "--no-jinja",
+        dest="jinja",
+        action="store_false",
+        help="accepted for llama-server scripts; templates are still rendered with Jinja "
+        "(llama-server's non-Jinja formats are the --chat-template built-in names)",
+    )
+    m.add_argument(
+        "-rea",
+        "--reasoning",
+        choices=["on", "off", "auto"],
+        default="auto",
+        help="thinking in the chat: the templates' enable_thinking variable is true for "
+        "'on' and 'auto', false for 'off' (default auto; a request's chat_template_kwargs "
+        "override it)",
+    )
+    m.add_argument(
+        "--prefill-assistant",
+        dest="prefill_assistant",
+        action="store_true",
+        default=True,
+        help="continue a trailing assistant message (default)",
+    )
+    m.add_argument(
+        "--no-prefill-assistant",
+        dest="prefill_assistant",
+        action="store_false",
+        help="treat a trailing assistant message as a finished turn",
+    )
     m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
     m.add_argument(
         "--draft-max",
@@ -225,4 +275,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             print(f"mixdesk: {names[0]} ignored: Mixdesk runs on the CPU (numpy)", file=sys.stderr)
     if args.chat_template_file and not Path(args.chat_template_file).is_file():
         parser.error(f"--chat-template-file: no such file {args.chat_template_file}")
+    if args.chat_template is not None and args.chat_template_file:
+        parser.error("use one of --chat-template and --chat-template-file")
+    if args.chat_template is not None:
+        from .chat_template import ChatTemplate, resolve_template_arg
+
+        try:
+            args.chat_template = resolve_template_arg(args.chat_template)
+            ChatTemplate(args.chat_template)  # an inline template must compile
+        except ValueError as e:
+            parser.error(str(e))
+    args.chat_template_kwargs = _template_kwargs(parser, args.chat_template_kwargs)
+    if not args.jinja:
+        print(
+            "mixdesk: --no-jinja ignored: chat templates are rendered with Jinja", file=sys.stderr
+        )
     return args
+
+
+def _template_kwargs(parser: argparse.ArgumentParser, text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object, else a usage error naming the flag."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        parser.error("--chat-template-kwargs: not valid JSON")
+    if not isinstance(value, dict):
+        parser.error("--chat-template-kwargs must be a JSON object")
+    if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
+        parser.error("--chat-template-kwargs: enable_thinking must be true or false")
+    return value

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from .chat_template import ChatTemplate
+from .chat_template import ChatDefaults
 from .default_model import ensure_default_model
 from .serve.engine import Engine
 
@@ -40,9 +40,14 @@ def engine_from_args(
     eng.load_model(path, progress=progress)
     if getattr(args, "chat_template_file", None):
         src = Path(args.chat_template_file).read_text(encoding="utf-8")
-        eng.chat_template = ChatTemplate(
-            src, eng.chat_template.bos_token, eng.chat_template.eos_token
-        )
+        eng.chat_template = eng.chat_template.with_source(src)
+    elif getattr(args, "chat_template", None):  # a built-in's or an inline source (cli.py)
+        eng.chat_template = eng.chat_template.with_source(args.chat_template)
+    eng.chat_defaults = ChatDefaults(
+        reasoning=getattr(args, "reasoning", "auto"),
+        template_kwargs=getattr(args, "chat_template_kwargs", None) or {},
+        prefill_assistant=getattr(args, "prefill_assistant", True),
+    )
     for fname, scale in getattr(args, "adapters", []):
         eng.add_adapter(fname, scale=0.0 if args.lora_init_without_apply else scale)
     return eng

@@ -162,7 +162,9 @@ def test_helpers_available():
 
 def test_extra_variables_reach_template():
     tmpl = ChatTemplate("{{ tools | length }}{{ add_generation_prompt }}")
-    assert tmpl.render([], tools=[{"name": "t"}], add_generation_prompt=False) == "1False"
+    assert tmpl.render([], tools=[{"name": "t"}], add_generation_prompt=True) == "1True"
+    # llama-server sets add_generation_prompt only when true: false leaves it undefined
+    assert tmpl.render([], tools=[{"name": "t"}], add_generation_prompt=False) == "1"
 
 
 # --- render limits: time and size ----------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..chat_template import build_prompt
 from ..serve.sampling import SamplingParams
 from ..serve.scheduler import DoneEvent, TokenEvent
 from . import responses as R
@@ -285,10 +286,21 @@ async def _encode_prompt(request: web.Request, eng, prompt: Any) -> list[int]:
     return ids
 
 
-async def _render_chat(request: web.Request, eng, msgs: list[dict]) -> str:
-    """The chat template, off the event loop and under its render limits."""
+async def _render_chat(request: web.Request, eng, body: dict) -> str:
+    """The prompt text llama-server builds for a chat request (build_prompt, the one
+    prompt path the window shares), off the event loop and under the render limits."""
+    msgs = R.parse_messages(body)
+    opts = R.parse_chat_options(body)
     return await request.app[TEXT_POOL].run(
-        lambda: eng.chat_template.render(msgs, add_generation_prompt=True)
+        lambda: build_prompt(
+            eng.chat_template,
+            msgs,
+            add_generation_prompt=opts.add_generation_prompt,
+            continue_final_message=opts.continue_final_message,
+            tools=opts.tools,
+            template_kwargs=opts.template_kwargs,
+            defaults=eng.chat_defaults,
+        )
     )
 
 
@@ -494,8 +506,7 @@ async def detokenize(request: web.Request) -> web.Response:
 async def apply_template(request: web.Request) -> web.Response:
     eng = _engine(request)
     body = await _body(request)
-    msgs = R.parse_messages(body)
-    return web.json_response({"prompt": await _render_chat(request, eng, msgs)})
+    return web.json_response({"prompt": await _render_chat(request, eng, body)})
 
 
 # ---- adapters --------------------------------------------------------------------------
@@ -635,8 +646,7 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
         opts.extra["n_top"] = n_top
     mix = _resolve_mix(eng, opts, oai)
     if chat:
-        msgs = R.parse_messages(body)
-        text = await _render_chat(request, eng, msgs)
+        text = await _render_chat(request, eng, body)
         prompt = await _encode_prompt(request, eng, text)
         _verbose(request, "prompt", lambda: text)
     else:

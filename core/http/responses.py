@@ -303,6 +303,10 @@ def parse_messages(body: Mapping) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HttpError(f'messages[{i}] must be an object with a string "role"')
+        if m["role"] != "assistant" and "content" not in m:
+            raise HttpError(f'messages[{i}]: all non-assistant messages must contain "content"')
+        if m["role"] == "assistant" and "content" not in m and "tool_calls" not in m:
+            raise HttpError(f'messages[{i}]: an assistant message needs "content" or "tool_calls"')
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise HttpError(f"messages[{i}].content must be a string or a list of parts")
@@ -315,6 +319,71 @@ def parse_messages(body: Mapping) -> list[dict]:
                 ):
                     raise HttpError(f"messages[{i}].content[{j}]: only text parts are supported")
     return msgs
+
+
+@dataclass
+class ChatOptions:
+    """The prompt settings of a chat request, as llama-server reads them."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: Any = None
+    tools: list[dict] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _tool(i: int, t: Any) -> dict:
+    """One OpenAI tool, re-emitted as llama-server gives it to the template."""
+    fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise HttpError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
+    desc = fn.get("description", "")
+    params = fn.get("parameters")
+    if not isinstance(desc, str):
+        raise HttpError(f"tools[{i}].function.description must be a string")
+    if params is not None and not isinstance(params, dict):
+        raise HttpError(f"tools[{i}].function.parameters must be an object")
+    if not params:
+        params = {"type": "object", "properties": {}}
+    return {
+        "type": "function",
+        "function": {"name": fn["name"], "description": desc, "parameters": params},
+    }
+
+
+def parse_chat_options(body: Mapping) -> ChatOptions:
+    """add_generation_prompt, continue_final_message, tools/tool_choice and
+    chat_template_kwargs of a chat or /apply-template request; the rules that need
+    the messages (prefill, two trailing assistant messages) are build_prompt's."""
+    opts = ChatOptions(add_generation_prompt=get_bool(body, "add_generation_prompt", True))
+    cont = body.get("continue_final_message")
+    if cont is not None and not isinstance(cont, (bool, str)):
+        raise HttpError(
+            'continue_final_message must be a boolean, "content" or "reasoning_content"'
+        )
+    opts.continue_final_message = cont
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise HttpError('"tools" must be a list of {"type": "function", ...} objects')
+        opts.tools = [_tool(i, t) for i, t in enumerate(tools)] or None
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none", "required"):
+        if not isinstance(choice, dict):
+            raise HttpError('tool_choice must be "auto", "none", "required" or an object')
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise HttpError("chat_template_kwargs must be an object")
+        opts.template_kwargs = dict(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise HttpError("reasoning_effort must be a string")
+    if effort == "none":  # OpenAI's switch: no reasoning
+        opts.template_kwargs["enable_thinking"] = False
+        opts.template_kwargs.pop("reasoning_effort", None)
+    elif effort:
+        opts.template_kwargs["reasoning_effort"] = effort
+    return opts
 
 
 def parse_token_list(v: Any, n_vocab: int, what: str = "tokens") -> list[int]:

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..chat_template import ChatTemplate
+from ..chat_template import DEFAULT_CHAT, ChatDefaults, ChatTemplate, build_prompt, encode_prompt
 from ..errors import UserError
 from ..lora.adapter import Adapter, AdapterError, load_adapter
-from ..lora.mix import MixCache, MixKey, build_mix, mix_key
+from ..lora.mix import MixKey, build_mix, mix_key
+from ..lora.runtime import MixCache
 from ..model.config import ModelConfig
 from ..model.kv_cache import ContextOverflow
 from ..model.llama import LlamaModel
@@ -83,6 +84,7 @@ class Engine:
         self.model: LlamaModel | None = None
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None
+        self.chat_defaults: ChatDefaults = DEFAULT_CHAT  # --reasoning, --chat-template-kwargs
         self.loading = False
         self.load_progress = 0.0
         self.load_ms = 0.0
@@ -607,9 +609,16 @@ class Engine:
         return done
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt tokens llama-server builds for these messages (the one prompt
+        path, shared with the HTTP API: chat_template.build_prompt)."""
         self.require_ready()
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+        text = build_prompt(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            defaults=self.chat_defaults,
+        )
+        return encode_prompt(self.tokenizer, text)
 
     def chat(
         self,
