@@ -450,15 +450,33 @@ def _message(value: Any) -> dict:
     msg = {"role": value["role"], "content": Field("", _str).clean(value.get("content", ""))}
     meta = value.get("meta")
     if msg["role"] == "assistant" and isinstance(meta, dict):
-        msg["meta"] = {
-            "tokens": Field(0, _int(0, 2**31)).clean(meta.get("tokens", 0), "meta tokens"),
-            "tps": Field(0.0, _float(0.0, 1e9)).clean(meta.get("tps", 0.0), "meta tps"),
-            "mix": Field("", _str).clean(meta.get("mix", ""), "meta mix"),
-            "stop": Field(None, _opt_str).clean(meta.get("stop"), "meta stop"),
-        }
-        if isinstance(meta.get("mix_ids"), list):
-            msg["meta"]["mix_ids"] = meta["mix_ids"]
+        msg["meta"] = _meta(meta)
+    versions = value.get("versions")
+    if msg["role"] == "assistant" and isinstance(versions, list) and versions:
+        # a regenerated reply keeps its earlier versions (the window's ‹ 2/3 ›)
+        msg["versions"] = [
+            {
+                "content": Field("", _str).clean(v.get("content", ""), "version content"),
+                "meta": _meta(v["meta"]) if isinstance(v.get("meta"), dict) else None,
+            }
+            for v in versions
+            if isinstance(v, dict)
+        ]
+        shown = Field(0, _int(0, 2**31)).clean(value.get("version", 0), "version")
+        msg["version"] = min(shown, len(msg["versions"]) - 1)
     return msg
+
+
+def _meta(meta: dict) -> dict:
+    out = {
+        "tokens": Field(0, _int(0, 2**31)).clean(meta.get("tokens", 0), "meta tokens"),
+        "tps": Field(0.0, _float(0.0, 1e9)).clean(meta.get("tps", 0.0), "meta tps"),
+        "mix": Field("", _str).clean(meta.get("mix", ""), "meta mix"),
+        "stop": Field(None, _opt_str).clean(meta.get("stop"), "meta stop"),
+    }
+    if isinstance(meta.get("mix_ids"), list):
+        out["mix_ids"] = meta["mix_ids"]
+    return out
 
 
 def clean_conversation(conv: dict, cid: str) -> dict:

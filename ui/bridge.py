@@ -51,13 +51,16 @@ class Generation(QObject):
         self._flush_queued = False
         self.done: DoneEvent | None = None
         self.text = ""
+        self.n_tokens = 0  # tokens generated so far (live tok/s), written by the scheduler
         self._raw_token.connect(self._append)
         self._raw_done.connect(self._store)
 
     def _on_event(self, ev) -> None:  # scheduler thread
         if isinstance(ev, DoneEvent):
             self._raw_done.emit(ev)
-        elif ev.text:
+            return
+        self.n_tokens += 1
+        if ev.text:
             # Coalesce: one queued signal per GUI wake-up, however many tokens arrive,
             # so a fast stream costs the GUI thread one slot call per event-loop pass.
             with self._lock:

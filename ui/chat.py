@@ -1,20 +1,17 @@
-"""Chat pane: a Markdown transcript that streams, Stop (Esc), Send (Ctrl+Enter),
-regenerate, edit-and-resend, clear, and saved conversations. Under each reply:
-tokens, tok/s and the mix it was generated with."""
+"""Chat pane: a Markdown transcript (markdown-it-py + pygments, see ui/markdown.py)
+rendered live while a reply streams, Stop (Esc), Send (Ctrl+Enter), Regenerate
+(Ctrl+R; earlier replies are kept as versions, ‹ 2/3 ›), edit-and-resend, New chat
+(Ctrl+N), focus the input (Ctrl+L), Copy per message and per code block, and saved
+conversations. While the prompt is read the status says so; then time to first
+token and live tok/s. Under each reply: tokens, tok/s and the mix it used."""
 
 from __future__ import annotations
 
+import html
+import time
+
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (
-    QColor,
-    QKeySequence,
-    QShortcut,
-    QTextBlockFormat,
-    QTextCharFormat,
-    QTextCursor,
-    QTextDocument,
-    QTextFormat,
-)
+from PySide6.QtGui import QGuiApplication, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -29,58 +26,75 @@ from PySide6.QtWidgets import (
 from core.settings import Conversations, Settings
 
 from .bridge import EngineBridge, Generation
+from .markdown import Colors
+from .markdown import render as render_md
 from .sampling import SamplingForm
 from .util import format_mix
 
-RENDER_INTERVAL_MS = 60
-CODE_BG = "#eef1f8"
-# GitHub Markdown without raw HTML: user and model text are never interpreted as HTML
-# (a "<font color=red>" or an "<img>" would restyle or swallow the rest of the transcript).
-MARKDOWN = QTextDocument.MarkdownDialectGitHub | QTextDocument.MarkdownNoHTML
-
-
-def render_markdown(conv: dict, streaming: bool = False) -> str:
-    """The transcript as Markdown; user messages get an "edit" link (edit:INDEX)."""
-    out = []
-    msgs = conv.get("messages", [])
-    for i, m in enumerate(msgs):
-        if m["role"] == "user":
-            out.append(f"#### You  [✎ edit](edit:{i})\n\n{m['content']}\n")
-        else:
-            body = m["content"] or ("…" if streaming and i == len(msgs) - 1 else "*(empty reply)*")
-            if body.count("```") % 2:
-                body += "\n```"  # close a code fence that is still streaming
-            out.append(f"#### Assistant\n\n{body}\n")
-            meta = m.get("meta")
-            if meta:
-                stop = (
-                    "" if meta.get("stop") in ("eos", "word", None) else f" · stop: {meta['stop']}"
-                )
-                out.append(
-                    f"*{tokens_text(meta.get('tokens', 0))} · {meta.get('tps', 0.0):.1f} tok/s · "
-                    f"mix: {meta.get('mix', '')}{stop}*\n"
-                )
-        out.append("\n---\n")
-    return "\n".join(out)
+RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
 
 def tokens_text(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
 
 
-def shade_code_blocks(doc) -> None:
-    """Give fenced code blocks a tinted background (Qt's Markdown import sets only the font)."""
-    block = doc.begin()
-    while block.isValid():
-        fmt = block.blockFormat()
-        if fmt.hasProperty(QTextFormat.BlockCodeFence) or fmt.hasProperty(
-            QTextFormat.BlockCodeLanguage
-        ):
-            cur = QTextCursor(block)
-            fmt.setBackground(QColor(CODE_BG))
-            fmt.setLeftMargin(8)
-            cur.setBlockFormat(fmt)
-        block = block.next()
+def meta_text(meta: dict) -> str:
+    stop = "" if meta.get("stop") in ("eos", "word", None) else f" · stop: {meta['stop']}"
+    return (
+        f"{tokens_text(meta.get('tokens', 0))} · {meta.get('tps', 0.0):.1f} tok/s · "
+        f"mix: {meta.get('mix', '')}{stop}"
+    )
+
+
+def palette_colors(widget: QWidget) -> Colors:
+    """The transcript's colours from the widget's palette (light or dark theme)."""
+    pal = widget.palette()
+    base, text = pal.color(QPalette.Base), pal.color(QPalette.Text)
+    dark = base.lightness() < 128
+    code = base.lighter(135) if dark else base.darker(106)
+    muted = pal.color(QPalette.PlaceholderText)
+    return Colors(
+        code_bg=code.name(), muted=muted.name() if muted.isValid() else text.name(), dark=dark
+    )
+
+
+def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: bool) -> str:
+    """One message: heading with its actions, the Markdown body, the reply's meta line
+    and its versions (‹ 2/3 ›)."""
+    small = f'style="color:{colors.muted}; font-size:small"'
+    if m["role"] == "user":
+        head = (
+            f'<h4>You&nbsp;&nbsp;<a href="edit:{i}" {small}>✎ edit</a>'
+            f'&nbsp;&nbsp;<a href="copy:msg:{i}" {small}>Copy</a></h4>'
+        )
+        return head + render_md(m["content"], colors, codes, str(i))
+    body = m["content"] or ("…" if streaming else "*(empty reply)*")
+    out = [f'<h4>Assistant&nbsp;&nbsp;<a href="copy:msg:{i}" {small}>Copy</a></h4>']
+    out.append(render_md(body, colors, codes, str(i)))
+    line = []
+    versions = m.get("versions") or []
+    if len(versions) > 1:
+        v = int(m.get("version", len(versions) - 1))
+        prev = f'<a href="ver:{i}:-1">‹</a>' if v > 0 else "‹"
+        nxt = f'<a href="ver:{i}:1">›</a>' if v < len(versions) - 1 else "›"
+        line.append(f"{prev} {v + 1}/{len(versions)} {nxt}")
+    if m.get("meta"):
+        line.append(f"<i>{html.escape(meta_text(m['meta']))}</i>")
+    if line:
+        out.append(f"<p {small}>{' &nbsp;·&nbsp; '.join(line)}</p>")
+    return "".join(out)
+
+
+def transcript_html(conv: dict, colors: Colors, streaming: bool = False) -> tuple[str, dict]:
+    """(HTML, {"I.N": code text}) for the whole conversation."""
+    parts, codes = [], {}
+    msgs = conv.get("messages", [])
+    for i, m in enumerate(msgs):
+        found: list[str] = []
+        parts.append(message_html(i, m, colors, found, streaming and i == len(msgs) - 1))
+        codes.update({f"{i}.{n}": c for n, c in enumerate(found)})
+        parts.append("<hr/>")
+    return "".join(parts), codes
 
 
 class ChatPane(QWidget):
@@ -112,6 +126,7 @@ class ChatPane(QWidget):
         self.history.setToolTip("Saved conversations")
         self.history.activated.connect(self._history_chosen)
         new_btn = QPushButton("New chat")
+        new_btn.setToolTip("Start a new chat (Ctrl+N)")
         new_btn.clicked.connect(self.new_conversation)
         del_btn = QPushButton("Delete")
         del_btn.setToolTip("Delete this saved conversation")
@@ -146,6 +161,7 @@ class ChatPane(QWidget):
         self.stop_btn.setObjectName("stopButton")
         self.stop_btn.clicked.connect(self.stop)
         self.regen_btn = QPushButton("Regenerate")
+        self.regen_btn.setToolTip("A new reply; the earlier ones stay as versions (Ctrl+R)")
         self.regen_btn.clicked.connect(self.regenerate)
         self.clear_btn = QPushButton("Clear")
         self.clear_btn.clicked.connect(self.clear)
@@ -167,10 +183,15 @@ class ChatPane(QWidget):
         for seq in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(seq), self, self.send, context=Qt.WidgetWithChildrenShortcut)
         QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
+        # window-wide, as in LM Studio and Jan
+        QShortcut(QKeySequence("Ctrl+N"), self, self.new_conversation, context=Qt.WindowShortcut)
+        QShortcut(QKeySequence("Ctrl+R"), self, self.regenerate, context=Qt.WindowShortcut)
+        QShortcut(QKeySequence("Ctrl+L"), self, self.focus_input, context=Qt.WindowShortcut)
+        self.codes: dict[str, str] = {}
+        self._sent_at = self._first_at = 0.0
 
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
-        self._render_timer.timeout.connect(self._flush_stream)
-        self._streamed = 0
+        self._render_timer.timeout.connect(self._live)
         self._started = False  # the window reports the files moved aside at start
         self.refresh_history()
         last = settings.get("last_conversation")
@@ -194,40 +215,28 @@ class ChatPane(QWidget):
         self.clear_btn.setEnabled(not busy and bool(msgs))
 
     def render(self) -> None:
-        """Full Markdown render (on send, finish, open). While a reply streams, its tokens
-        are appended as plain text (cheap); it is rendered as Markdown when it ends."""
+        """The transcript as HTML from Markdown; while a reply streams it is rendered
+        the same way every RENDER_INTERVAL_MS, so the text never jumps at the end."""
         sb = self.view.verticalScrollBar()
         at_end = sb.value() >= sb.maximum() - 4
+        keep = sb.value()
         msgs = self.conversation["messages"]
-        streaming = self.generating and msgs and msgs[-1]["role"] == "assistant"
-        if streaming:
-            done_part = dict(self.conversation, messages=msgs[:-1])
-            self.view.document().setMarkdown(
-                render_markdown(done_part) + "\n#### Assistant\n", MARKDOWN
-            )
-            cur = QTextCursor(self.view.document())
-            cur.movePosition(QTextCursor.End)
-            cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
-            self._streamed = 0
-            self._flush_stream()
-        else:
-            self.view.document().setMarkdown(render_markdown(self.conversation), MARKDOWN)
-        shade_code_blocks(self.view.document())
-        if at_end or self.generating:
-            sb.setValue(sb.maximum())
+        streaming = bool(self.generating and msgs and msgs[-1]["role"] == "assistant")
+        body, self.codes = transcript_html(self.conversation, palette_colors(self.view), streaming)
+        self.view.setHtml(body)
+        sb.setValue(sb.maximum() if at_end or self.generating else keep)
 
-    def _flush_stream(self) -> None:
-        msgs = self.conversation["messages"]
-        if not self.generating or not msgs or msgs[-1]["role"] != "assistant":
-            return
-        text = msgs[-1]["content"]
-        new, self._streamed = text[self._streamed :], len(text)
-        if new:
-            cur = QTextCursor(self.view.document())
-            cur.movePosition(QTextCursor.End)
-            cur.insertText(new, QTextCharFormat())
-            sb = self.view.verticalScrollBar()
-            sb.setValue(sb.maximum())
+    def _live(self) -> None:
+        self.render()
+        gen = self.gen
+        if gen is not None and self._first_at:
+            dt = time.monotonic() - self._first_at
+            rate = f" · {(gen.n_tokens - 1) / dt:.1f} tok/s" if dt > 0 and gen.n_tokens > 1 else ""
+            self.status.setText(f"First token after {self._first_at - self._sent_at:.2f} s{rate}")
+
+    def focus_input(self) -> None:
+        self.input.setFocus()
+        self.input.selectAll()
 
     # -- actions ---------------------------------------------------------------------------
     def send(self, text: str | None = None) -> bool:
@@ -245,14 +254,18 @@ class ChatPane(QWidget):
         return self._generate()
 
     def regenerate(self) -> bool:
+        """A new reply to the last message; the replaced one stays as a version."""
         if self.generating:
             return False
         msgs = self.conversation["messages"]
-        while msgs and msgs[-1]["role"] == "assistant":
-            msgs.pop()
-        if not msgs:
+        previous = None
+        if msgs and msgs[-1]["role"] == "assistant":
+            previous = msgs.pop()
+        if not any(m["role"] == "user" for m in msgs):
+            if previous is not None:
+                msgs.append(previous)
             return False
-        return self._generate()
+        return self._generate(previous)
 
     def stop(self) -> None:
         if self.gen is None and self.edit_index is not None:
@@ -288,14 +301,48 @@ class ChatPane(QWidget):
         self.edit_banner.hide()
 
     def _anchor(self, url: QUrl) -> None:
-        if url.scheme() == "edit":
-            try:
-                self.edit_message(int(url.path() or url.toString().split(":", 1)[1]))
-            except ValueError:
-                pass
+        scheme, _, rest = url.toString().partition(":")
+        try:
+            if scheme == "edit":
+                self.edit_message(int(rest))
+            elif scheme == "copy":
+                what, _, key = rest.partition(":")
+                self.copy(what, key)
+            elif scheme == "ver":
+                i, step = rest.split(":")
+                self.show_version(int(i), int(step))
+        except ValueError:
+            pass
+
+    def copy(self, what: str, key: str) -> None:
+        """Copy a message's Markdown (what="msg", key=index) or a code block's text."""
+        if what == "code":
+            text = self.codes.get(key)
+        else:
+            msgs = self.conversation["messages"]
+            i = int(key)
+            text = msgs[i]["content"] if 0 <= i < len(msgs) else None
+        if text is not None:
+            QGuiApplication.clipboard().setText(text)
+            self.message.emit("Copied the code" if what == "code" else "Copied the message")
+
+    def show_version(self, index: int, step: int) -> None:
+        """‹ / ›: show another version of a reply (the one shown is the one kept)."""
+        msgs = self.conversation["messages"]
+        if self.generating or not (0 <= index < len(msgs)):
+            return
+        m = msgs[index]
+        versions = m.get("versions") or []
+        v = int(m.get("version", len(versions) - 1)) + step
+        if not (0 <= v < len(versions)):
+            return
+        m["version"] = v
+        m["content"], m["meta"] = versions[v]["content"], versions[v].get("meta")
+        self._save()
+        self.render()
 
     # -- generation --------------------------------------------------------------------------
-    def _generate(self) -> bool:
+    def _generate(self, previous: dict | None = None) -> bool:
         prompt_msgs = self.sampling.system_messages() + [
             {"role": m["role"], "content": m["content"]} for m in self.conversation["messages"]
         ]
@@ -305,17 +352,25 @@ class ChatPane(QWidget):
             self.message.emit(str(e))
             return False
         gen = self.gen = self.bridge.chat(prompt_msgs, params)
-        reply = {"role": "assistant", "content": ""}
+        versions = []
+        if previous is not None:  # regenerate: the earlier replies stay as versions
+            versions = previous.get("versions") or [
+                {"content": previous["content"], "meta": previous.get("meta")}
+            ]
+        reply = {"role": "assistant", "content": "", "versions": versions}
         self.conversation["messages"].append(reply)
         gen.token.connect(lambda t, r=reply: self._token(r, t))
         gen.finished.connect(lambda d, r=reply: self._done(r, d))
-        self.status.setText("Generating…")
+        self._sent_at, self._first_at = time.monotonic(), 0.0
+        self.status.setText("Reading prompt…")
         self._save()
         self._update_buttons()
         self.render()
         return True
 
     def _token(self, reply: dict, text: str) -> None:
+        if not self._first_at:
+            self._first_at = time.monotonic()
         reply["content"] += text
         if not self._render_timer.isActive():
             self._render_timer.start()
@@ -337,6 +392,9 @@ class ChatPane(QWidget):
         if done.stop_type == "error":
             self.message.emit(f"Generation failed: {done.error}")
             reply["content"] = reply["content"] or f"*Error: {done.error}*"
+        versions = reply.setdefault("versions", [])
+        versions.append({"content": reply["content"], "meta": reply["meta"]})
+        reply["version"] = len(versions) - 1
         self.status.setText(
             f"{tokens_text(t['predicted_n'])} · {reply['meta']['tps']:.1f} tok/s"
             + (" · stopped" if done.stop_type == "cancel" else "")

@@ -18,6 +18,8 @@ from PySide6.QtWidgets import (
 )
 
 from .bridge import EngineBridge, Generation
+from .chat import palette_colors
+from .markdown import render as render_md
 from .mixer import MixerPanel
 from .sampling import SamplingForm
 from .util import format_mix
@@ -199,4 +201,7 @@ class ComparePane(QWidget):
 
     def _render(self) -> None:
         for s in (self.a, self.b):
-            s.view.setMarkdown(s.text or ("…" if s.gen else ""))
+            codes: list[str] = []  # no Copy links here: the chat has them
+            s.view.setHtml(
+                render_md(s.text or ("…" if s.gen else ""), palette_colors(s.view), codes)
+            )

@@ -251,15 +251,13 @@ def test_an_adapter_that_no_longer_loads_becomes_a_red_row_on_reload(
 
 
 def test_one_token_and_one_rounding_of_tok_s(window):
-    from ui.chat import render_markdown
-
-    conv = {
-        "messages": [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "x", "meta": {"tokens": 1, "tps": 26.25}},
-        ]
-    }
-    text = render_markdown(conv)
+    w = window
+    w.chat.conversation["messages"] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "x", "meta": {"tokens": 1, "tps": 26.25}},
+    ]
+    w.chat.render()
+    text = w.chat.view.toPlainText()
     assert "1 token ·" in text and "1 tokens" not in text
 
 
