@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 from .errors import UserError
 from .gguf.reader import check_regular_file
@@ -216,6 +216,32 @@ def terms_path(name: str | CatalogModel, directory: Path | None = None) -> Path 
 
 def is_fetched(name: str | CatalogModel, directory: Path | None = None) -> bool:
     return model_path(name, directory).is_file()
+
+
+def console_progress(stream: TextIO | None = None, interval: float = 0.5) -> Progress:
+    """A fetch progress callback for a terminal (main.py --get-model, make model): on
+    a TTY one line per stage, rewritten in place at most every interval seconds;
+    otherwise (a log file, CI) just one line per stage."""
+    out = stream or sys.stderr
+    tty = out.isatty()
+    last = {"stage": "", "at": 0.0}
+
+    def report(done: int, total: int, stage: str) -> None:
+        now = time.monotonic()
+        new_stage = stage != last["stage"]
+        if not new_stage and (not tty or now - last["at"] < interval):
+            return
+        if new_stage and last["stage"] and tty:
+            out.write("\n")
+        last.update(stage=stage, at=now)
+        pct = 100 * done // total if total else 100
+        line = f"{stage}: {pct}% of {_mb(total)}"
+        out.write(f"\r{line}" if tty else f"{line}\n")
+        if tty and done >= total:
+            out.write("\n")
+        out.flush()
+
+    return report
 
 
 # --- pip --------------------------------------------------------------------------------

@@ -236,3 +236,16 @@ def test_real_models_are_fetched_with_their_catalogue_numbers(request, fixture, 
 def test_gemma_terms_of_use_come_with_the_model(gemma3_path):
     terms = gemma3_path.resolve().parent / "gemma-3-270m.GEMMA_TERMS.html"
     assert terms.is_file() and b"Gemma" in terms.read_bytes()
+
+
+def test_console_progress_prints_one_line_per_stage_in_a_log(local_index, tmp_path):
+    import io
+
+    out = io.StringIO()  # not a TTY: no carriage returns, one line per stage
+    model = _fake_model(local_index, terms=False)
+    catalog.fetch(model, progress=catalog.console_progress(out), directory=tmp_path / "m")
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[0].startswith("Downloading Test-Model (1/3): 0% of ")
+    assert lines[-1].startswith("Test-Model is ready: 100% of ")
+    assert len(lines) == len(set(lines)) == 2 * len(model.parts) + 1
