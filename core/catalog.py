@@ -90,10 +90,11 @@ class CatalogModel:
         return 4 * self.params + kv
 
     def summary(self) -> str:
-        """One line for a list: title, family, size on disk, RAM needed, license."""
+        """One line for a list: title, family, download and disk size, RAM, license."""
         return (
             f"{self.title} ({self.family}, {self.params / 1e6:.0f}M parameters, {self.quant}): "
-            f"{_mb(self.file_size)} download, ~{_gb(self.ram_bytes())} RAM at 4096 context, "
+            f"{_mb(self.download_size)} download, {_mb(self.file_size)} on disk, "
+            f"~{_gb(self.ram_bytes())} RAM at 4096 context, "
             f"{self.license}"
         )
 
