@@ -83,6 +83,11 @@ class CatalogModel:
     def download_size(self) -> int:
         return sum(p.wheel_size for p in self.parts)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Disk taken by the float32 weight cache the engine writes on first load."""
+        return 4 * self.params
+
     def ram_bytes(self, ctx_size: int = 4096, n_seq: int = 1) -> int:
         """RAM to run it: float32 weights (4 bytes per parameter) plus a float32 K and V
         cache of ctx_size positions per sequence."""
@@ -93,7 +98,8 @@ class CatalogModel:
         """One line for a list: title, family, download and disk size, RAM, license."""
         return (
             f"{self.title} ({self.family}, {self.params / 1e6:.0f}M parameters, {self.quant}): "
-            f"{_mb(self.download_size)} download, {_mb(self.file_size)} on disk, "
+            f"{_mb(self.download_size)} download, {_mb(self.file_size)} file "
+            f"+ {_gb(self.cache_bytes)} float32 cache on disk, "
             f"~{_gb(self.ram_bytes())} RAM at 4096 context, "
             f"{self.license}"
         )
