@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from core.model.attention import PooledDecode
 from core.model.kv_cache import KVPool
-from core.model.llama import BatchItem, PooledDecode
+from core.model.llama import BatchItem
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.test_model_shapes import build

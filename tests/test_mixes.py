@@ -248,9 +248,9 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
     mws = [engine.mixes.get(k, ads) for k in keys]
     nxt = [np.array([int(rng.integers(100, 20000))]) for _ in keys]
     alone = [model([BatchItem(nxt[i], prefilled(i, mw), mw)])[0] for i, mw in enumerate(mws)]
-    model._stacks.clear()
+    model.stacks.clear()
     batch = model([BatchItem(nxt[i], prefilled(i, mw), mw) for i, mw in enumerate(mws)])
-    assert len(model._stacks) == 1  # the stacked path ran
+    assert len(model.stacks) == 1  # the stacked path ran
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
@@ -291,9 +291,9 @@ def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, t
         return model([BatchItem(nxt[i], c, mws[i]) for i, c in zip(i_s, caches)])
 
     alone = [step([i])[0] for i in range(len(keys))]
-    model._stacks.clear()
+    model.stacks.clear()
     batch = step(list(range(len(keys))))
-    assert len(model._stacks) == 1
+    assert len(model.stacks) == 1
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
     # the partial adapter really changes the output
@@ -327,7 +327,8 @@ def test_mix_cache_is_capped_by_bytes_not_only_by_count(engine):
     """24 distinct mixes once added 576 MB on SmolLM2 with only a count cap. With a
     byte cap the cache keeps as many whole mixes as fit, least recently used out
     first, and always the newest one."""
-    from core.lora.mix import MixCache, mix_key
+    from core.lora.mix import mix_key
+    from core.lora.runtime import MixCache
 
     ads = adapters_of(engine)
     one = MixCache(engine.config).get(mix_key({0: 1.0}), ads)

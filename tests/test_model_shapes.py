@@ -119,7 +119,7 @@ def test_every_quant_type_loads_to_its_dequantized_values(tmp_path, qtype):
 def test_chunked_prefill_equals_full_forward(tmp_path, monkeypatch, block):
     """Prompts are run in chunks (the scheduler's PREFILL_CHUNK) and attention in query
     blocks; a chunk starting at p0 > 0 must see exactly the keys a full forward sees."""
-    import core.model.llama as M
+    import core.model.attention as M
 
     monkeypatch.setattr(M, "ATTN_BLOCK", block)
     model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
@@ -155,7 +155,7 @@ def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
 @pytest.mark.parametrize("rows", [1, 2, 7])
 def test_rms_norm_matches_the_formula_for_one_row_and_many(rows):
     # one row takes a scalar shortcut (decode), more rows the vectorised path
-    from core.model.llama import rms_norm
+    from core.model.primitives import rms_norm
 
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, 576)) * 3).astype(np.float32)

@@ -21,7 +21,9 @@ from gguf import quants
 
 from ..errors import UserError
 from ..gguf.reader import GGUFError, GGUFFile, check_regular_file, short_name
+from ..model import layout
 from ..model.config import ModelConfig, describe_value
+from .naming import hf_module_to_gguf, hf_modules, permute_qk_rows, rope_heads
 
 log = logging.getLogger(__name__)
 
@@ -71,84 +73,6 @@ def effective_scale(scale: float, alpha: float | None, rank: int) -> float:
     """The one LoRA scale formula: ``scale * alpha / rank`` if alpha is set, else ``scale``
     (as llama.cpp's llama_adapter_lora_weight::get_scale)."""
     return scale * alpha / rank if alpha else scale
-
-
-# ---- the one mapping from base tensors to fused projections ---------------
-
-# GGUF tensor suffix -> (fused target in core.model.llama, which row block of it)
-_BLOCK_TENSORS = {
-    "attn_q": ("wqkv", 0),
-    "attn_k": ("wqkv", 1),
-    "attn_v": ("wqkv", 2),
-    "attn_output": ("wo", 0),
-    "ffn_gate": ("w_gate_up", 0),
-    "ffn_up": ("w_gate_up", 1),
-    "ffn_down": ("w_down", 0),
-}
-# HF (PEFT) module name -> GGUF tensor suffix
-_HF_TO_GGUF = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def base_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """numpy (out, in) shape of every base matrix a LoRA may target."""
-    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    per = {
-        "attn_q": (q, d),
-        "attn_k": (kv, d),
-        "attn_v": (kv, d),
-        "attn_output": (d, q),
-        "ffn_gate": (f, d),
-        "ffn_up": (f, d),
-        "ffn_down": (d, f),
-    }
-    shapes = {"token_embd.weight": (cfg.vocab_size, d), "output.weight": (cfg.vocab_size, d)}
-    for i in range(cfg.n_layers):
-        for k, s in per.items():
-            shapes[f"blk.{i}.{k}.weight"] = s
-    return shapes
-
-
-def fused_slot(cfg: ModelConfig, name: str) -> tuple[int, str, int, int] | None:
-    """blk.N.<t>.weight -> (layer, fused target, first row, rows) in the fused matrix."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if not m or m.group(2) not in _BLOCK_TENSORS:
-        return None
-    target, block = _BLOCK_TENSORS[m.group(2)]
-    if target == "wqkv":
-        sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
-    elif target == "w_gate_up":
-        sizes = [cfg.ffn_dim, cfg.ffn_dim]
-    else:
-        sizes = [cfg.dim]
-    return int(m.group(1)), target, sum(sizes[:block]), sizes[block]
-
-
-def hf_module_to_gguf(module: str) -> str | None:
-    """'model.layers.3.self_attn.q_proj' -> 'blk.3.attn_q.weight' (also embed/lm_head)."""
-    module = module.removeprefix("base_model.model.")
-    if module == "model.embed_tokens":
-        return "token_embd.weight"
-    if module == "lm_head":
-        return "output.weight"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-    if m and m.group(2) in _HF_TO_GGUF:
-        return f"blk.{m.group(1)}.{_HF_TO_GGUF[m.group(2)]}.weight"
-    return None
-
-
-def permute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter permutes Q/K weight rows per head (HF rotate-half ->
-    adjacent-pair rope). A LoRA's B on q_proj/k_proj needs the same permutation."""
-    out, r = b.shape
-    return b.reshape(n_head, 2, out // n_head // 2, r).swapaxes(1, 2).reshape(out, r)
 
 
 # ---- the adapter ----------------------------------------------------------
@@ -503,12 +427,11 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
 
     tensors: dict[str, LoraPair] = {}
     for module, parts in modules.items():
-        gname = hf_module_to_gguf(module)
+        gname = hf_module_to_gguf(cfg, module)
         if gname is None:
             raise AdapterError(
                 f"adapter {label}: module {short_name(module)} has no counterpart in a "
-                "llama GGUF (supported: q/k/v/o_proj, gate/up/down_proj, "
-                "embed_tokens, lm_head)"
+                f"{cfg.arch} GGUF (supported: {hf_modules(cfg)}, embed_tokens, lm_head)"
             )
         short = module.removeprefix("base_model.model.")
         rank = _pattern_value(rank_patterns, short, r_default)
@@ -527,16 +450,15 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
                     f"adapter {label}: module {short_name(module)} lacks lora_A or lora_B"
                 )
             a, b = parts["lora_A"], parts["lora_B"]
-            want_out = base_tensor_shapes(cfg).get(gname, (None,))[0]
+            want_out = layout.lora_targets(cfg).get(gname, (None,))[0]
             if b.ndim != 2 or b.shape[0] != want_out:
                 raise AdapterError(
                     f"adapter {label}: tensor {gname!r} lora_B has shape "
                     f"{b.shape}, the base has {want_out} output rows"
                 )
-            if gname.endswith("attn_q.weight"):
-                b = permute_qk_rows(b, cfg.n_heads)
-            elif gname.endswith("attn_k.weight"):
-                b = permute_qk_rows(b, cfg.n_kv_heads)
+            heads = rope_heads(cfg, gname)
+            if heads:
+                b = permute_qk_rows(b, heads)
         if a.ndim != 2 or b.ndim != 2:
             raise AdapterError(
                 f"adapter {label}: tensor {gname!r}: lora_A/lora_B must be 2-D matrices"
@@ -567,7 +489,7 @@ def _validate(adapter: Adapter, cfg: ModelConfig) -> None:
     label = adapter.path.name
     if not adapter.tensors:
         raise AdapterError(f"adapter {label}: contains no LoRA tensors")
-    shapes = base_tensor_shapes(cfg)
+    shapes = layout.lora_targets(cfg)
     for name, pair in adapter.tensors.items():
         shown = short_name(name)
         if name not in shapes:

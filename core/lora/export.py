@@ -23,7 +23,6 @@ import contextlib
 import json
 import mmap
 import os
-import re
 import struct
 import sys
 from collections import Counter
@@ -38,9 +37,11 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import UserError
 from ..gguf.reader import GGUFError, GGUFFile, _Cursor
+from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
-from .adapter import _HF_TO_GGUF, Adapter, base_tensor_shapes, fused_slot, load_adapter
+from .adapter import Adapter, load_adapter
+from .naming import gguf_to_hf_module, rope_heads, unpermute_qk_rows
 
 Progress = Callable[[float, str], None]
 
@@ -155,7 +156,7 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
     return _Mix(cfg, base_path, pairs, [ad.name for ad, _ in chosen])
 
 
-def _rank_of(name: str, ab: tuple[np.ndarray, np.ndarray]) -> int:
+def _rank_of(ab: tuple[np.ndarray, np.ndarray]) -> int:
     return ab[1].shape[1]
 
 
@@ -247,13 +248,13 @@ def export_lora(
         w.write_tensors_to_file()
     report(1.0, f"wrote {out.name}")
     return ExportResult(
-        out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()), out.stat().st_size
+        out, len(mix.pairs), max(_rank_of(p) for p in mix.pairs.values()), out.stat().st_size
     )
 
 
 def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
     """Base tensor names in model order (token_embd, blocks, output)."""
-    order = {n: i for i, n in enumerate(base_tensor_shapes(cfg))}
+    order = {n: i for i, n in enumerate(layout.lora_targets(cfg))}
     return sorted(pairs, key=lambda n: order.get(n, len(order)))
 
 
@@ -286,7 +287,7 @@ def _typed_kvs(path: Path) -> list[tuple[str, int, int | None, Any]]:
     return out
 
 
-def _kv_value(vtype: int, sub: int | None, val: Any) -> Any:
+def _kv_value(vtype: int, val: Any) -> Any:
     if vtype != GGUFValueType.ARRAY:
         return val
     if isinstance(val, np.ndarray):
@@ -294,7 +295,7 @@ def _kv_value(vtype: int, sub: int | None, val: Any) -> Any:
     return list(val)
 
 
-def _encode(arr: np.ndarray, outtype: str, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+def _encode(arr: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizationType]:
     """float32 (rows, cols) -> (data to write, its ggml type). Norms and other 1-D
     tensors stay F32; a row that does not fit Q8_0 blocks falls back to F16."""
     if arr.ndim < 2 or outtype == "f32":
@@ -332,13 +333,13 @@ def _engine_weights(base: Any, mix: _Mix) -> Callable[[str], np.ndarray | None] 
             return None if wts.tied else wts.output
         if name == "output_norm.weight":
             return wts.output_norm
-        slot = fused_slot(cfg, name)
+        slot = layout.fused_slot(cfg, name)
         if slot is not None:
             layer, target, row0, rows = slot
             return getattr(wts.layers[layer], target)[row0 : row0 + rows]
-        m = re.fullmatch(r"blk\.(\d+)\.(attn_norm|ffn_norm)\.weight", name)
-        if m:
-            return getattr(wts.layers[int(m.group(1))], m.group(2))
+        split = layout.split_name(name)
+        if split and split[1] in layout.norms(cfg):
+            return getattr(wts.layers[split[0]], split[1])
         return None
 
     return view
@@ -398,7 +399,7 @@ def export_merged(
                     continue  # the writer cannot write an empty array; nothing reads one
                 w.add_key_value(
                     key,
-                    _kv_value(vtype, sub, val),
+                    _kv_value(vtype, val),
                     GGUFValueType(vtype),
                     GGUFValueType(sub) if sub is not None else None,
                 )
@@ -444,7 +445,7 @@ def export_merged(
                 if d is not None:
                     arr += d
                     del d
-                data, _ = _encode(arr, outtype, name)
+                data, _ = _encode(arr, outtype)
                 del arr
                 w.write_tensor_data(data)
                 del data
@@ -454,32 +455,11 @@ def export_merged(
         gf.close()
     report(1.0, f"wrote {out.name}")
     return ExportResult(
-        out, len(mix.pairs), max(_rank_of(n, p) for n, p in mix.pairs.items()), out.stat().st_size
+        out, len(mix.pairs), max(_rank_of(p) for p in mix.pairs.values()), out.stat().st_size
     )
 
 
 # ---- 3. a PEFT folder ----------------------------------------------------------
-
-_GGUF_TO_HF = {v: k for k, v in _HF_TO_GGUF.items()}
-
-
-def unpermute_qk_rows(b: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of :func:`core.lora.adapter.permute_qk_rows`: llama.cpp's (GGUF) Q/K row
-    order back to Hugging Face's rotate-half order."""
-    out, r = b.shape
-    return b.reshape(n_head, out // n_head // 2, 2, r).swapaxes(1, 2).reshape(out, r)
-
-
-def gguf_to_hf_module(name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj' (and embed/lm_head)."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens"
-    if name == "output.weight":
-        return "lm_head"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if not m or m.group(2) not in _GGUF_TO_HF:
-        raise ExportError(f"export-peft: tensor {name!r} has no Hugging Face counterpart")
-    return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
 
 
 def export_peft(
@@ -513,7 +493,9 @@ def export_peft(
     names = _ordered(cfg, mix.pairs)
     for i, name in enumerate(names):
         a, b = mix.pairs[name]
-        module = gguf_to_hf_module(name)
+        module = gguf_to_hf_module(cfg, name)
+        if module is None:
+            raise ExportError(f"export-peft: tensor {name!r} has no Hugging Face counterpart")
         prefix = f"base_model.model.{module}"
         short_targets.add(module.rsplit(".", 1)[-1])
         if name == "token_embd.weight":
@@ -522,10 +504,9 @@ def export_peft(
             tensors[f"{prefix}.lora_embedding_B"] = np.ascontiguousarray(b, dtype=np_dtype)
             ranks[module] = a.shape[1]
             continue
-        if name.endswith(".attn_q.weight"):
-            b = unpermute_qk_rows(b, cfg.n_heads)
-        elif name.endswith(".attn_k.weight"):
-            b = unpermute_qk_rows(b, cfg.n_kv_heads)
+        heads = rope_heads(cfg, name)
+        if heads:
+            b = unpermute_qk_rows(b, heads)
         tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a, dtype=np_dtype)
         tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b, dtype=np_dtype)
         ranks[module] = a.shape[0]

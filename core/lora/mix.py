@@ -10,15 +10,14 @@ weights are never touched, so switching mixes costs nothing model-sized.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model import layout
 from ..model.config import ModelConfig
-from .adapter import Adapter, fused_slot
+from .adapter import Adapter
 
 MixKey = tuple[tuple[int, float], ...]
 
@@ -83,18 +82,9 @@ def _placed(cfg: ModelConfig, ad: Adapter, scale: float):
         elif name == "output.weight":
             outp = (pair.a, pair.b * s)
         else:
-            layer, target, row0, rows = fused_slot(cfg, name)
+            layer, target, row0, rows = layout.fused_slot(cfg, name)
             parts.setdefault((layer, target), []).append((row0, rows, pair.a, pair.b * s))
     return parts, embd, outp
-
-
-def _out_rows(cfg: ModelConfig) -> dict[str, int]:
-    return {
-        "wqkv": cfg.q_dim + 2 * cfg.kv_dim,
-        "wo": cfg.dim,
-        "w_gate_up": 2 * cfg.ffn_dim,
-        "w_down": cfg.dim,
-    }
 
 
 def _by_part(pieces: list) -> list[tuple[int, int, list]]:
@@ -107,7 +97,6 @@ def _by_part(pieces: list) -> list[tuple[int, int, list]]:
 
 def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[int, str], Delta]:
     """(layer, target) -> Delta with every piece's rank rows grouped by part."""
-    out_rows = _out_rows(cfg)
     fused = {}
     for (layer, target), plist in pieces.items():
         a_rows, parts, col = [], [], 0
@@ -124,7 +113,9 @@ def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[i
                 )
             )
             col += r
-        fused[layer, target] = Delta(np.concatenate(a_rows, axis=0), tuple(parts), out_rows[target])
+        fused[layer, target] = Delta(
+            np.concatenate(a_rows, axis=0), tuple(parts), layout.out_rows(cfg, target)
+        )
     return fused
 
 
@@ -187,7 +178,6 @@ class AdapterStack:
 def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStack:
     adapters = tuple(adapters)
     placed = [_placed(cfg, ad, 1.0)[0] for ad in adapters]
-    out_rows = _out_rows(cfg)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     for layer, target in sorted({k for p in placed for k in p}):
         # columns ordered by part, then by adapter: each part's Bᵀ is one dense block
@@ -209,55 +199,6 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
             np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
             tuple(parts),
             tuple(segs),
-            out_rows[target],
+            layout.out_rows(cfg, target),
         )
     return AdapterStack(adapters, layers)
-
-
-# A built mix holds its adapters' A and scaled B matrices: ~24 MB for three adapters on
-# SmolLM2-135M, so 24 mixes added 576 MB when only the count was capped. The byte cap
-# bounds that whatever the adapters' ranks; a running request keeps its own mix alive.
-MIX_CACHE_BYTES = 256 << 20
-
-
-class MixCache:
-    """Built MixWeights by key, least recently used dropped first, capped both by
-    count and by bytes (the newest entry always stays, however large)."""
-
-    def __init__(self, cfg: ModelConfig, max_entries: int = 32, max_bytes: int = MIX_CACHE_BYTES):
-        self.cfg = cfg
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._cache: OrderedDict[MixKey, MixWeights] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def get(self, key: MixKey, adapters: Mapping[int, Adapter]) -> MixWeights | None:
-        if not key:
-            return None
-        with self._lock:
-            mw = self._cache.get(key)
-            if mw is not None:
-                self._cache.move_to_end(key)
-                return mw
-        mw = build_mix(self.cfg, key, adapters)
-        with self._lock:
-            old = self._cache.pop(key, None)  # built twice by two threads: keep one
-            self._bytes -= old.nbytes if old is not None else 0
-            self._cache[key] = mw
-            self._bytes += mw.nbytes
-            while len(self._cache) > 1 and (
-                len(self._cache) > self.max_entries or self._bytes > self.max_bytes
-            ):
-                _, dropped = self._cache.popitem(last=False)
-                self._bytes -= dropped.nbytes
-        return mw
-
-    def forget_adapter(self, aid: int) -> None:
-        with self._lock:
-            for k in [k for k, mw in self._cache.items() if aid in mw.adapter_ids]:
-                self._bytes -= self._cache.pop(k).nbytes

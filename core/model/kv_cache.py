@@ -66,6 +66,31 @@ class KVCache:
                 f"in a context of {self.capacity}"
             )
 
+    def reserve(self, n_new: int) -> None:
+        """Make room for n_new positions after the current length (ContextOverflow when
+        they do not fit); they count as written from now on (see ``written``)."""
+        self.check_room(n_new)
+        self.written = max(self.written, self.length + n_new)
+
+    def store(self, li: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Keys/values (n, n_kv, hd) of layer li at positions p0..p0+n-1."""
+        if k.shape[0] == 1:
+            self.k[li, :, p0] = k[0]  # (n_kv, hd)
+            self.v[li, :, p0] = v[0]
+        else:
+            self.k[li, :, p0 : p0 + k.shape[0]] = k.transpose(1, 0, 2)  # (n_kv, n, hd)
+            self.v[li, :, p0 : p0 + k.shape[0]] = v.transpose(1, 0, 2)
+
+    def keys(self, li: int, n: int) -> np.ndarray:
+        return self.k[li, :, :n]  # (n_kv, n, hd) view
+
+    def values(self, li: int, n: int) -> np.ndarray:
+        return self.v[li, :, :n]  # (n_kv, n, hd) view
+
+    def extend(self, tokens) -> None:
+        """The tokens whose keys/values were just stored after the current length."""
+        self.tokens.extend(int(t) for t in tokens)
+
     def truncate(self, n: int) -> None:
         """Forget everything after the first n tokens (their KV is simply overwritten later)."""
         del self.tokens[n:]
@@ -146,6 +171,22 @@ class KVPool:
             self.scrub(cache)
         cache.tokens = []
         self._free.append(cache.slot)
+
+    def store(self, li: int, slots: np.ndarray, pos: np.ndarray, k, v) -> None:
+        """One key/value (n, n_kv, hd) of layer li per slot, at that slot's position."""
+        self.k[li][slots, :, pos] = k  # (n, n_kv, hd)
+        self.v[li][slots, :, pos] = v
+
+    def keys(self, li: int, s0: int, s1: int, n: int) -> np.ndarray:
+        return self.k[li, s0:s1, :, :n]  # (s1-s0, n_kv, n, hd) view
+
+    def values(self, li: int, s0: int, s1: int, n: int) -> np.ndarray:
+        return self.v[li, s0:s1, :, :n]  # (s1-s0, n_kv, n, hd) view
+
+    def clear(self, li: int, slot: int, p0: int, p1: int) -> None:
+        """Zero layer li's positions p0..p1-1 of one slot (rows past its length)."""
+        self.k[li, slot, :, p0:p1] = 0.0  # (n_kv, p1-p0, hd)
+        self.v[li, slot, :, p0:p1] = 0.0
 
     def scrub(self, cache: KVCache) -> None:
         n = cache.written

@@ -86,6 +86,11 @@ class Linear:
             return "gemv"
         return self._by_rows[rows] if rows <= SMALL_ROWS else "gemm"
 
+    def overlaps(self, rows: int) -> bool:
+        """True when a product of this many rows runs on our own threads ("blocked"),
+        so a ``side`` job given to ``__call__`` runs alongside the helpers' shares."""
+        return self.regime(rows) == "blocked"
+
     def describe(self) -> str:
         """The chosen regimes as runs of row counts, e.g. '2-3 rows gemv, 4-32 rows gemm'."""
         runs: list[list] = []

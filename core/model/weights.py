@@ -26,6 +26,7 @@ from gguf import quants
 from ..errors import UserError
 from ..gguf.reader import GGUFError, GGUFFile
 from ..paths import cache_dir
+from . import layout
 from .config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -78,70 +79,12 @@ class Weights:
         return sum(a.nbytes for a in arrays)
 
 
-def _plan(cfg: ModelConfig, gf: GGUFFile) -> list[tuple[str, tuple[int, ...], list[str]]]:
-    """(fused name, fused shape, source tensors stacked along rows) in file order."""
-    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    plan = [("tok_embd", (cfg.vocab_size, d), ["token_embd.weight"])]
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
-        plan += [
-            (b + "attn_norm", (d,), [b + "attn_norm.weight"]),
-            (
-                b + "wqkv",
-                (q + 2 * kv, d),
-                [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-            ),
-            (b + "wo", (d, q), [b + "attn_output.weight"]),
-            (b + "ffn_norm", (d,), [b + "ffn_norm.weight"]),
-            (b + "w_gate_up", (2 * f, d), [b + "ffn_gate.weight", b + "ffn_up.weight"]),
-            (b + "w_down", (d, f), [b + "ffn_down.weight"]),
-        ]
-    plan.append(("output_norm", (d,), ["output_norm.weight"]))
-    if "output.weight" in gf.tensors:
-        plan.append(("output", (cfg.vocab_size, d), ["output.weight"]))
-    if "rope_freqs.weight" in gf.tensors:
-        plan.append(("rope_freqs", (cfg.rope_dim // 2,), ["rope_freqs.weight"]))
-    return plan
-
-
-def expected_tensors(cfg: ModelConfig, gf: GGUFFile) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor the model reads: its numpy shape and the metadata keys that
-    shape follows from (named when a file's tensor disagrees)."""
-    a = cfg.arch + "."
-    d, q, kv, f = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    vocab_key = a + "vocab_size" if a + "vocab_size" in gf.metadata else "tokenizer.ggml.tokens"
-    dim_k, ffn_k = a + "embedding_length", a + "feed_forward_length"
-    head_k = f"{a}attention.key_length"
-    q_k = f"{a}attention.head_count × {head_k}"
-    kv_k = f"{a}attention.head_count_kv × {head_k}"
-    want = {"token_embd.weight": ((cfg.vocab_size, d), f"{vocab_key}, {dim_k}")}
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
-        want |= {
-            b + "attn_norm.weight": ((d,), dim_k),
-            b + "attn_q.weight": ((q, d), f"{q_k}, {dim_k}"),
-            b + "attn_k.weight": ((kv, d), f"{kv_k}, {dim_k}"),
-            b + "attn_v.weight": ((kv, d), f"{kv_k}, {dim_k}"),
-            b + "attn_output.weight": ((d, q), f"{dim_k}, {q_k}"),
-            b + "ffn_norm.weight": ((d,), dim_k),
-            b + "ffn_gate.weight": ((f, d), f"{ffn_k}, {dim_k}"),
-            b + "ffn_up.weight": ((f, d), f"{ffn_k}, {dim_k}"),
-            b + "ffn_down.weight": ((d, f), f"{dim_k}, {ffn_k}"),
-        }
-    want["output_norm.weight"] = ((d,), dim_k)
-    if "output.weight" in gf.tensors:
-        want["output.weight"] = ((cfg.vocab_size, d), f"{vocab_key}, {dim_k}")
-    if "rope_freqs.weight" in gf.tensors:
-        want["rope_freqs.weight"] = ((cfg.rope_dim // 2,), a + "rope.dimension_count")
-    return want
-
-
 def check_tensors(cfg: ModelConfig, gf: GGUFFile) -> None:
     """Every tensor the model needs exists with the shape the metadata declares (as
     llama.cpp checks), before anything is allocated: a hostile block_count or
     feed_forward_length then fails here instead of allocating terabytes."""
     name = gf.path.name
-    for src, (shape, keys) in expected_tensors(cfg, gf).items():
+    for src, (shape, keys) in layout.file_tensors(cfg, gf.metadata, gf.tensors).items():
         info = gf.tensors.get(src)
         if info is None:
             why = (
@@ -169,12 +112,7 @@ def _cache_key(path: Path) -> str:
 
 def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
     layers = [
-        LayerWeights(
-            *(
-                arrays[f"blk.{i}.{k}"]
-                for k in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
-            )
-        )
+        LayerWeights(**{e.name: arrays[f"blk.{i}.{e.name}"] for e in layout.block(cfg)})
         for i in range(cfg.n_layers)
     ]
     tied = "output" not in arrays
@@ -189,7 +127,7 @@ def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
 
 
 def _views(
-    buf: np.ndarray, layout: list[tuple[str, tuple[int, ...], int]]
+    buf: np.ndarray, offsets: list[tuple[str, tuple[int, ...], int]]
 ) -> dict[str, np.ndarray]:
     """Views of the flat buffer. Matrices are stored (out, in) C-contiguous, as in
     the GGUF file: a gemv ``W @ x`` streams them at memory speed, and any run of
@@ -199,7 +137,7 @@ def _views(
     # subclass hooks would otherwise run on every slice in the forward pass.
     buf = np.asarray(buf)
     out = {}
-    for name, shape, off in layout:
+    for name, shape, off in offsets:
         n = int(np.prod(shape))
         out[name] = buf[off : off + n].reshape(shape)
     return out
@@ -214,10 +152,10 @@ def load_weights(
 ) -> Weights:
     progress = progress or (lambda f, m: None)
     check_tensors(cfg, gf)
-    plan = _plan(cfg, gf)
-    layout, off = [], 0
+    plan = layout.fused_plan(cfg, gf.tensors)
+    offsets, off = [], 0
     for name, shape, _ in plan:
-        layout.append((name, shape, off))
+        offsets.append((name, shape, off))
         off += int(np.prod(shape))
     total = off
 
@@ -232,7 +170,7 @@ def load_weights(
             if idx.get("total") == total and bin_path.stat().st_size == total * 4:
                 buf = np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,))
                 progress(1.0, FROM_CACHE)
-                return _assemble(cfg, _views(buf, layout))
+                return _assemble(cfg, _views(buf, offsets))
         except (OSError, ValueError) as e:
             log.warning("ignoring unreadable weight cache %s: %s", bin_path, e)
 
@@ -246,7 +184,7 @@ def load_weights(
         buf = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(total,))
     except OSError:
         tmp, buf = None, np.empty(total, dtype=np.float32)
-    views = _views(buf, layout)
+    views = _views(buf, offsets)
 
     jobs = []  # (destination view, source tensor, row offset); shapes checked above
     for name, _, sources in plan:
@@ -293,7 +231,7 @@ def load_weights(
             _drop_stale(cdir, gf.path, key)
             tmp = None
             # serve from a read-only map, exactly as a warm load would
-            views = _views(np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,)), layout)
+            views = _views(np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,)), offsets)
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()

@@ -340,9 +340,11 @@ class Scheduler:
         full = list(s.cache.tokens)  # base + [next_token] + draft
         base = len(full) - len(draft) - 1
         self.drafted += len(draft)
+        s.cache.truncate(base + 1)
         for i in range(len(draft) + 1):
             # KV up to inputs[i] is valid for predicting the token after it
-            s.cache.tokens = full[: base + 1 + i]
+            if i:
+                s.cache.extend(full[base + i : base + 1 + i])
             if not self._sample(s, logits[i]):
                 return
             if i == len(draft) or s.next_token != draft[i]:

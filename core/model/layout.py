@@ -1,0 +1,235 @@
+"""The fused weight layout: the one table of what a block reads from a GGUF file.
+
+A block multiplies by a few fused matrices (``wqkv`` = Q|K|V stacked along the
+rows, ``w_gate_up`` = gate|up, ...). Each is declared here once, as its parts in
+row order, each part one GGUF tensor with its output size, its Hugging Face module
+name and whether llama.cpp's converter permuted its rows for rope. Everything that
+needs to know where a tensor lives reads this table: the weight loader (what to
+stack, which shapes to check against which metadata keys), LoRA (which fused rows
+an adapter tensor lands in, HF <-> GGUF names), the forward pass (where Q, K, V,
+gate and up start) and the exports. A new architecture declares its block here:
+Phi-3, whose file stores ``attn_qkv`` already fused, would list one source part
+covering q+2kv rows; Qwen2's Q/K/V biases would be one more field of a part.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One size of the model and the metadata keys it follows from (named in errors)."""
+
+    size: Callable[[ModelConfig], int]
+    keys: str  # "{a}" stands for "<arch>."
+
+
+DIMS: dict[str, Dim] = {
+    "dim": Dim(lambda c: c.dim, "{a}embedding_length"),
+    "q": Dim(lambda c: c.q_dim, "{a}attention.head_count × {a}attention.key_length"),
+    "kv": Dim(lambda c: c.kv_dim, "{a}attention.head_count_kv × {a}attention.key_length"),
+    "ffn": Dim(lambda c: c.ffn_dim, "{a}feed_forward_length"),
+}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One GGUF tensor ``blk.N.<tensor>.weight``: a run of rows of a fused matrix."""
+
+    tensor: str  # GGUF name inside a block, e.g. "attn_q"
+    rows: str  # DIMS name of its output size
+    hf: str  # Hugging Face (PEFT) module inside a layer, e.g. "self_attn.q_proj"
+    rope_heads: str = ""  # ModelConfig field: heads whose rows the GGUF converter permuted
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A fused matrix of a block: a LayerWeights field and a LoRA target."""
+
+    name: str
+    parts: tuple[Part, ...]  # stacked along the rows in this order
+    cols: str  # DIMS name of its input size
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm weight of a block: LayerWeights field ``name``, GGUF ``blk.N.<name>.weight``."""
+
+    name: str
+
+
+LLAMA_BLOCK: tuple[Norm | Matrix, ...] = (
+    Norm("attn_norm"),
+    Matrix(
+        "wqkv",
+        (
+            Part("attn_q", "q", "self_attn.q_proj", rope_heads="n_heads"),
+            Part("attn_k", "kv", "self_attn.k_proj", rope_heads="n_kv_heads"),
+            Part("attn_v", "kv", "self_attn.v_proj"),
+        ),
+        "dim",
+    ),
+    Matrix("wo", (Part("attn_output", "dim", "self_attn.o_proj"),), "q"),
+    Norm("ffn_norm"),
+    Matrix(
+        "w_gate_up",
+        (Part("ffn_gate", "ffn", "mlp.gate_proj"), Part("ffn_up", "ffn", "mlp.up_proj")),
+        "dim",
+    ),
+    Matrix("w_down", (Part("ffn_down", "dim", "mlp.down_proj"),), "ffn"),
+)
+# The order of a block's entries is the order of the weight cache file (core/model/
+# weights.py: bump its CACHE_FORMAT when this table changes).
+BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {"llama": LLAMA_BLOCK}
+
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def block(cfg: ModelConfig) -> tuple[Norm | Matrix, ...]:
+    return BLOCKS[cfg.arch]
+
+
+def matrices(cfg: ModelConfig) -> tuple[Matrix, ...]:
+    """The block's fused matrices in the order the forward pass uses them."""
+    return tuple(e for e in block(cfg) if isinstance(e, Matrix))
+
+
+def norms(cfg: ModelConfig) -> tuple[str, ...]:
+    return tuple(e.name for e in block(cfg) if isinstance(e, Norm))
+
+
+def matrix(cfg: ModelConfig, name: str) -> Matrix:
+    return next(m for m in matrices(cfg) if m.name == name)
+
+
+def parts(cfg: ModelConfig) -> Iterator[Part]:
+    for m in matrices(cfg):
+        yield from m.parts
+
+
+def size(cfg: ModelConfig, dim: str) -> int:
+    return DIMS[dim].size(cfg)
+
+
+def placed(cfg: ModelConfig, m: Matrix) -> list[tuple[Part, int, int]]:
+    """(part, first row, rows) of each part of ``m``, in row order."""
+    out, row = [], 0
+    for p in m.parts:
+        n = size(cfg, p.rows)
+        out.append((p, row, n))
+        row += n
+    return out
+
+
+def row_slices(cfg: ModelConfig, name: str) -> dict[str, slice]:
+    """GGUF tensor name -> its rows of fused matrix ``name`` (for slicing x @ Wᵀ)."""
+    return {p.tensor: slice(r0, r0 + n) for p, r0, n in placed(cfg, matrix(cfg, name))}
+
+
+def out_rows(cfg: ModelConfig, name: str) -> int:
+    return sum(size(cfg, p.rows) for p in matrix(cfg, name).parts)
+
+
+def fused_shape(cfg: ModelConfig, m: Matrix) -> tuple[int, int]:
+    return out_rows(cfg, m.name), size(cfg, m.cols)
+
+
+def part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """GGUF tensor name inside a block -> its numpy (out, in) shape."""
+    return {
+        p.tensor: (size(cfg, p.rows), size(cfg, m.cols)) for m in matrices(cfg) for p in m.parts
+    }
+
+
+def split_name(name: str) -> tuple[int, str] | None:
+    """'blk.3.attn_q.weight' -> (3, 'attn_q'); None for a tensor outside the blocks."""
+    m = _BLOCK_NAME.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def fused_slot(cfg: ModelConfig, name: str) -> tuple[int, str, int, int] | None:
+    """blk.N.<t>.weight -> (layer, fused matrix, first row, rows); None if no matrix holds it."""
+    split = split_name(name)
+    if split is None:
+        return None
+    for m in matrices(cfg):
+        for p, r0, n in placed(cfg, m):
+            if p.tensor == split[1]:
+                return split[0], m.name, r0, n
+    return None
+
+
+def part_of(cfg: ModelConfig, tensor: str) -> Part | None:
+    """The Part of GGUF block tensor ``tensor`` (e.g. 'attn_q'), or None."""
+    return next((p for p in parts(cfg) if p.tensor == tensor), None)
+
+
+# ---- the whole file -----------------------------------------------------------------
+
+
+def fused_plan(
+    cfg: ModelConfig, present: Mapping[str, object]
+) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """(fused name, numpy shape, GGUF tensors stacked along its rows) in file order.
+    ``present``: the file's tensors (output.weight and rope_freqs.weight are optional)."""
+    d = cfg.dim
+    plan = [("tok_embd", (cfg.vocab_size, d), ["token_embd.weight"])]
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        for e in block(cfg):
+            if isinstance(e, Norm):
+                plan.append((b + e.name, (d,), [f"{b}{e.name}.weight"]))
+            else:
+                plan.append(
+                    (b + e.name, fused_shape(cfg, e), [f"{b}{p.tensor}.weight" for p in e.parts])
+                )
+    plan.append(("output_norm", (d,), ["output_norm.weight"]))
+    if "output.weight" in present:
+        plan.append(("output", (cfg.vocab_size, d), ["output.weight"]))
+    if "rope_freqs.weight" in present:
+        plan.append(("rope_freqs", (cfg.rope_dim // 2,), ["rope_freqs.weight"]))
+    return plan
+
+
+def file_tensors(
+    cfg: ModelConfig, meta: Mapping[str, object], present: Mapping[str, object]
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every GGUF tensor the model reads: its numpy shape and the metadata keys that
+    shape follows from (named when a file's tensor disagrees)."""
+    a = cfg.arch + "."
+    keys = {k: dim.keys.format(a=a) for k, dim in DIMS.items()}
+    vocab = a + "vocab_size" if a + "vocab_size" in meta else "tokenizer.ggml.tokens"
+    d, dim_k = cfg.dim, keys["dim"]
+    want = {"token_embd.weight": ((cfg.vocab_size, d), f"{vocab}, {dim_k}")}
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        for e in block(cfg):
+            if isinstance(e, Norm):
+                want[f"{b}{e.name}.weight"] = ((d,), dim_k)
+                continue
+            for p in e.parts:
+                shape = (size(cfg, p.rows), size(cfg, e.cols))
+                want[f"{b}{p.tensor}.weight"] = (shape, f"{keys[p.rows]}, {keys[e.cols]}")
+    want["output_norm.weight"] = ((d,), dim_k)
+    if "output.weight" in present:
+        want["output.weight"] = ((cfg.vocab_size, d), f"{vocab}, {dim_k}")
+    if "rope_freqs.weight" in present:
+        want["rope_freqs.weight"] = ((cfg.rope_dim // 2,), a + "rope.dimension_count")
+    return want
+
+
+def lora_targets(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """numpy (out, in) shape of every base matrix a LoRA may target: token_embd, output,
+    then the blocks' parts (the order exported LoRA files list their tensors in)."""
+    vd = (cfg.vocab_size, cfg.dim)
+    shapes = {"token_embd.weight": vd, "output.weight": vd}
+    per = part_shapes(cfg)
+    for i in range(cfg.n_layers):
+        for t, s in per.items():
+            shapes[f"blk.{i}.{t}.weight"] = s
+    return shapes
