@@ -10,9 +10,11 @@ through ``bridge.mix_changed`` and move the faders.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -21,6 +23,7 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QMenu,
+    QMessageBox,
     QPushButton,
     QScrollArea,
     QSizePolicy,
@@ -34,11 +37,70 @@ from core.lora.adapter import effective_scale
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .desk import Channel, desk_mix
+from .desk import Channel, desk_mix, silenced
 from .util import ElidedLabel
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
+DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
+DETENT_PULL = 0.04  # ~2 px of a 200 px fader: 1.00 is reachable with the mouse
+FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
+FADER_MIN_WIDTH = 160  # the throw: 4.0 of scale over at least 160 px
+HISTORY = 200  # undo steps kept
+
+
+def detent(value: float) -> float:
+    """A fader value pulled onto 0 or ±1 when it is within DETENT_PULL of one."""
+    for d in DETENTS:
+        if abs(value - d) < DETENT_PULL:
+            return d
+    return value
+
+
+class Fader(QSlider):
+    """A channel fader as on a mixing desk: double-click or Alt+click resets it to 0,
+    Shift+drag moves it finely, Home goes to 0 (not to the −2 end)."""
+
+    reset = Signal()
+
+    def __init__(self):
+        super().__init__(Qt.Horizontal)
+        self._fine_from: tuple[int, int] | None = None  # (x at press, value at press)
+
+    def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        self.reset.emit()
+
+    def mousePressEvent(self, event) -> None:  # noqa: N802
+        mods = event.modifiers()
+        if mods & Qt.AltModifier:
+            self.reset.emit()
+            return
+        if mods & Qt.ShiftModifier:
+            self._fine_from = (int(event.position().x()), self.value())
+            self.setSliderDown(True)
+            return
+        super().mousePressEvent(event)
+
+    def mouseMoveEvent(self, event) -> None:  # noqa: N802
+        if self._fine_from is not None:
+            x0, v0 = self._fine_from
+            per_px = (self.maximum() - self.minimum()) / max(self.width(), 1)
+            self.setValue(int(round(v0 + (event.position().x() - x0) * per_px * FINE)))
+            return
+        super().mouseMoveEvent(event)
+
+    def mouseReleaseEvent(self, event) -> None:  # noqa: N802
+        if self._fine_from is not None:
+            self._fine_from = None
+            self.setSliderDown(False)
+            return
+        super().mouseReleaseEvent(event)
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802
+        if event.key() == Qt.Key_Home:
+            self.reset.emit()
+            return
+        super().keyPressEvent(event)
 
 
 class Strip:
@@ -47,9 +109,10 @@ class Strip:
     def __init__(self, info: dict, on_change):
         self.info = info
         self.id = info["id"]
-        self.on = QToolButton(checkable=True, checked=True, text="ON")
+        # checked = on; lit (the DAW convention for a mute) while it is off
+        self.on = QToolButton(checkable=True, checked=True, text="M")
         self.on.setObjectName("muteButton")
-        self.on.setToolTip("On / mute this adapter")
+        self.on.setToolTip("Mute this adapter (lit while muted)")
         self.solo = QToolButton(checkable=True, text="S")
         self.solo.setObjectName("soloButton")
         self.solo.setToolTip("Solo: hear only soloed adapters")
@@ -57,11 +120,15 @@ class Strip:
         self.name.setObjectName("stripName")
         self.name.setMinimumWidth(48)
         self.name.setToolTip(info.get("path", ""))
-        self.slider = QSlider(Qt.Horizontal)
+        self.slider = Fader()
         self.slider.setRange(int(SCALE_MIN * TICKS), int(SCALE_MAX * TICKS))
         self.slider.setTickPosition(QSlider.TicksBelow)
         self.slider.setTickInterval(TICKS // 2)
-        self.slider.setMinimumWidth(60)
+        self.slider.setMinimumWidth(FADER_MIN_WIDTH)
+        self.slider.setToolTip(
+            "Double-click or Alt+click: 0 · Shift+drag: fine · stops at 0 and ±1 · Home: 0"
+        )
+        self.slider.reset.connect(lambda: self.set_value(0.0))
         self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
         self.spin = QDoubleSpinBox(
             decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX
@@ -83,13 +150,19 @@ class Strip:
         return [self.on, self.solo, self.name, self.slider, self.spin, self.eff]
 
     def _toggled(self, on: bool) -> None:
-        self.on.setText("ON" if on else "MUTE")
         self._on_change()
 
     def _set(self, value: float, from_slider: bool) -> None:
         if from_slider and abs(round(self.value * TICKS) - value * TICKS) < 0.5:
             return  # the slider is coarser than the spin box: keep the precise value
+        if from_slider and self.slider.isSliderDown():
+            value = detent(value)
         self.set_value(value)
+
+    def show_silenced(self, silent: bool) -> None:
+        """Dim a strip that the desk's buttons keep silent (mute, solo, bypass)."""
+        for w in (self.name, self.eff):
+            w.setEnabled(not silent)
 
     def set_value(self, value: float, notify: bool = True) -> None:
         value = max(SCALE_MIN, min(SCALE_MAX, float(value)))
@@ -114,7 +187,6 @@ class Strip:
                 btn.blockSignals(True)
                 btn.setChecked(val)
                 btn.blockSignals(False)
-        self.on.setText("ON" if self.on.isChecked() else "MUTE")
 
     def show_effective(self, engine_scale: float) -> None:
         a, r = self.info.get("alpha"), self.info.get("rank") or 1
@@ -149,6 +221,11 @@ class MixerPanel(QWidget):
         self._pending: dict[str, dict] = {}
         self._pending_bypass: bool | None = None
         self._ready = False
+        # undo/redo of the desk: snapshots before each change (a drag is one step)
+        self._undo: list[dict] = []
+        self._redo: list[dict] = []
+        self._last: dict | None = None
+        self._last_change: tuple[Any, float] = (None, 0.0)
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
@@ -184,9 +261,16 @@ class MixerPanel(QWidget):
         top.addStretch(1)
         top.addWidget(reset)
         top.addWidget(self.bypass)
+        self.modified = QLabel("•")
+        self.modified.setObjectName("presetModified")
+        self.modified.setToolTip("The desk no longer matches this preset (Save… to keep it)")
+        self.modified.setFixedWidth(10)
+        self.modified.setVisible(False)
+        self.preset_box.currentTextChanged.connect(lambda _: self._mark_modified())
         presets = QHBoxLayout()
         presets.addWidget(QLabel("Preset"))
         presets.addWidget(self.preset_box, 1)
+        presets.addWidget(self.modified)
         for b in buttons.values():
             presets.addWidget(b)
 
@@ -224,6 +308,12 @@ class MixerPanel(QWidget):
         self.refresh_presets()
         self.set_adapters(bridge.engine.adapters())
         self._ready = True
+        ctx = Qt.WindowShortcut  # a focused text box keeps Ctrl+Z for its own text
+        # explicit keys: the platform's Redo binding may also be Ctrl+Shift+Z, and two
+        # shortcuts on one key are ambiguous (neither fires)
+        QShortcut(QKeySequence("Ctrl+Z"), self, self.undo, context=ctx)
+        QShortcut(QKeySequence("Ctrl+Shift+Z"), self, self.redo, context=ctx)
+        QShortcut(QKeySequence("Ctrl+Y"), self, self.redo, context=ctx)
 
     # -- building -----------------------------------------------------------------
     def set_adapters(self, adapters: list[dict]) -> None:
@@ -311,16 +401,98 @@ class MixerPanel(QWidget):
         """The engine scales implied by faders, mutes, solos and bypass (ui.desk's rule)."""
         return desk_mix(self.channels(), self.bypass.isChecked())
 
-    def _apply(self) -> None:
+    def _apply(self, record: bool = True) -> None:
         if self._syncing:
             return
+        if record:
+            self._record()
         mix = self.desk_mix()
-        for aid, s in self.strips.items():
-            s.show_effective(mix[aid])
+        self._show(mix)
         if self.strips:
             self.bridge.set_mix(mix)
         self.mix_applied.emit(mix)
         self._remember()
+
+    def _show(self, mix: dict[int, float]) -> None:
+        """Effective scales, dimmed silent strips and the preset's modified mark."""
+        quiet = silenced(self.channels(), self.bypass.isChecked())
+        for aid, s in self.strips.items():
+            s.show_effective(mix[aid])
+            s.show_silenced(aid in quiet)
+        self._mark_modified()
+
+    # -- undo / redo ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {
+            "bypass": self.bypass.isChecked(),
+            "strips": {
+                aid: (s.value, s.muted, s.solo.isChecked()) for aid, s in self.strips.items()
+            },
+        }
+
+    def _record(self) -> None:
+        """Called on each change the user makes: the state before it becomes an undo
+        step, except while one fader keeps moving (a drag, a wheel) within a second."""
+        now = self.snapshot()
+        before, self._last = self._last, now
+        if before is None or before == now or before["strips"].keys() != now["strips"].keys():
+            return
+        moved = [a for a in now["strips"] if now["strips"][a][0] != before["strips"][a][0]]
+        key = moved[0] if len(moved) == 1 and before["bypass"] == now["bypass"] else None
+        last_key, at = self._last_change
+        t = time.monotonic()
+        self._last_change = (key, t)
+        if key is not None and key == last_key and t - at < 1.0 and self._undo:
+            return  # the same fader still moving: one step
+        self._undo.append(before)
+        del self._undo[:-HISTORY]
+        self._redo.clear()
+
+    def _restore(self, snap: dict) -> None:
+        self._syncing = True
+        try:
+            self.bypass.setChecked(snap["bypass"])
+            for aid, (value, muted, solo) in snap["strips"].items():
+                if aid in self.strips:
+                    self.strips[aid].set_value(value, notify=False)
+                    self.strips[aid].set_flags(muted=muted, solo=solo)
+        finally:
+            self._syncing = False
+        self._last, self._last_change = self.snapshot(), (None, 0.0)
+        self._apply(record=False)
+
+    def undo(self) -> bool:
+        if not self._undo:
+            return False
+        self._redo.append(self.snapshot())
+        self._restore(self._undo.pop())
+        self.message.emit("Undo: the mix as it was")
+        return True
+
+    def redo(self) -> bool:
+        if not self._redo:
+            return False
+        self._undo.append(self.snapshot())
+        self._restore(self._redo.pop())
+        self.message.emit("Redo")
+        return True
+
+    # -- presets: modified mark ----------------------------------------------------------
+    def matches_preset(self, name: str) -> bool:
+        preset = self.settings.presets.get(name) if name else None
+        if preset is None:
+            return True
+        if bool(preset.get("bypass")) != self.bypass.isChecked():
+            return False
+        for s in self.strips.values():
+            e = self._entry_for(preset, s) or {}
+            if Channel.from_entry(e) != s.channel():
+                return False
+        return True
+
+    def _mark_modified(self) -> None:
+        name = self.preset_box.currentText()
+        self.modified.setVisible(bool(name) and not self.matches_preset(name))
 
     def _engine_mix_changed(self, mix: dict, source: str) -> None:
         if source != "gui":
@@ -350,8 +522,8 @@ class MixerPanel(QWidget):
             desk = self.desk_mix()
         finally:
             self._syncing = False
-        for aid, s in self.strips.items():
-            s.show_effective(desk[aid])
+        self._last = self.snapshot()  # a change from outside is not an undo step
+        self._show(desk)
         if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
         self._remember()
@@ -400,6 +572,7 @@ class MixerPanel(QWidget):
     def save_preset(self, name: str) -> None:
         self.settings.presets.save(name, self.preset_state())
         self.refresh_presets(select=name.strip())
+        self._mark_modified()
         self.message.emit(f"Saved preset “{name.strip()}”")
 
     def load_preset(self, name: str) -> bool:
@@ -426,6 +599,7 @@ class MixerPanel(QWidget):
             self._syncing = False
         self._apply()
         self.preset_box.setCurrentText(name)
+        self._mark_modified()
         note = f" ({missing} of its adapters are not loaded)" if missing > 0 else ""
         self.message.emit(f"Loaded preset “{name}”{note}")
         return True
@@ -457,7 +631,21 @@ class MixerPanel(QWidget):
             self, "Save preset", "Preset name:", text=self.preset_box.currentText()
         )
         if ok and name.strip():
+            if name.strip() in self.settings.presets.names() and not self.confirm_overwrite(
+                name.strip()
+            ):
+                return
             self.save_preset(name)
+
+    def confirm_overwrite(self, name: str) -> bool:
+        answer = QMessageBox.question(
+            self,
+            "Overwrite preset",
+            f"A preset named “{name}” exists. Replace it with the desk as it is now?",
+            QMessageBox.Yes | QMessageBox.No,
+            QMessageBox.No,
+        )
+        return answer == QMessageBox.Yes
 
     def _rename_clicked(self) -> None:
         old = self.preset_box.currentText()
