@@ -65,6 +65,7 @@ def one_shot(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from core.cli import parse_args
+    from core.errors import UserError
 
     args = parse_args(argv)
     logging.basicConfig(
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:
             return _fail(f"the desktop window needs PySide6 ({e}); use --headless for the API")
         return run_gui(args)
-    except ValueError as e:  # every user-facing error type is a ValueError subclass
+    except UserError as e:  # a user's mistake: one line; anything else is a bug (traceback)
         return _fail(str(e))
     except OSError as e:
         return _fail(f"{e.filename or ''}: {e.strerror or e}")

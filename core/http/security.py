@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from ..errors import UserError
 from .responses import HttpError, error_body
 
 log = logging.getLogger("mixdesk.http")
@@ -133,14 +134,14 @@ def read_api_key_file(path: str | Path) -> list[str]:
     """--api-key-file: one key per line; blank lines and surrounding spaces ignored."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--api-key-file: {p} is not a file")
+        raise UserError(f"--api-key-file: {p} is not a file")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--api-key-file: cannot read {p}: {type(e).__name__}") from None
+        raise UserError(f"--api-key-file: cannot read {p}: {type(e).__name__}") from None
     keys = [line.strip() for line in text.splitlines() if line.strip()]
     if not keys:
-        raise ValueError(f"--api-key-file: {p} holds no key")
+        raise UserError(f"--api-key-file: {p} holds no key")
     return keys
 
 
@@ -264,7 +265,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             )
             msg = "no such endpoint" if e.status == 404 else e.reason
             return json_error(f"{msg}: {request.method} {printable(request.path)}", e.status, kind)
-        except ValueError as e:  # AdapterError, SamplingError, ChatTemplateError, TokenizerError
+        except UserError as e:  # AdapterError, SamplingError, ChatTemplateError, TokenizerError
             return json_error(str(e), 400, "invalid_request_error")
         except (ConnectionError, TimeoutError):
             raise

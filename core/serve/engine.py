@@ -162,7 +162,7 @@ class Engine:
             report(LOAD_OPENED / 2, "reading the tokenizer")
             try:
                 tok = Tokenizer.from_metadata(gf.metadata)
-            except ValueError as e:
+            except UserError as e:
                 raise ModelLoadError(f"{Path(path).name}: {e}") from None
             template = ChatTemplate.from_metadata(gf.metadata, tok)
             check()
