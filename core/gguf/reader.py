@@ -339,7 +339,3 @@ def _short_value(v: Any) -> str:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return {str: "a string", bool: "a boolean"}.get(type(v), "an array")
     return str(v) if abs(v) < 1e12 or not math.isfinite(v) else f"{v:.3g}"
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    return GGUFFile(path).metadata
