@@ -275,3 +275,135 @@ def test_non_text_template_in_metadata_falls_back_to_chatml(caplog, value):
         tmpl = ChatTemplate.from_metadata({"tokenizer.chat_template": value})
     assert tmpl.is_fallback and "not text" in caplog.text
     assert tmpl.render(HI).startswith("<|im_start|>user\nhi")
+
+
+# --- the prompt as llama-server builds it (build_prompt, #19) ------------------------------
+
+from core.chat_template import (  # noqa: E402
+    BUILTIN_TEMPLATES,
+    ChatDefaults,
+    build_prompt,
+    encode_prompt,
+    resolve_template_arg,
+)
+
+THINKING = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>"
+    "{% if not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_gemma3_prompt_has_one_bos(gemma3_meta):
+    """Double BOS: Gemma 3's template writes {{ bos_token }} and its vocabulary adds
+    BOS; llama-server cuts the template's, so the tokens start with one BOS."""
+    from core.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(gemma3_meta)
+    tmpl = ChatTemplate.from_metadata(gemma3_meta, tok)
+    ids = encode_prompt(tok, build_prompt(tmpl, [{"role": "user", "content": "Hi"}]))
+    assert ids[0] == tok.bos_id and ids[1] != tok.bos_id
+
+
+def test_undefined_names_render_empty_but_unsafe_attributes_still_raise():
+    """firefunction-v2 concatenates an undefined ``functions``: blank, as in llama-server."""
+    t = ChatTemplate("{{ 'a' + functions }}|{{ functions.x.y }}|{{ none_var + 'b' }}")
+    assert t.render([]) == "a||b"
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        ChatTemplate("{{ functions.__class__ }}").render([])
+
+
+def test_enable_thinking_from_reasoning_switch_and_request_kwargs():
+    t = ChatTemplate(THINKING)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert build_prompt(t, msgs).endswith("<assistant>")  # auto: thinking on
+    off = ChatDefaults(reasoning="off")
+    assert build_prompt(t, msgs, defaults=off).endswith("<think></think>")
+    on = build_prompt(t, msgs, defaults=off, template_kwargs={"enable_thinking": True})
+    assert on.endswith("<assistant>")  # the request's kwargs win
+    with pytest.raises(ChatTemplateError, match="enable_thinking"):
+        build_prompt(t, msgs, template_kwargs={"enable_thinking": "false"})
+
+
+def test_date_tools_and_kwargs_reach_the_template():
+    t = ChatTemplate("{{ date_string }}|{{ tools[0].function.name }}|{{ who }}")
+    out = build_prompt(
+        t,
+        [{"role": "user", "content": "x"}],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        template_kwargs={"who": "me"},
+    )
+    from datetime import date
+
+    assert out == f"{date.today().strftime('%d %b %Y')}|f|me"
+
+
+def test_trailing_assistant_message_is_continued():
+    t = ChatTemplate(None)  # ChatML
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+    want = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nSure, "
+    assert build_prompt(t, msgs) == want
+    # --no-prefill-assistant: a finished turn, then the generation prompt
+    done = build_prompt(t, msgs, defaults=ChatDefaults(prefill_assistant=False))
+    assert done.endswith("Sure, <|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "messages,kw,match",
+    [
+        (
+            [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+            {},
+            "2 or more assistant",
+        ),
+        ([{"role": "user", "content": "a"}], {"continue_final_message": True}, "both"),
+    ],
+)
+def test_prefill_requests_llama_server_refuses(messages, kw, match):
+    with pytest.raises(ChatTemplateError, match=match):
+        build_prompt(ChatTemplate(None), messages, **kw)
+
+
+def test_system_role_polyfill_merges_into_first_user_turn():
+    src = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+    )
+    t = ChatTemplate(src)
+    assert not t.supports_system_role
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert build_prompt(t, msgs, add_generation_prompt=False) == "[user:S\nU]"
+    assert ChatTemplate(None).supports_system_role
+
+
+def test_builtin_names_and_inline_templates():
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "V"},
+    ]
+
+    def fmt(name):
+        return build_prompt(ChatTemplate(resolve_template_arg(name)), msgs)
+
+    assert fmt("llama3") == (
+        "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nV<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert fmt("gemma") == (
+        "<start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
+        "<start_of_turn>user\nV<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert fmt("mistral-v1") == " [INST] S\n\nU [/INST] A</s> [INST] V [/INST]"
+    assert (
+        fmt("mistral-v7") == "[SYSTEM_PROMPT] S[/SYSTEM_PROMPT][INST] U[/INST] A</s>[INST] V[/INST]"
+    )
+    assert fmt("phi3").endswith("<|user|>\nV<|end|>\n<|assistant|>\n")
+    assert set(BUILTIN_TEMPLATES) >= {"chatml", "llama2", "zephyr", "deepseek3", "mistral-v3"}
+    assert resolve_template_arg("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(ChatTemplateError, match="built-in"):
+        resolve_template_arg("llama9")

@@ -642,3 +642,47 @@ def test_request_log_has_no_prompt_text(server):
         parts = line.split()
         assert parts[0] in ("GET", "POST", "OPTIONS") and parts[1].startswith("/")
         assert parts[-1] == "ms"
+
+
+# --- chat prompt options, as llama-server reads them (#19) ---------------------------------
+
+
+def test_apply_template_honours_add_generation_prompt_and_prefill(server):
+    msgs = [{"role": "user", "content": "Hi"}]
+    st, on = req(server, "POST", "/apply-template", {"messages": msgs})
+    st2, off = req(
+        server, "POST", "/apply-template", {"messages": msgs, "add_generation_prompt": False}
+    )
+    assert st == st2 == 200
+    assert on["prompt"].endswith("<|im_start|>assistant\n")
+    assert off["prompt"] == on["prompt"][: -len("<|im_start|>assistant\n")]
+    prefill = msgs + [{"role": "assistant", "content": "Well,"}]
+    st, cont = req(server, "POST", "/apply-template", {"messages": prefill})
+    assert st == 200 and cont["prompt"] == on["prompt"] + "Well,"
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                ]
+            },
+            "2 or more assistant",
+        ),
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({"chat_template_kwargs": {"enable_thinking": "no"}}, "enable_thinking"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_chat_prompt_requests_llama_server_refuses_are_400(server, extra, match):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    for path in ("/apply-template", "/v1/chat/completions"):
+        st, out = req(server, "POST", path, body)
+        assert st == 400, (path, out)
+        assert match in json.dumps(out)
