@@ -6,7 +6,8 @@ The window fills a 1280x800 screen (a common laptop size it must fit). SHOT_OUT
 changes where the PNG goes (to look at it before replacing docs/screenshot.png).
 
 Loads the default model and the demo adapters, sets a mix, saves two presets,
-chats twice at temperature 0 and grabs the window while the second reply streams.
+chats at temperature 0 (a code block), regenerates the reply (versions ‹ 2/2 ›),
+asks again and grabs the window while that reply streams.
 """
 
 import argparse
@@ -73,10 +74,15 @@ def main() -> None:
         )
         win.sampling.system_prompt.setPlainText("You are a helpful assistant.")
         win.chat.reply_finished.connect(after_first)
-        win.chat.send(os.environ.get("P1", "How do I print a list in Python?"))
+        win.chat.send(os.environ.get("P1", "Write a Python code block that prints a list."))
 
     def after_first(_):
         win.chat.reply_finished.disconnect(after_first)
+        win.chat.reply_finished.connect(after_regenerate)
+        win.chat.regenerate()  # the reply shows its versions, ‹ 2/2 ›
+
+    def after_regenerate(_):
+        win.chat.reply_finished.disconnect(after_regenerate)
         win.sampling.set_values({"n_predict": 60})
         win.chat.input.setPlainText("")
         win.chat.send(os.environ.get("P2", "And how do I sort it first?"))

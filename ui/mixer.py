@@ -280,7 +280,7 @@ class MixerPanel(QWidget):
         self.grid.setHorizontalSpacing(8)
         self.grid.setColumnStretch(3, 1)
         self.headers = []
-        for text in ("On", "Solo", "Adapter", "Scale", "", "Effective"):
+        for text in ("Mute", "Solo", "Adapter", "Scale", "", "Effective"):
             h = QLabel(text)
             h.setObjectName("gridHeader")
             self.headers.append(h)
