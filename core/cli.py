@@ -16,6 +16,7 @@ from pathlib import Path
 # Flags that only matter on a GPU build of llama.cpp: accepted, with a notice.
 # name(s) -> takes a value?
 from .errors import UserError
+from .options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_HOST, DEFAULT_PARALLEL, DEFAULT_PORT
 
 GPU_ONLY_FLAGS = {
     ("-ngl", "--n-gpu-layers", "--gpu-layers"): True,
@@ -112,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-c",
         "--ctx-size",
         type=int,
-        default=4096,
-        help="context size per sequence (default 4096; 0 = the model's)",
+        default=DEFAULT_CTX,
+        help=f"context size per sequence (default {DEFAULT_CTX}; 0 = the model's)",
     )
     m.add_argument(
         "--chat-template",
@@ -170,16 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-max",
         "--draft",
         type=int,
-        default=8,
+        default=DEFAULT_DRAFT_MAX,
         metavar="N",
         help="prompt-lookup speculative tokens per step for greedy requests "
-        "(default 8; 0 turns it off; outputs are identical either way)",
+        f"(default {DEFAULT_DRAFT_MAX}; 0 turns it off; outputs are identical either way)",
     )
 
     s = p.add_argument_group("server")
     s.add_argument("--headless", action="store_true", help="serve the HTTP API without the GUI")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default=DEFAULT_HOST)
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
     s.add_argument(
         "--api-key",
         action="append",
@@ -193,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FNAME",
         help="file with API keys, one per line (added to --api-key)",
     )
-    s.add_argument("-np", "--parallel", type=int, default=4, help="sequences batched at once")
+    s.add_argument(
+        "-np", "--parallel", type=int, default=DEFAULT_PARALLEL, help="sequences batched at once"
+    )
     s.add_argument("--alias", help="model name reported by the API")
     s.add_argument(
         "--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)"

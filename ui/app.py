@@ -15,10 +15,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from core.options import DEFAULT_HOST as CLI_DEFAULT_HOST
+from core.options import DEFAULT_PORT as CLI_DEFAULT_PORT
+
 from .util import RESOURCES
 
 log = logging.getLogger(__name__)
-CLI_DEFAULT_HOST, CLI_DEFAULT_PORT = "127.0.0.1", 8080
 # The engine thread holds the GIL between numpy calls, so the GUI thread waits for it
 # each time it re-enters Python. Measured with SmolLM2 generating on 2 busy cores and
 # the GUI thread waking every 4 ms to run a slot's worth of Python: with Python's
@@ -67,14 +69,12 @@ def app_icon():
 def create_window(args: argparse.Namespace):
     """The window with its engine, model load started (tests and run_gui share this)."""
     from core.default_model import ensure_default_model
-    from core.serve.engine import Engine
+    from core.options import EngineOptions
     from core.settings import Settings
 
     from .main_window import MainWindow
 
-    engine = Engine(
-        ctx_size=getattr(args, "ctx_size", 4096) or 0, n_parallel=getattr(args, "parallel", 4) or 4
-    )
+    engine = EngineOptions.from_args(args).engine()  # as headless: core/startup.py
     win = MainWindow(engine, Settings(), cors_origins=list(getattr(args, "cors_origins", []) or []))
     # Flags override the saved server settings only when they differ from main.py's
     # defaults (argparse cannot tell "--port 8080" from no flag at all).

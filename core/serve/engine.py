@@ -14,7 +14,6 @@ thread (the worker bridge does this with queued signals).
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import ContextOverflow
 from ..model.llama import LlamaModel
 from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
+from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL, is_finite_number
 from ..tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
@@ -39,7 +39,6 @@ from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]
-DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
 # |scale| bound for every LoRA scale (global mix, per-request "lora", --lora-scaled).
 # Useful scales are O(1) (the mixer's faders span -2..2); 100 leaves room for adapters
 # trained with a small alpha/rank, while 1e20 or 1e308 (accepted before) overflow
@@ -67,12 +66,16 @@ class EngineError(UserError):
 class Engine:
     def __init__(
         self,
-        ctx_size: int = 4096,
-        n_parallel: int = 4,
+        ctx_size: int = DEFAULT_CTX,
+        n_parallel: int = DEFAULT_PARALLEL,
         prefix_cache_bytes: int = 512 << 20,
         draft_max: int = DEFAULT_DRAFT_MAX,
         threads: int | None = None,
+        chat_template: str | None = None,
+        chat_defaults: ChatDefaults = DEFAULT_CHAT,
     ):
+        """Options as core.options.EngineOptions builds them; ``chat_template`` is a
+        template source that replaces every loaded model's own (--chat-template-file)."""
         self.requested_ctx = ctx_size  # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
@@ -84,7 +87,8 @@ class Engine:
         self.model: LlamaModel | None = None
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None
-        self.chat_defaults: ChatDefaults = DEFAULT_CHAT  # --reasoning, --chat-template-kwargs
+        self.template_source = chat_template  # None: each model's own template
+        self.chat_defaults: ChatDefaults = chat_defaults  # --reasoning, --chat-template-kwargs
         self.loading = False
         self.load_progress = 0.0
         self.load_ms = 0.0
@@ -165,6 +169,8 @@ class Engine:
             except UserError as e:
                 raise ModelLoadError(f"{Path(path).name}: {e}") from None
             template = ChatTemplate.from_metadata(gf.metadata, tok)
+            if self.template_source is not None:
+                template = template.with_source(self.template_source)
             check()
             weights = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
             check()
@@ -638,12 +644,7 @@ def _dropped(aid: int, adapter: Adapter, error: str) -> dict[str, Any]:
 
 
 def _check_scale(value: Any, what: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or abs(value) > LORA_SCALE_MAX  # first: isfinite() overflows on a huge int
-        or not math.isfinite(value)
-    ):
+    if not is_finite_number(value, LORA_SCALE_MAX):
         raise EngineError(
             f"{what} must be a finite number in [-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], "
             f"got {shown(value)}"

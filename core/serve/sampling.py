@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MixdeskError, UserError
+from ..options import is_finite_number
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
@@ -59,12 +60,7 @@ def validate(p: SamplingParams) -> SamplingParams:
 
     def finite(name):
         v = getattr(p, name)
-        if (
-            not isinstance(v, (int, float))
-            or isinstance(v, bool)
-            or abs(v) > 1e300  # a huge int would overflow isfinite() itself
-            or not math.isfinite(v)
-        ):
+        if not is_finite_number(v):
             raise SamplingError(f"{name} must be a finite number, got {shown(v)}")
 
     for name in (

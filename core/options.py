@@ -1,0 +1,94 @@
+"""Engine options: built once, from the command line or from the window, one set of defaults.
+
+The headless server and the window both make their engine with
+``EngineOptions.from_args(args).engine()``, so a flag means the same in both.
+(The window used to build its engine from ctx_size and n_parallel only: --draft-max
+and --chat-template-file were silently ignored there.) The defaults the parser,
+the HTTP settings and the window show are the constants below, and the one check
+for "a finite number" that the engine, sampling and exports apply is
+:func:`is_finite_number`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .chat_template import DEFAULT_CHAT, ChatDefaults
+from .errors import UserError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_CTX = 4096  # -c/--ctx-size; 0: the model's training context
+DEFAULT_PARALLEL = 4  # -np/--parallel: sequences batched at once
+DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
+BIG = 1e300  # past this an int overflows math.isfinite() itself
+
+
+def is_finite_number(value: Any, limit: float = BIG) -> bool:
+    """An int or float (not a bool), finite, with ``|value| <= limit``."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and abs(value) <= limit  # before isfinite(): a huge int would overflow it
+        and math.isfinite(value)
+    )
+
+
+class OptionsError(UserError):
+    """An option that cannot be used (an unreadable --chat-template-file)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    ctx_size: int = DEFAULT_CTX
+    n_parallel: int = DEFAULT_PARALLEL
+    draft_max: int = DEFAULT_DRAFT_MAX  # prompt-lookup drafts per step (0: off)
+    threads: int | None = None  # compute threads (None: the BLAS thread count)
+    chat_template: str | None = None  # template source replacing every model's own
+    chat_defaults: ChatDefaults = field(default=DEFAULT_CHAT)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """From main.py's parsed flags (core/cli.py); flags a caller's namespace lacks
+        keep their defaults. --chat-template-file wins over --chat-template."""
+        get = lambda name, default: (
+            default if getattr(args, name, None) is None else getattr(args, name)
+        )
+        template = get("chat_template", None)  # a built-in's or an inline source (cli.py)
+        if get("chat_template_file", None):
+            p = Path(args.chat_template_file)
+            try:
+                template = p.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise OptionsError(
+                    f"--chat-template-file: cannot read {p}: {getattr(e, 'strerror', None) or e}"
+                ) from None
+        return cls(
+            ctx_size=get("ctx_size", DEFAULT_CTX),
+            n_parallel=get("parallel", DEFAULT_PARALLEL),
+            draft_max=get("draft_max", DEFAULT_DRAFT_MAX),
+            threads=get("threads", None),
+            chat_template=template,
+            chat_defaults=ChatDefaults(
+                reasoning=get("reasoning", DEFAULT_CHAT.reasoning),
+                template_kwargs=get("chat_template_kwargs", None) or {},
+                prefill_assistant=get("prefill_assistant", DEFAULT_CHAT.prefill_assistant),
+            ),
+        )
+
+    def engine(self):
+        """An Engine with these options, no model loaded yet."""
+        from .serve.engine import Engine
+
+        return Engine(
+            ctx_size=self.ctx_size,
+            n_parallel=self.n_parallel,
+            draft_max=self.draft_max,
+            threads=self.threads,
+            chat_template=self.chat_template,
+            chat_defaults=self.chat_defaults,
+        )
