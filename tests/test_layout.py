@@ -143,3 +143,29 @@ def test_real_file_matches_the_table(smollm_path):
     _, cfg = open_model_file(smollm_path)
     for name, (shape, _) in layout.file_tensors(cfg, gf.metadata, gf.tensors).items():
         assert gf.tensors[name].shape == shape
+
+
+def test_reader_names_a_quant_type_it_cannot_dequantize(tmp_path):
+    """GGUFFile.dequantize is the one dequantize path (loader, adapters, export): a type
+    gguf-py cannot dequantize is a UserError naming file, tensor and type."""
+    from gguf import GGUFWriter
+
+    from core.errors import UserError
+    from core.gguf.reader import UnsupportedQuant
+
+    path = tmp_path / "ints.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.arange(64, dtype=np.int32).reshape(2, 32))
+    w.add_tensor("ok.weight", np.ones((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(path)
+    np.testing.assert_array_equal(gf.dequantize("ok.weight"), np.ones((2, 32)))
+    with pytest.raises(UnsupportedQuant) as err:
+        gf.dequantize("blk.0.attn_q.weight")
+    assert isinstance(err.value, UserError)
+    assert str(err.value) == (
+        "ints.gguf: tensor 'blk.0.attn_q.weight' uses quant type I32, which cannot be dequantized"
+    )

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import UserError
@@ -55,6 +56,17 @@ _STRING, _ARRAY = 8, 9
 
 class GGUFError(UserError):
     """A GGUF file is unreadable; the message names the file and the problem."""
+
+
+class UnsupportedQuant(GGUFError):
+    """A tensor whose quant type cannot be dequantized here."""
+
+    def __init__(self, file: str, tensor: str, qtype: GGMLQuantizationType):
+        super().__init__(
+            f"{file}: tensor {short_name(tensor)} uses quant type {qtype.name}, "
+            "which cannot be dequantized"
+        )
+        self.tensor, self.qtype = tensor, qtype
 
 
 def check_regular_file(
@@ -318,6 +330,16 @@ class GGUFFile:
         """The tensor's bytes as a read-only uint8 view into the memory map."""
         t = self.tensors[name]
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32 in its numpy shape. A quant type gguf-py cannot
+        dequantize (some K-quants, say) raises UnsupportedQuant naming file, tensor, type."""
+        t = self.tensors[name]
+        try:
+            data = quants.dequantize(self.raw(name), t.qtype)
+        except NotImplementedError:
+            raise UnsupportedQuant(self.path.name, name, t.qtype) from None
+        return data.reshape(t.shape)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

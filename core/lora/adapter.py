@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import quants
 
 from ..errors import UserError
-from ..gguf.reader import GGUFError, GGUFFile, check_regular_file, short_name
+from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant, check_regular_file, short_name
 from ..model import layout
 from ..model.config import ModelConfig, describe_value
 from .naming import hf_module_to_gguf, hf_modules, permute_qk_rows, rope_heads
@@ -202,8 +201,8 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
             skipped.append(tname)
             continue
         try:
-            arr = quants.dequantize(gf.raw(tname), info.qtype).reshape(info.shape)
-        except NotImplementedError:
+            arr = gf.dequantize(tname)  # info.shape
+        except UnsupportedQuant:
             raise AdapterError(
                 f"adapter {path.name}: tensor {short_name(tname)} has unsupported type "
                 f"{info.qtype.name}"

@@ -36,7 +36,7 @@ from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from ..errors import UserError
-from ..gguf.reader import GGUFError, GGUFFile, _Cursor
+from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant, _Cursor
 from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
@@ -434,8 +434,8 @@ def export_merged(
                 arr = engine_view(src) if engine_view else None
                 if arr is None or arr.shape != info.shape:
                     try:
-                        arr = quants.dequantize(gf.raw(src), info.qtype).reshape(info.shape)
-                    except NotImplementedError:
+                        arr = gf.dequantize(src)  # info.shape
+                    except UnsupportedQuant:
                         raise ExportError(
                             f"export-merged: tensor {src!r} of the base uses "
                             f"{info.qtype.name}, which cannot be dequantized"

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import quants
 
 from ..errors import UserError
-from ..gguf.reader import GGUFError, GGUFFile
+from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant
 from ..paths import cache_dir
 from . import layout
 from .config import ModelConfig
@@ -97,7 +96,7 @@ def check_tensors(cfg: ModelConfig, gf: GGUFFile) -> None:
             )
     if "rope_freqs.weight" in gf.tensors:
         info = gf.tensors["rope_freqs.weight"]
-        factors = quants.dequantize(gf.raw(info.name), info.qtype)  # (rope_dim/2,)
+        factors = gf.dequantize(info.name)  # (rope_dim/2,)
         if not (np.isfinite(factors).all() and (factors > 0).all()):
             raise ModelLoadError(
                 f"{name}: tensor 'rope_freqs.weight' must hold finite positive factors"
@@ -203,13 +202,9 @@ def load_weights(
             raise LoadCancelled()
         dest, info, row = job
         try:
-            data = quants.dequantize(gf.raw(info.name), info.qtype)
-        except NotImplementedError:
-            raise ModelLoadError(
-                f"{gf.path.name}: tensor {info.name!r} uses quant type "
-                f"{info.qtype.name}, which cannot be dequantized"
-            ) from None
-        data = data.reshape(info.shape)
+            data = gf.dequantize(info.name)  # info.shape
+        except UnsupportedQuant as e:
+            raise ModelLoadError(str(e)) from None
         if dest.ndim == 1:
             dest[:] = data
         else:
