@@ -100,12 +100,15 @@ def create_window(args: argparse.Namespace):
 
 
 def run_gui(args: argparse.Namespace) -> int:
-    """Raises ValueError, before any Qt object exists, when no window can open here."""
+    """Raises UserError (main.py prints it as one line), before any Qt object exists,
+    when no window can open here."""
+    from core.errors import UserError
+
     from .display import display_problem
 
     problem = display_problem()
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     import qasync
     from PySide6.QtWidgets import QApplication
 
