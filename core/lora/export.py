@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
-import struct
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +34,8 @@ from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from ..errors import UserError
-from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant, _Cursor
+from ..gguf.metadata import typed_metadata, writable_value
+from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant
 from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
@@ -261,40 +260,6 @@ def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
 # ---- 2. a merged model GGUF ----------------------------------------------------
 
 
-def _typed_kvs(path: Path) -> list[tuple[str, int, int | None, Any]]:
-    """Every metadata KV of a GGUF as (key, value type, array item type, value),
-    in file order, so a copy keeps the exact types llama.cpp expects."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = memoryview(mm)
-        try:
-            cur = _Cursor(buf, path.name)
-            cur.pos = 8  # magic + version
-            cur.unpack("<Q")  # n_tensors
-            n_kv = cur.unpack("<Q")
-            out = []
-            for _ in range(n_kv):
-                key = cur.string()
-                vtype = cur.unpack("<I")
-                sub = (
-                    struct.unpack_from("<I", buf, cur.pos)[0]
-                    if vtype == GGUFValueType.ARRAY
-                    else None
-                )
-                out.append((key, vtype, sub, cur.value(vtype)))
-        finally:
-            del cur
-            buf.release()
-    return out
-
-
-def _kv_value(vtype: int, val: Any) -> Any:
-    if vtype != GGUFValueType.ARRAY:
-        return val
-    if isinstance(val, np.ndarray):
-        return val.tolist()
-    return list(val)
-
-
 def _encode(arr: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizationType]:
     """float32 (rows, cols) -> (data to write, its ggml type). Norms and other 1-D
     tensors stay F32; a row that does not fit Q8_0 blocks falls back to F16."""
@@ -392,14 +357,14 @@ def export_merged(
     report(0.0, "reading base metadata")
     try:
         with _atomic_gguf(out, cfg.arch, "export-merged") as w:
-            for key, vtype, sub, val in _typed_kvs(mix.base_path):
+            for key, vtype, sub, val in typed_metadata(mix.base_path):
                 if key in ("general.architecture", "general.file_type", "general.alignment"):
                     continue
                 if vtype == GGUFValueType.ARRAY and len(val) == 0:
                     continue  # the writer cannot write an empty array; nothing reads one
                 w.add_key_value(
                     key,
-                    _kv_value(vtype, val),
+                    writable_value(vtype, val),
                     GGUFValueType(vtype),
                     GGUFValueType(sub) if sub is not None else None,
                 )
