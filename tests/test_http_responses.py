@@ -13,6 +13,7 @@ from core.http.responses import HttpError
 from core.http.security import host_allowed, is_loopback, same_origin, split_host
 from core.http.server import exposure_warnings
 from core.serve.scheduler import DoneEvent, Timings
+from core.tokenizer import utf8_complete_len
 
 
 class FakeTok:
@@ -26,6 +27,10 @@ class FakeTok:
 
     def token_str(self, tid):
         return self.token_bytes(tid).decode("utf-8", errors="replace")
+
+    def probs_piece(self, tid):  # the real Tokenizer's rule: drop an incomplete tail
+        b = self.token_bytes(tid)
+        return b[: utf8_complete_len(b)].decode("utf-8", errors="replace"), b
 
 
 @pytest.mark.parametrize(
@@ -104,7 +109,8 @@ def test_probability_shapes():
         "bytes": [65],
         "top_logprobs": [
             {"id": 65, "token": "A", "logprob": -0.5, "bytes": [65]},
-            {"id": 7, "token": "\ufffd", "logprob": -1.0, "bytes": [0xE2, 0x82]},
+            # an incomplete character: no text, all its bytes (llama-server's rule)
+            {"id": 7, "token": "", "logprob": -1.0, "bytes": [0xE2, 0x82]},
         ],
     }
     assert R.token_piece(tok, 65) == "A" and R.token_piece(tok, 7) == [0xE2, 0x82]

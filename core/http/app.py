@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -497,9 +498,13 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await _body(request)
     ids = R.parse_token_list(body.get("tokens", []), eng.config.vocab_size)
     if len(ids) > TOKENIZE_INLINE_CHARS:
-        text = await request.app[TEXT_POOL].run(eng.tokenizer.decode, ids)
+        text = await request.app[TEXT_POOL].run(
+            partial(eng.tokenizer.decode, strip_prefix_space=False), ids
+        )
     else:
-        text = eng.tokenizer.decode(ids)
+        # llama-server's /detokenize joins the pieces as they are: a SentencePiece
+        # model's leading space stays (decode() for display strips it)
+        text = eng.tokenizer.decode(ids, strip_prefix_space=False)
     return web.json_response({"content": text})
 
 
@@ -731,11 +736,13 @@ async def completion(request: web.Request) -> web.StreamResponse:
         done, toks = await gen.collect()
         _raise_for_done(done)
         _verbose(request, "content", lambda: done.content)
-        probs = (
-            [R.completion_probability(tok, t.token, t.logprob, t.top) for t in toks]
-            if n_probs
-            else None
-        )
+        probs = None
+        if n_probs:
+            merger, probs = tok.probs_merger(), []
+            for t in toks:
+                merged = merger.push(t.token)
+                if merged is not None:  # None: ends inside a UTF-8 character
+                    probs.append(R.completion_probability(tok, t.token, t.logprob, t.top, merged))
         return web.json_response(
             R.completion_final(
                 done,
@@ -748,11 +755,21 @@ async def completion(request: web.Request) -> web.StreamResponse:
             )
         )
 
+    merger = tok.probs_merger()
+
     def token_chunk(ev):
         if ev.kind == "token":
-            probs = (
-                [R.completion_probability(tok, ev.token, ev.logprob, ev.top)] if n_probs else None
-            )
+            probs = None
+            if n_probs:
+                # a token ending inside a UTF-8 character gets no entry (its bytes go
+                # into the next one, as in llama-server); its chunk still carries its
+                # id and any complete text, so nothing a client counts is lost
+                merged = merger.push(ev.token)
+                probs = (
+                    []
+                    if merged is None
+                    else [R.completion_probability(tok, ev.token, ev.logprob, ev.top, merged)]
+                )
             return R.completion_chunk(ev.text, [ev.token], probs)
         return R.completion_chunk(ev.text, [], [] if n_probs else None) if ev.text else None
 

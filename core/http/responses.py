@@ -441,11 +441,34 @@ def _prob_entry(tokenizer, tid: int, logprob: float) -> dict:
 
 
 def completion_probability(
-    tokenizer, token: int, logprob: float | None, top: Sequence[tuple[int, float]] | None
+    tokenizer,
+    token: int,
+    logprob: float | None,
+    top: Sequence[tuple[int, float]] | None,
+    merged: bytes | None = None,
 ) -> dict:
-    """One ``completion_probabilities`` item of llama-server's /completion."""
-    e = _prob_entry(tokenizer, token, logprob if logprob is not None else 0.0)
-    e["top_logprobs"] = [_prob_entry(tokenizer, t, lp) for t, lp in (top or [])]
+    """One ``completion_probabilities`` item of llama-server's /completion.
+
+    ``merged`` is what ``Tokenizer.probs_merger().push(token)`` returned: the bytes of
+    every token since the last entry, so one entry covers whole UTF-8 characters as in
+    llama-server (a token that ends inside a character gets no entry of its own).
+    Candidates show their piece without a trailing incomplete character, with all of
+    its bytes."""
+    lp = logprob if logprob is not None else 0.0
+    if merged is None:
+        e = _prob_entry(tokenizer, token, lp)
+    else:
+        e = {
+            "id": token,
+            "token": merged.decode("utf-8", errors="replace"),
+            "logprob": lp,
+            "bytes": list(merged),
+        }
+    tops = []
+    for t, tlp in top or []:
+        text, raw = tokenizer.probs_piece(t)
+        tops.append({"id": t, "token": text, "logprob": tlp, "bytes": list(raw)})
+    e["top_logprobs"] = tops
     return e
 
 
