@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .chat_template import DEFAULT_CHAT, ChatDefaults
 from .errors import UserError
+
+if TYPE_CHECKING:  # core.cli imports this module: keep --help free of jinja2 and numpy
+    from .chat_template import ChatDefaults
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -49,12 +51,14 @@ class EngineOptions:
     draft_max: int = DEFAULT_DRAFT_MAX  # prompt-lookup drafts per step (0: off)
     threads: int | None = None  # compute threads (None: the BLAS thread count)
     chat_template: str | None = None  # template source replacing every model's own
-    chat_defaults: ChatDefaults = field(default=DEFAULT_CHAT)
+    chat_defaults: ChatDefaults | None = None  # None: chat_template.DEFAULT_CHAT
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
         """From main.py's parsed flags (core/cli.py); flags a caller's namespace lacks
         keep their defaults. --chat-template-file wins over --chat-template."""
+        from .chat_template import DEFAULT_CHAT, ChatDefaults
+
         get = lambda name, default: (
             default if getattr(args, name, None) is None else getattr(args, name)
         )
@@ -82,6 +86,7 @@ class EngineOptions:
 
     def engine(self):
         """An Engine with these options, no model loaded yet."""
+        from .chat_template import DEFAULT_CHAT
         from .serve.engine import Engine
 
         return Engine(
@@ -90,5 +95,5 @@ class EngineOptions:
             draft_max=self.draft_max,
             threads=self.threads,
             chat_template=self.chat_template,
-            chat_defaults=self.chat_defaults,
+            chat_defaults=self.chat_defaults or DEFAULT_CHAT,
         )

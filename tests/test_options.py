@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from core import options
+from core.chat_template import DEFAULT_CHAT
 from core.cli import parse_args
 from core.errors import UserError
 from core.options import EngineOptions, is_finite_number
@@ -18,7 +19,7 @@ TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[
 def test_defaults_are_the_parsers():
     args = parse_args([])
     opts = EngineOptions.from_args(args)
-    assert opts == EngineOptions()
+    assert opts == EngineOptions(chat_defaults=DEFAULT_CHAT)
     assert (args.host, args.port) == (options.DEFAULT_HOST, options.DEFAULT_PORT)
     assert (args.ctx_size, args.parallel, args.draft_max) == (
         options.DEFAULT_CTX,
