@@ -32,6 +32,17 @@ from ..model.llama import LlamaModel
 from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
 from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL, is_finite_number
 from ..tokenizer import Tokenizer
+from .events import (
+    AdaptersChanged,
+    AdaptersDropped,
+    EngineEvent,
+    MixChanged,
+    ModelError,
+    ModelLoaded,
+    ModelLoading,
+    RequestFinished,
+    RequestStarted,
+)
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
 from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
@@ -117,12 +128,13 @@ class Engine:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
-    def _notify(self, name: str, **payload: Any) -> None:
+    def _notify(self, event: EngineEvent) -> None:
+        payload = event.payload()
         for fn in list(self._listeners):
             try:
-                fn(name, payload)
+                fn(event.name, payload)
             except Exception:
-                log.exception("listener failed on %s", name)
+                log.exception("listener failed on %s", event.name)
 
     # -- model --------------------------------------------------------------------
     @property
@@ -142,13 +154,13 @@ class Engine:
         ({id, name, path, error} each)."""
         t0 = time.perf_counter()
         self.loading = True
-        self._notify("model_loading", path=str(path), progress=0.0, message="opening")
+        self._notify(ModelLoading(path=str(path), progress=0.0, message="opening"))
 
         def report(frac: float, msg: str) -> None:
             self.load_progress = frac
             if progress:
                 progress(frac, msg)
-            self._notify("model_loading", path=str(path), progress=frac, message=msg)
+            self._notify(ModelLoading(path=str(path), progress=frac, message=msg))
 
         def check() -> None:  # Cancel works until the new model is swapped in
             if cancel is not None and cancel.is_set():
@@ -195,7 +207,7 @@ class Engine:
         except BaseException as e:
             self.loading = False
             cancelled = isinstance(e, LoadCancelled)
-            self._notify("model_error", path=str(path), error=str(e), cancelled=cancelled)
+            self._notify(ModelError(path=str(path), error=str(e), cancelled=cancelled))
             raise
         was_running = self._thread is not None
         self.stop()
@@ -223,11 +235,11 @@ class Engine:
             model.lin.describe(),
         )
         self.loading = False
-        self._notify("model_loaded", info=self.model_info())
+        self._notify(ModelLoaded(info=self.model_info()))
         if before:
-            self._notify("adapters_changed", adapters=self.adapters())
+            self._notify(AdaptersChanged(adapters=self.adapters()))
         if dropped:
-            self._notify("adapters_dropped", dropped=dropped)
+            self._notify(AdaptersDropped(dropped=dropped))
         if was_running:
             self.start()
         return cfg
@@ -319,7 +331,7 @@ class Engine:
             self._next_id += 1
             self._adapters[adapter.id] = adapter
             self._scales[adapter.id] = scale
-        self._notify("adapters_changed", adapters=self.adapters())
+        self._notify(AdaptersChanged(adapters=self.adapters()))
         return adapter.id
 
     def _check_usable(self, adapter: Adapter, scale: float, cfg: ModelConfig | None = None) -> None:
@@ -351,8 +363,8 @@ class Engine:
             if self.mixes:
                 self.mixes.forget_adapter(aid)
             self.prefix.forget_adapter(aid)
-        self._notify("adapters_changed", adapters=self.adapters())
-        self._notify("mix_changed", mix=self.get_mix(), source="unload")
+        self._notify(AdaptersChanged(adapters=self.adapters()))
+        self._notify(MixChanged(mix=self.get_mix(), source="unload"))
 
     def adapter(self, aid: int) -> Adapter:
         with self._lock:
@@ -410,7 +422,7 @@ class Engine:
             else:
                 self._scales.update(checked)
             mix = dict(self._scales)
-        self._notify("mix_changed", mix=mix, source=source)
+        self._notify(MixChanged(mix=mix, source=source))
 
     def stats(self) -> dict[str, Any]:
         """Scheduler load: running and queued sequences, forward steps so far, cache use."""
@@ -521,11 +533,12 @@ class Engine:
         self.scheduler.submit_many(reqs)
         for req in reqs:
             self._notify(
-                "request_started",
-                id=req.id,
-                source=req.source,
-                mix=dict(req.mix),
-                prompt_n=len(req.prompt),
+                RequestStarted(
+                    id=req.id,
+                    source=req.source,
+                    mix=dict(req.mix),
+                    prompt_n=len(req.prompt),
+                )
             )
         return results
 
@@ -564,13 +577,14 @@ class Engine:
             on_event(ev)
             if isinstance(ev, DoneEvent):
                 self._notify(
-                    "request_finished",
-                    id=ids[0] if ids else -1,
-                    source=source,
-                    stop_type=ev.stop_type,
-                    predicted_n=ev.timings.predicted_n,
-                    timings=ev.timings.as_dict(),
-                    error=ev.error,
+                    RequestFinished(
+                        id=ids[0] if ids else -1,
+                        source=source,
+                        stop_type=ev.stop_type,
+                        predicted_n=ev.timings.predicted_n,
+                        timings=ev.timings.as_dict(),
+                        error=ev.error,
+                    )
                 )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
