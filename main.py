@@ -20,22 +20,13 @@ def _fail(msg: str) -> int:
 
 
 def one_shot(args) -> int:
+    from core.options import EngineOptions
     from core.serve.engine import DoneEvent
-    from core.serve.sampling import SamplingParams
     from core.startup import engine_from_args
 
+    params = EngineOptions.sampling(args)  # the same defaults the HTTP API starts from
     eng = engine_from_args(args, say=lambda m: print(m, file=sys.stderr))
     eng.start()
-    params = SamplingParams(
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
-        n_predict=args.n_predict,
-        ignore_eos=args.ignore_eos,
-    )
     prompt = eng.tokenizer.encode(args.prompt, add_special=True, parse_special=True)
     done = None
     try:

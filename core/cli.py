@@ -28,8 +28,39 @@ GPU_ONLY_FLAGS = {
     ("--mlock",): False,
     ("--no-mmap",): False,
     ("-nkvo", "--no-kv-offload"): False,
-    ("-cb", "--cont-batching"): False,
 }
+
+# llama-server flags Mixdesk does not have: refused by name, with the reason.
+# names -> (takes a value?, why)
+REFUSED_FLAGS = {
+    ("--context-shift",): (
+        False,
+        "context shift is not supported: a request that does not fit the slot's context is refused",
+    ),
+    ("-hf", "-hfr", "--hf-repo"): (
+        True,
+        "downloading from Hugging Face is not supported; pass a local -m FILE.gguf",
+    ),
+    ("-hff", "--hf-file"): (
+        True,
+        "downloading from Hugging Face is not supported; pass a local -m FILE.gguf",
+    ),
+    ("-mu", "--model-url"): (True, "downloading a model is not supported; pass -m FILE.gguf"),
+    ("-md", "--model-draft"): (
+        True,
+        "a draft model is not supported (Mixdesk drafts from the prompt: --draft-max)",
+    ),
+    ("--mmproj",): (True, "multimodal projectors are not supported"),
+    ("--rpc",): (True, "RPC backends are not supported"),
+    ("--rerank", "--reranking"): (False, "reranking is not supported"),
+    ("-sps", "--slot-prompt-similarity"): (
+        True,
+        "slot selection by prompt similarity is not supported (the prefix cache is shared)",
+    ),
+}
+# llama-server flags whose behaviour is always on here: accepted silently
+ALWAYS_ON_FLAGS = [("-cb", "--cont-batching")]
+KV_TYPES_KEPT = ("f32", "f16")  # -ctk/-ctv accepted: the engine's KV cache is f32 anyway
 
 
 class CliError(UserError):
@@ -113,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-c",
         "--ctx-size",
         type=int,
-        default=DEFAULT_CTX,
-        help=f"context size per sequence (default {DEFAULT_CTX}; 0 = the model's)",
+        default=None,
+        help="total context size, divided across the -np slots as in llama-server "
+        f"(default: {DEFAULT_CTX} per slot; 0 = the model's training context per slot)",
     )
     m.add_argument(
         "--chat-template",
@@ -197,23 +229,122 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "-np", "--parallel", type=int, default=DEFAULT_PARALLEL, help="sequences batched at once"
     )
-    s.add_argument("--alias", help="model name reported by the API")
+    s.add_argument(
+        "-a",
+        "--alias",
+        help="model name(s) reported by the API, comma-separated: the first is the id, "
+        "all are listed in /v1/models aliases",
+    )
+    s.add_argument("--tags", help="comma-separated tags listed in /v1/models (informative)")
     s.add_argument(
         "--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)"
     )
     s.add_argument("--verbose", "-v", action="store_true", help="log prompts and responses")
+    s.add_argument(
+        "-to",
+        "--timeout",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seconds a request body may take to arrive (llama-server's read timeout; default 60)",
+    )
+    s.add_argument(
+        "--slots",
+        dest="slots",
+        action="store_true",
+        default=True,
+        help="expose GET /slots (default)",
+    )
+    s.add_argument("--no-slots", dest="slots", action="store_false", help="disable GET /slots")
+    s.add_argument(
+        "--slot-save-path",
+        metavar="DIR",
+        help="folder for POST /slots/{id}?action=save|restore (without it: 501)",
+    )
+    s.add_argument("--metrics", action="store_true", help="expose GET /metrics (Prometheus)")
+    s.add_argument(
+        "--embedding",
+        "--embeddings",
+        dest="embedding",
+        action="store_true",
+        help="serve /embedding and /v1/embeddings (pooled from the final hidden state)",
+    )
+    s.add_argument(
+        "--pooling",
+        choices=["none", "mean", "cls", "last"],
+        default=None,
+        help="embedding pooling (default mean; 'none' only on /embedding)",
+    )
+    s.add_argument(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="accepted for llama-server scripts (no effect: the scheduler picks its own "
+        "prefill chunks)",
+    )
+    s.add_argument(
+        "-ub",
+        "--ubatch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="accepted for llama-server scripts (no effect, as --batch-size)",
+    )
+    s.add_argument(
+        "-kvu",
+        "--kv-unified",
+        action="store_true",
+        help="every slot may use the whole -c context (instead of -c divided by -np)",
+    )
+    s.add_argument(
+        "--no-context-shift",
+        dest="context_shift",
+        action="store_false",
+        default=False,
+        help="an overflowing request is refused (the default; --context-shift is not supported)",
+    )
+    s.add_argument(
+        "-ctk",
+        "--cache-type-k",
+        default=None,
+        metavar="TYPE",
+        help="KV cache type: f32 or f16 accepted (the engine keeps f32)",
+    )
+    s.add_argument(
+        "-ctv",
+        "--cache-type-v",
+        default=None,
+        metavar="TYPE",
+        help="KV cache type: f32 or f16 accepted (the engine keeps f32)",
+    )
 
-    g = p.add_argument_group("one-shot generation (llama-cli style)")
+    g = p.add_argument_group(
+        "sampling: the defaults of -p and of every HTTP request (a request's fields win)"
+    )
     g.add_argument("-p", "--prompt", help="generate a completion of this prompt and exit")
     g.add_argument(
-        "-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until EOS)"
+        "-n",
+        "--n-predict",
+        "--predict",
+        type=int,
+        default=-1,
+        help="tokens to generate (-1: until EOS)",
     )
     g.add_argument("--temp", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
     g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("-s", "--seed", type=int, default=-1)
+    g.add_argument(
+        "--repeat-last-n", type=int, default=64, help="tokens the penalties look back on"
+    )
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument(
+        "-s", "--seed", type=int, default=-1, help="default sampling seed (-1: random each time)"
+    )
     g.add_argument("--ignore-eos", action="store_true")
 
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
@@ -231,18 +362,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     for names, takes_value in GPU_ONLY_FLAGS.items():
         kw = {"nargs": "?", "const": "on"} if takes_value else {"action": "store_true"}
-        p.add_argument(
-            *names,
-            dest="gpu_" + names[-1].lstrip("-").replace("-", "_"),
-            help=argparse.SUPPRESS,
-            **kw,
-        )
+        p.add_argument(*names, dest=_dest("gpu_", names), help=argparse.SUPPRESS, **kw)
+    for names, (takes_value, _why) in REFUSED_FLAGS.items():
+        kw = {"nargs": "?", "const": "on"} if takes_value else {"action": "store_true"}
+        p.add_argument(*names, dest=_dest("refused_", names), help=argparse.SUPPRESS, **kw)
+    for names in ALWAYS_ON_FLAGS:
+        p.add_argument(*names, action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _dest(prefix: str, names: tuple[str, ...]) -> str:
+    return prefix + names[-1].lstrip("-").replace("-", "_")
+
+
+def _glued_short_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first argument that argparse would read as a short flag with its value glued
+    on: llama-server users type ``-ctk q8_0`` or ``-hf repo``, which argparse took as
+    ``-c tk`` and ``-h``. Mixdesk's flags are spelled out, so any such word is refused
+    by name instead (a negative number is a value, not a flag)."""
+    known = parser._option_string_actions
+    for word in argv:
+        if word == "--":
+            break
+        flag = word.split("=", 1)[0]
+        if not word.startswith("-") or word.startswith("--") or len(flag) <= 2:
+            continue
+        if flag in known:
+            continue
+        try:
+            float(word)
+            continue
+        except ValueError:
+            return flag
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    glued = _glued_short_flag(parser, words)
+    if glued is not None:
+        parser.error(f"unknown flag {glued} (see --help for the flags Mixdesk has)")
+    args = parser.parse_args(words)
+    for names, (_takes, why) in REFUSED_FLAGS.items():
+        if getattr(args, _dest("refused_", names)) not in (None, False):
+            parser.error(f"{'/'.join(names)}: {why}")
+    _check_server_flags(parser, args)
     try:
         args.adapters = [(path, 1.0) for path in parse_lora(args.lora)] + parse_lora_scaled(
             args.lora_scaled
@@ -269,12 +434,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--parallel must be at least 1")
     if not 0 <= args.draft_max <= 64:
         parser.error("--draft-max must be in 0..64")
-    if args.ctx_size < 0:
-        parser.error("--ctx-size must be >= 0")
+    args.ctx_total = args.ctx_size
+    args.ctx_size = _ctx_per_slot(parser, args)
     if not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
     for names in GPU_ONLY_FLAGS:
-        if getattr(args, "gpu_" + names[-1].lstrip("-").replace("-", "_")):
+        if getattr(args, _dest("gpu_", names)):
             print(f"mixdesk: {names[0]} ignored: Mixdesk runs on the CPU (numpy)", file=sys.stderr)
     if args.chat_template_file and not Path(args.chat_template_file).is_file():
         parser.error(f"--chat-template-file: no such file {args.chat_template_file}")
@@ -294,6 +459,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "mixdesk: --no-jinja ignored: chat templates are rendered with Jinja", file=sys.stderr
         )
     return args
+
+
+def _ctx_per_slot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """-c is llama-server's total context: each of the -np slots gets c / np tokens
+    (all of it with --kv-unified). Not given: DEFAULT_CTX per slot; 0: the model's."""
+    total = args.ctx_size
+    if total is None:
+        return DEFAULT_CTX
+    if total < 0:
+        parser.error("--ctx-size must be >= 0")
+    if total == 0 or args.kv_unified:
+        return total
+    per_slot = total // args.parallel
+    if per_slot < 8:
+        parser.error(
+            f"--ctx-size {total} divided across --parallel {args.parallel} slots leaves "
+            f"{per_slot} tokens per slot; give at least {8 * args.parallel}"
+        )
+    return per_slot
+
+
+def _check_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """llama-server's flags with a value Mixdesk cannot honour are refused by name."""
+    for flag, value in (("-ctk", args.cache_type_k), ("-ctv", args.cache_type_v)):
+        if value is not None and value not in KV_TYPES_KEPT:
+            parser.error(
+                f"{flag} {value}: not supported; the KV cache is kept in f32 "
+                f"(f32 and f16 are accepted)"
+            )
+        if value == "f16":
+            print(f"mixdesk: {flag} f16: the KV cache is kept in f32", file=sys.stderr)
+    for flag, value in (("--batch-size", args.batch_size), ("--ubatch-size", args.ubatch_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1")
+    if args.timeout is not None and args.timeout < 1:
+        parser.error("--timeout must be at least 1 second")
+    if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
+        parser.error(f"--slot-save-path: no such folder {args.slot_save_path}")
+    if args.seed < -1 or args.seed > 0xFFFFFFFF:
+        parser.error("--seed must be -1 (random) or in 0..4294967295")
+    if args.repeat_last_n < -1:
+        parser.error("--repeat-last-n must be >= -1")
+    args.host_list = [h.strip() for h in args.host.split(",") if h.strip()]
+    if not args.host_list:
+        parser.error("--host: no address given")
+    args.aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
+    args.alias = args.aliases[0] if args.aliases else None
+    args.tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
 
 
 def _template_kwargs(parser: argparse.ArgumentParser, text: str | None) -> dict:

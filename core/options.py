@@ -84,6 +84,34 @@ class EngineOptions:
             ),
         )
 
+    @staticmethod
+    def sampling(args: argparse.Namespace):
+        """The sampling flags (--temp, --seed, --top-k, ..., -n) as the SamplingParams
+        every request starts from: -p uses them, and an HTTP request's fields override
+        them one by one, as llama-server's defaults. Raises SamplingError (a UserError)
+        naming a value out of range."""
+        from .serve.sampling import SamplingParams, validate
+
+        get = lambda name, default: (
+            default if getattr(args, name, None) is None else getattr(args, name)
+        )
+        seed = get("seed", -1)
+        return validate(
+            SamplingParams(
+                temperature=get("temp", 0.8),
+                top_k=get("top_k", 40),
+                top_p=get("top_p", 0.95),
+                min_p=get("min_p", 0.05),
+                repeat_penalty=get("repeat_penalty", 1.0),
+                repeat_last_n=get("repeat_last_n", 64),
+                presence_penalty=get("presence_penalty", 0.0),
+                frequency_penalty=get("frequency_penalty", 0.0),
+                seed=None if seed < 0 else seed,
+                n_predict=get("n_predict", -1),
+                ignore_eos=bool(get("ignore_eos", False)),
+            )
+        )
+
     def engine(self):
         """An Engine with these options, no model loaded yet."""
         from .chat_template import DEFAULT_CHAT

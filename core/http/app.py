@@ -31,9 +31,11 @@ from typing import Any
 from aiohttp import web
 
 from ..chat_template import build_prompt
-from ..serve.sampling import SamplingParams
+from ..serve.grammar import request_constraint, wants_constraint
+from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
 from . import responses as R
+from .build_info import build_info
 from .responses import HttpError
 from .security import (
     DISCONNECTED,
@@ -68,6 +70,15 @@ class ServerSettings:
     idle_timeout: float = 30.0
     body_timeout: float = 60.0
     adapter_load_timeout: float = 120.0
+    # the sampling flags (--temp, --seed, ...): what a request's absent fields take
+    sampling: SamplingParams | None = None
+    aliases: list[str] = field(default_factory=list)  # --alias a,b: /v1/models aliases
+    tags: list[str] = field(default_factory=list)  # --tags
+    slots: bool = True  # GET /slots (--no-slots: 501)
+    slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore
+    metrics: bool = False  # GET /metrics (--metrics)
+    embedding: bool = False  # /embedding, /v1/embeddings (--embedding)
+    pooling: str | None = None  # --pooling; None: mean
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -79,6 +90,10 @@ class ServerSettings:
         if allow and not dirs:
             given = [p for p, _ in getattr(args, "adapters", [])]
             dirs = default_lora_dirs(given, data_dir() / "adapters")
+        from ..options import EngineOptions
+
+        timeout = getattr(args, "timeout", None)
+        save = getattr(args, "slot_save_path", None)
         return cls(
             host=args.host,
             port=args.port,
@@ -90,7 +105,21 @@ class ServerSettings:
             lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)),
             allow_runtime_lora=allow,
             lora_dirs=dirs,
+            body_timeout=float(timeout) if timeout else 60.0,
+            sampling=EngineOptions.sampling(args),
+            aliases=list(getattr(args, "aliases", None) or []),
+            tags=list(getattr(args, "tags", None) or []),
+            slots=bool(getattr(args, "slots", True)),
+            slot_save_path=Path(save) if save else None,
+            metrics=bool(getattr(args, "metrics", False)),
+            embedding=bool(getattr(args, "embedding", False)),
+            pooling=getattr(args, "pooling", None),
         )
+
+    @property
+    def hosts(self) -> list[str]:
+        """--host may list several addresses (comma-separated): each one is bound."""
+        return [h.strip() for h in self.host.split(",") if h.strip()] or [self.host]
 
 
 class BlockingPool:
@@ -352,8 +381,13 @@ class _Generation:
             from ..serve.engine import EngineError
 
             if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
+                # llama-server's wording and fields: scripts match on them
                 raise HttpError(
-                    str(e), 400, e.type, n_prompt_tokens=len(prompt), n_ctx=eng.ctx_size
+                    "the request exceeds the available context size, try increasing it",
+                    400,
+                    e.type,
+                    n_prompt_tokens=len(prompt),
+                    n_ctx=eng.ctx_size,
                 ) from None
             raise
 
@@ -440,7 +474,7 @@ async def props(request: web.Request) -> web.Response:
     eng = _engine(request)
     s = _settings(request)
     mid = _model_id(request, eng)
-    params = SamplingParams(n_predict=s.n_predict_default)
+    params = s.sampling or SamplingParams(n_predict=s.n_predict_default)
     lora = R.mix_to_lora(eng.get_mix())
     return web.json_response(
         {
@@ -460,7 +494,7 @@ async def props(request: web.Request) -> web.Response:
             "bos_token": eng.chat_template.bos_token if eng.chat_template else "",
             "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
             "modalities": {"vision": False, "audio": False},
-            "build_info": "mixdesk",
+            "build_info": build_info(),
             "is_sleeping": False,
             "lora_init_without_apply": s.lora_init_without_apply,
         }
@@ -469,8 +503,15 @@ async def props(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     eng = _engine(request)
+    s = _settings(request)
     return web.json_response(
-        R.models_list(_model_id(request, eng), request.app[ENGINE].model_info(), eng.adapters())
+        R.models_list(
+            _model_id(request, eng),
+            request.app[ENGINE].model_info(),
+            eng.adapters(),
+            aliases=s.aliases,
+            tags=s.tags,
+        )
     )
 
 
@@ -639,16 +680,29 @@ async def vllm_unload(request: web.Request) -> web.Response:
 # ---- generation ------------------------------------------------------------------------
 
 
+async def _sampling_fields(request: web.Request, eng, body: dict, params: SamplingParams) -> None:
+    """logit_bias and structured output (grammar, json_schema, response_format) into
+    params; a bad value is a 400 (SamplingError / GrammarError). The grammar compiles
+    off the event loop: the first one per model builds the vocabulary index."""
+    params.logit_bias = parse_logit_bias(
+        body.get("logit_bias"), eng.tokenizer, eng.config.vocab_size
+    )
+    if wants_constraint(body):
+        params.grammar = await request.app[TEXT_POOL].run(request_constraint, body, eng.tokenizer)
+
+
 async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool = False):
     eng = _engine(request)
     s = _settings(request)
     body = await _body(request)
-    opts = R.parse_generation(body, s.n_predict_default, oai=oai)
+    opts = R.parse_generation(body, s.n_predict_default, oai=oai, defaults=s.sampling)
     if oai:
         n_top = R.parse_oai_logprobs(body, chat)
         if n_top:
             opts.params.n_probs = max(opts.params.n_probs, n_top)
         opts.extra["n_top"] = n_top
+        opts.extra["include_usage"] = R.parse_include_usage(body)
+    await _sampling_fields(request, eng, body, opts.params)
     mix = _resolve_mix(eng, opts, oai)
     if chat:
         text = await _render_chat(request, eng, body)
@@ -682,12 +736,21 @@ async def _start_oai(request: web.Request, id_prefix: str, chat: bool = False) -
     )
 
 
-def _oai_final(last: dict, prompt_n: int, ev: DoneEvent, all_ids) -> list[bytes]:
-    """The closing OpenAI chunk (usage, llama-server timings, the mix used) and [DONE]."""
-    last["usage"] = R.usage(prompt_n, ev)
-    last["timings"] = ev.timings.as_dict()
-    last["lora"] = R.mix_to_lora(ev.mix, all_ids)
-    return [R.sse(last), R.SSE_DONE]
+def _oai_final(
+    last: dict, prompt_n: int, ev: DoneEvent, all_ids, usage_chunk: bool = False
+) -> list[bytes]:
+    """The closing OpenAI chunk (usage, llama-server timings, the mix used) and [DONE].
+    With ``stream_options.include_usage`` (``usage_chunk``), usage and timings come in
+    one more chunk whose ``choices`` is empty, as OpenAI and llama-server send them."""
+    extra = {
+        "usage": R.usage(prompt_n, ev),
+        "timings": R.timings(ev.timings),
+        "lora": R.mix_to_lora(ev.mix, all_ids),
+    }
+    if not usage_chunk:
+        return [R.sse({**last, **extra}), R.SSE_DONE]
+    tail = {k: v for k, v in last.items() if k != "choices"}
+    return [R.sse(last), R.sse({**tail, "choices": [], **extra}), R.SSE_DONE]
 
 
 async def _stream(
@@ -829,11 +892,13 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
             else None
         )
 
+    usage_chunk = opts.extra["include_usage"]
+
     def final_chunks(ev):
         last = R.oai_completion_chunk(
             "", cid=cid, created=created, model=mid, finish=R.finish_reason(ev.stop_type)
         )
-        return _oai_final(last, len(prompt), ev, all_ids)
+        return _oai_final(last, len(prompt), ev, all_ids, usage_chunk)
 
     return await _stream(request, gen, token_chunk, final_chunks)
 
@@ -878,13 +943,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             else None
         )
 
+    usage_chunk = opts.extra["include_usage"]
+
     def final_chunks(ev):
         last = R.oai_chat_chunk(
             {}, cid=cid, created=created, model=mid, finish=R.finish_reason(ev.stop_type)
         )
-        return _oai_final(last, len(prompt), ev, all_ids)
+        return _oai_final(last, len(prompt), ev, all_ids, usage_chunk)
 
+    # llama-server's first chunk: the role, and a content that is null (not "")
     first = R.oai_chat_chunk(
-        {"role": "assistant", "content": ""}, cid=cid, created=created, model=mid
+        {"role": "assistant", "content": None}, cid=cid, created=created, model=mid
     )
     return await _stream(request, gen, token_chunk, final_chunks, first=first)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..serve.sampling import SamplingError, SamplingParams, validate
+from .build_info import build_info
 
 
 class HttpError(Exception):
@@ -184,8 +185,15 @@ class GenOptions:
     extra: dict = field(default_factory=dict)
 
 
-def parse_sampling(body: Mapping, n_predict_default: int = -1, oai: bool = False) -> SamplingParams:
-    """llama-server's sampling fields (also accepted on the OpenAI endpoints)."""
+def parse_sampling(
+    body: Mapping,
+    n_predict_default: int = -1,
+    oai: bool = False,
+    defaults: SamplingParams | None = None,
+) -> SamplingParams:
+    """llama-server's sampling fields (also accepted on the OpenAI endpoints). A field
+    the body lacks takes the server's default (``defaults``: --temp, --seed, ...)."""
+    d = defaults or SamplingParams()
     if oai:
         n_predict = get_int(body, "max_completion_tokens", None, lo=-1)
         if n_predict is None:
@@ -196,20 +204,20 @@ def parse_sampling(body: Mapping, n_predict_default: int = -1, oai: bool = False
         n_predict = get_int(body, "n_predict", None, lo=-1)
         if n_predict is None:
             n_predict = get_int(body, "max_tokens", n_predict_default, lo=-1)
-    seed = get_int(body, "seed", None)
+    seed = get_int(body, "seed", d.seed)
     p = SamplingParams(
-        temperature=get_float(body, "temperature", 0.8),
-        top_k=get_int(body, "top_k", 40),
-        top_p=get_float(body, "top_p", 0.95),
-        min_p=get_float(body, "min_p", 0.05),
-        repeat_penalty=get_float(body, "repeat_penalty", 1.0),
-        repeat_last_n=get_int(body, "repeat_last_n", 64, lo=-1),
-        presence_penalty=get_float(body, "presence_penalty", 0.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+        temperature=get_float(body, "temperature", d.temperature),
+        top_k=get_int(body, "top_k", d.top_k),
+        top_p=get_float(body, "top_p", d.top_p),
+        min_p=get_float(body, "min_p", d.min_p),
+        repeat_penalty=get_float(body, "repeat_penalty", d.repeat_penalty),
+        repeat_last_n=get_int(body, "repeat_last_n", d.repeat_last_n, lo=-1),
+        presence_penalty=get_float(body, "presence_penalty", d.presence_penalty),
+        frequency_penalty=get_float(body, "frequency_penalty", d.frequency_penalty),
         seed=None if seed is None or seed < 0 else seed,
         n_predict=n_predict,
         stop=get_stop(body),
-        ignore_eos=get_bool(body, "ignore_eos", False),
+        ignore_eos=get_bool(body, "ignore_eos", d.ignore_eos),
         n_probs=get_int(body, "n_probs", 0, lo=0, hi=100),
     )
     try:
@@ -218,8 +226,13 @@ def parse_sampling(body: Mapping, n_predict_default: int = -1, oai: bool = False
         raise HttpError(str(e)) from None
 
 
-def parse_generation(body: Mapping, n_predict_default: int = -1, oai: bool = False) -> GenOptions:
-    params = parse_sampling(body, n_predict_default, oai)
+def parse_generation(
+    body: Mapping,
+    n_predict_default: int = -1,
+    oai: bool = False,
+    defaults: SamplingParams | None = None,
+) -> GenOptions:
+    params = parse_sampling(body, n_predict_default, oai, defaults)
     n = get_int(body, "n", 1)
     if n != 1:
         raise HttpError("only n = 1 is supported")
@@ -498,6 +511,28 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
+def parse_include_usage(body: Mapping) -> bool:
+    """OpenAI's ``stream_options: {"include_usage": true}``."""
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise HttpError("stream_options must be an object")
+    return get_bool(so, "include_usage", False)
+
+
+def timings(t) -> dict:
+    """llama-server's timings: the generation rate counts n - 1 decode steps, as the
+    first token comes from the prompt's last logits (no decode of its own); one
+    generated token gives a rate of 0."""
+    out = t.as_dict()
+    steps = max(t.predicted_n - 1, 0)
+    ms = t.predicted_ms
+    out["predicted_per_token_ms"] = ms / steps if steps and ms > 0 else 0.0
+    out["predicted_per_second"] = 1e3 * steps / ms if steps and ms > 0 else 0.0
+    return out
+
+
 def usage(prompt_n: int, done) -> dict:
     t = done.timings
     return {
@@ -535,7 +570,7 @@ def completion_final(
         "stop_type": done.stop_type if done.stop_type in ("eos", "limit", "word") else "none",
         "stopping_word": done.stopping_word,
         "tokens_cached": done.timings.cache_n,
-        "timings": done.timings.as_dict(),
+        "timings": timings(done.timings),
         "lora": mix_to_lora(done.mix, all_ids),
     }
     if probs is not None and not streaming:
@@ -572,9 +607,16 @@ def generation_settings(
         "ignore_eos": p.ignore_eos,
         "stream": stream,
         "n_probs": p.n_probs,
+        "logit_bias": logit_bias_settings(p.logit_bias),
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
         "lora": lora,
     }
+
+
+def logit_bias_settings(bias: Mapping[int, float]) -> list[dict]:
+    """generation_settings.logit_bias as llama-server echoes it: one {"bias", "token"}
+    per token; a ban (-inf) is null there (JSON has no infinity)."""
+    return [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in sorted(bias.items())]
 
 
 def oai_completion(
@@ -592,7 +634,7 @@ def oai_completion(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "system_fingerprint": "mixdesk",
+        "system_fingerprint": build_info(),
         "choices": [
             {
                 "text": done.content,
@@ -602,7 +644,7 @@ def oai_completion(
             }
         ],
         "usage": usage(prompt_n, done),
-        "timings": done.timings.as_dict(),
+        "timings": timings(done.timings),
         "lora": mix_to_lora(done.mix, all_ids),
     }
 
@@ -621,7 +663,7 @@ def oai_completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "system_fingerprint": "mixdesk",
+        "system_fingerprint": build_info(),
         "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
     }
 
@@ -657,7 +699,7 @@ def oai_chat(
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "system_fingerprint": "mixdesk",
+        "system_fingerprint": build_info(),
         "choices": [
             {
                 "index": 0,
@@ -667,7 +709,7 @@ def oai_chat(
             }
         ],
         "usage": usage(prompt_n, done),
-        "timings": done.timings.as_dict(),
+        "timings": timings(done.timings),
         "lora": mix_to_lora(done.mix, all_ids),
     }
 
@@ -686,7 +728,7 @@ def oai_chat_chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "system_fingerprint": "mixdesk",
+        "system_fingerprint": build_info(),
         "choices": [
             {
                 "index": 0,
@@ -699,14 +741,22 @@ def oai_chat_chunk(
 
 
 def models_list(
-    base_id: str, model_info: Mapping, adapters: Sequence[Mapping], created: int | None = None
+    base_id: str,
+    model_info: Mapping,
+    adapters: Sequence[Mapping],
+    created: int | None = None,
+    aliases: Sequence[str] = (),
+    tags: Sequence[str] = (),
 ) -> dict:
-    """GET /v1/models: the base model (llama-server's entry) and every loaded adapter
-    (vLLM's shape: ``parent`` is the base, ``root`` the adapter's path)."""
+    """GET /v1/models: the base model (llama-server's entry, with its --alias list and
+    --tags) and every loaded adapter (vLLM's shape: ``parent`` is the base, ``root`` the
+    adapter's path)."""
     created = int(created if created is not None else time.time())
     data = [
         {
             "id": base_id,
+            "aliases": list(aliases),
+            "tags": list(tags),
             "object": "model",
             "created": created,
             "owned_by": "llamacpp",

@@ -276,7 +276,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host")
-        if not host_allowed(host, settings.host):
+        if not any(host_allowed(host, h) for h in settings.hosts):
             return json_error(
                 "Host header not allowed (DNS rebinding protection); use localhost or 127.0.0.1",
                 403,

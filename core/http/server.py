@@ -38,26 +38,29 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
         keepalive_timeout=settings.idle_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    bound = port
     try:
-        await site.start()
+        # --host a,b binds each address, on one port (port 0: the one the first got)
+        for h in [x.strip() for x in host.split(",") if x.strip()] or [host]:
+            await web.TCPSite(runner, h, bound).start()
+            if bound == 0:
+                bound = next((s[1] for s in runner.addresses if isinstance(s, tuple)), 0)
     except BaseException:
         await runner.cleanup()
         raise
-    bound = port
-    for s in runner.addresses:
-        if isinstance(s, tuple):
-            bound = s[1]
-            break
     return runner, bound
 
 
 def exposure_warnings(settings: ServerSettings) -> list[str]:
     """Warnings for binding beyond loopback (and doing so without an API key)."""
     out: list[str] = []
-    host = split_host(settings.host) if settings.host not in WILDCARD_HOSTS else settings.host
-    if not is_loopback(host):
-        where = "every network interface" if settings.host in WILDCARD_HOSTS else settings.host
+    exposed = [h for h in settings.hosts if h in WILDCARD_HOSTS or not is_loopback(split_host(h))]
+    if exposed:
+        where = (
+            "every network interface"
+            if any(h in WILDCARD_HOSTS for h in exposed)
+            else ", ".join(exposed)
+        )
         out.append(
             f"WARNING: listening on {where}: other machines on the network can use this server"
         )
@@ -90,8 +93,9 @@ async def _serve_headless(args, settings: ServerSettings) -> int:
 
     app = create_app(None, settings)
     runner, port = await start_site(app, settings.host, settings.port)
-    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
-    log.info("listening on http://%s:%d (loading the model...)", shown, port)
+    for h in settings.hosts:
+        shown = f"[{h}]" if ":" in h else h
+        log.info("listening on http://%s:%d (loading the model...)", shown, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,7 +154,8 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        host = self.settings.host if self.settings.host not in WILDCARD_HOSTS else "127.0.0.1"
+        first = self.settings.hosts[0]
+        host = first if first not in WILDCARD_HOSTS else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> ServerThread:
