@@ -31,7 +31,8 @@ from typing import Any
 from aiohttp import web
 
 from ..chat_template import build_prompt
-from ..serve.sampling import SamplingParams
+from ..serve.grammar import request_constraint, wants_constraint
+from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
 from . import responses as R
 from .build_info import build_info
@@ -679,6 +680,17 @@ async def vllm_unload(request: web.Request) -> web.Response:
 # ---- generation ------------------------------------------------------------------------
 
 
+async def _sampling_fields(request: web.Request, eng, body: dict, params: SamplingParams) -> None:
+    """logit_bias and structured output (grammar, json_schema, response_format) into
+    params; a bad value is a 400 (SamplingError / GrammarError). The grammar compiles
+    off the event loop: the first one per model builds the vocabulary index."""
+    params.logit_bias = parse_logit_bias(
+        body.get("logit_bias"), eng.tokenizer, eng.config.vocab_size
+    )
+    if wants_constraint(body):
+        params.grammar = await request.app[TEXT_POOL].run(request_constraint, body, eng.tokenizer)
+
+
 async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool = False):
     eng = _engine(request)
     s = _settings(request)
@@ -690,6 +702,7 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
             opts.params.n_probs = max(opts.params.n_probs, n_top)
         opts.extra["n_top"] = n_top
         opts.extra["include_usage"] = R.parse_include_usage(body)
+    await _sampling_fields(request, eng, body, opts.params)
     mix = _resolve_mix(eng, opts, oai)
     if chat:
         text = await _render_chat(request, eng, body)

@@ -607,9 +607,16 @@ def generation_settings(
         "ignore_eos": p.ignore_eos,
         "stream": stream,
         "n_probs": p.n_probs,
+        "logit_bias": logit_bias_settings(p.logit_bias),
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
         "lora": lora,
     }
+
+
+def logit_bias_settings(bias: Mapping[int, float]) -> list[dict]:
+    """generation_settings.logit_bias as llama-server echoes it: one {"bias", "token"}
+    per token; a ban (-inf) is null there (JSON has no infinity)."""
+    return [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in sorted(bias.items())]
 
 
 def oai_completion(

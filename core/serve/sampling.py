@@ -2,8 +2,9 @@
 
 The sampler is a plain callable ``sampler(logits, history) -> token`` built from
 :class:`SamplingParams`, so generation code can take any sampler (mlx-lm style).
-The chain follows llama.cpp's default order: penalties, top-k, top-p, min-p,
-temperature. Temperature <= 0 is greedy.
+The chain follows llama.cpp's default order: logit bias, grammar mask, penalties,
+top-k, top-p, min-p, temperature. Temperature <= 0 is greedy (after the bias and
+the mask: a banned token is never chosen, a forced one always is).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ Sampler = Callable[[np.ndarray, Sequence[int]], int]
 # like 1e300 (which llama.cpp also accepts) overflowed and stopped the engine.
 PENALTY_MAX = 100.0  # |presence_penalty|, |frequency_penalty|
 REPEAT_PENALTY_RANGE = (0.01, 100.0)
+# A logit bias is clipped to this (float32 holds 3e38): +1e30 already forces a token.
+BIAS_MAX = 1e30
 
 
 @dataclass
@@ -44,6 +47,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     n_probs: int = 0  # top-N logprobs to report per generated token
+    # token id -> added to its logit before anything else; -inf bans it
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # llguidance grammar text (core.serve.grammar), or None
 
 
 class SamplingError(UserError):
@@ -93,7 +99,88 @@ def validate(p: SamplingParams) -> SamplingParams:
         raise SamplingError(f"n_probs must be in [0, 100], got {p.n_probs}")
     if not isinstance(p.stop, list) or not all(isinstance(s, str) for s in p.stop):
         raise SamplingError("stop must be a list of strings")
+    validate_logit_bias(p.logit_bias)
+    if p.grammar is not None and not isinstance(p.grammar, str):
+        raise SamplingError("grammar must be a string")
     return p
+
+
+def validate_logit_bias(bias, n_vocab: int | None = None) -> None:
+    """Token ids in range (when n_vocab is known), biases finite or -inf (a ban)."""
+    if not isinstance(bias, dict):
+        raise SamplingError("logit_bias must map token ids to biases")
+    for tok, b in bias.items():
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise SamplingError(f"logit_bias: token {shown(tok)} is not a token id")
+        if n_vocab is not None and not 0 <= tok < n_vocab:
+            raise SamplingError(
+                f"logit_bias: token id {tok} is out of range (vocabulary has {n_vocab} tokens)"
+            )
+        ok = isinstance(b, (int, float)) and not isinstance(b, bool)
+        if not ok or not (math.isfinite(b) or b == -math.inf):
+            raise SamplingError(
+                f"logit_bias: the bias of token {tok} must be a finite number or false "
+                f"(never), got {shown(b)}"
+            )
+
+
+def parse_logit_bias(value, tokenizer, n_vocab: int) -> dict[int, float]:
+    """A request's ``logit_bias`` in llama-server's forms: a list of ``[token, bias]``
+    pairs or OpenAI's map ``{"token id": bias}``. A token given as text (a string in a
+    pair, or a map key that is not a number) is tokenized and each of its tokens gets
+    the bias; a bias of ``false`` bans the token. Entries for the same token add up,
+    as llama.cpp applies them one after another. SamplingError (400) names a bad
+    entry: llama-server skips those silently, which hides a client's typo."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        entries = list(value.items())
+    elif isinstance(value, list):
+        entries = []
+        for i, el in enumerate(value):
+            if not isinstance(el, list) or len(el) != 2:
+                raise SamplingError(f"logit_bias[{i}] must be a [token, bias] pair")
+            entries.append((el[0], el[1]))
+    else:
+        raise SamplingError("logit_bias must be a list of [token, bias] pairs or an object")
+    out: dict[int, float] = {}
+    for key, b in entries:
+        bias = _bias_value(key, b)
+        for tok in _bias_tokens(key, tokenizer, isinstance(value, dict)):
+            if not 0 <= tok < n_vocab:
+                raise SamplingError(
+                    f"logit_bias: token id {tok} is out of range (vocabulary has {n_vocab} tokens)"
+                )
+            out[tok] = out.get(tok, 0.0) + bias
+    return out
+
+
+def _bias_value(key, b) -> float:
+    if b is False:
+        return -math.inf
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        b = float(b)
+        if math.isfinite(b) or b == -math.inf:
+            return b
+    raise SamplingError(
+        f"logit_bias: the bias of token {shown(key)} must be a finite number or false "
+        f"(never), got {shown(b)}"
+    )
+
+
+def _bias_tokens(key, tokenizer, from_map: bool) -> list[int]:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return [key]
+    if isinstance(key, str):
+        if from_map:
+            try:
+                return [int(key, 10)]
+            except ValueError:
+                pass  # not a number: text, tokenized below (llama-server's rule)
+        if not key:
+            raise SamplingError("logit_bias: a token given as text must not be empty")
+        return tokenizer.encode(key)
+    raise SamplingError(f"logit_bias: token {shown(key)} must be a token id or a string")
 
 
 def shown(v, limit: int = 32) -> str:
@@ -134,14 +221,43 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParam
     return out
 
 
-def make_sampler(p: SamplingParams, eog_ids: Iterable[int] = ()) -> Sampler:
+def apply_logit_bias(logits: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """A copy of logits with bias[i] added to logits[ids[i]] (-inf: that token never)."""
+    out = logits.copy()
+    ids = ids[ids < len(out)]  # a model may have fewer logits than the request's vocab check
+    out[ids] += bias[: len(ids)]
+    return out
+
+
+def make_sampler(p: SamplingParams, eog_ids: Iterable[int] = (), constraint=None) -> Sampler:
+    """The sampler of one sequence. ``constraint`` (core.serve.grammar.Constraint) is
+    that sequence's grammar state: its mask is applied before every token and it is
+    told every token chosen. ignore_eos does not fight a grammar: once the grammar is
+    complete, only an end-of-generation token may follow."""
     seed = p.seed if p.seed is not None and p.seed >= 0 else None
     rng = np.random.default_rng(seed)
-    banned = np.fromiter(eog_ids, dtype=np.int64) if p.ignore_eos else None
+    banned = np.fromiter(eog_ids, dtype=np.int64) if p.ignore_eos and constraint is None else None
+    bias_ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+    bias_vals = np.fromiter(p.logit_bias.values(), dtype=np.float64, count=len(p.logit_bias))
+    # a finite bias beyond float32 (1e300, which llama-server accepts) must not become +inf
+    bias_vals = np.where(
+        np.isneginf(bias_vals), -np.inf, np.clip(bias_vals, -BIAS_MAX, BIAS_MAX)
+    ).astype(np.float32)
 
-    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+    def choose(logits: np.ndarray, history: Sequence[int]) -> int:
+        tok = pick(logits, history)
+        if constraint is not None:
+            constraint.accept(tok)
+        return tok
+
+    def pick(logits: np.ndarray, history: Sequence[int]) -> int:
+        x = logits
+        if len(bias_ids):
+            x = apply_logit_bias(x, bias_ids, bias_vals)
+        if constraint is not None:
+            x = np.where(constraint.allowed(len(x)), x, np.float32(-np.inf))  # (n_vocab,)
         with np.errstate(over="ignore", invalid="ignore"):  # reported just below instead
-            x = apply_penalties(logits, history, p)
+            x = apply_penalties(x, history, p)
         if banned is not None and len(banned):
             x = x.copy() if x is logits else x
             x[banned] = -np.inf
@@ -172,7 +288,7 @@ def make_sampler(p: SamplingParams, eog_ids: Iterable[int] = ()) -> Sampler:
         w /= w.sum()
         return int(ids[rng.choice(len(ids), p=w)])
 
-    return sample
+    return choose
 
 
 class StopMatcher:
