@@ -25,6 +25,7 @@ import numpy as np
 from ..lora.mix import MixKey, MixWeights
 from ..model.kv_cache import ContextOverflow, KVCache
 from ..model.llama import BatchItem, LlamaModel
+from .grammar import Constraint, ConstraintError
 from .prefix_cache import PrefixCache
 from .sampling import (
     NonFiniteLogits,
@@ -142,7 +143,9 @@ class _Seq:
         self.pending = list(req.prompt[n_cached:])  # prompt tokens not yet run
         self.history = list(req.prompt)  # for penalties
         self.generated: list[int] = []
-        self.sampler = make_sampler(req.params, eog)
+        # a grammar-constrained request gets its own parser state; others pay nothing
+        constraint = Constraint(req.params.grammar, tokenizer) if req.params.grammar else None
+        self.sampler = make_sampler(req.params, eog, constraint)
         self.decoder = tokenizer.decoder()
         self.stops = StopMatcher(req.params.stop)
         self.timings = Timings(cache_n=n_cached)
@@ -283,7 +286,7 @@ class Scheduler:
         for s, it, lg in zip(seqs, items, logits):
             try:
                 self._advance(s, len(it.tokens), lg, dt)
-            except NonFiniteLogits as e:  # penalties pushed the logits out of range
+            except (NonFiniteLogits, ConstraintError) as e:  # no token can be sampled
                 self._fail([s], str(e))
             except Exception as e:  # a bug in one sequence's sampling: fail it alone
                 log.exception("sampling failed for request %s", s.req.id)
@@ -320,8 +323,8 @@ class Scheduler:
         last n-gram. Only for deterministic (greedy) sampling, where verification can
         reproduce plain decoding exactly, and only for a lone sequence: in a batch the
         matmuls already run at batch > 1, so extra rows would cost real time."""
-        if s.pending or not s.deterministic:
-            return
+        if s.pending or not s.deterministic or s.req.params.grammar:
+            return  # a grammar's parser state advances per sampled token: no drafts
         if s.spec_cooldown:
             s.spec_cooldown -= 1
             return
