@@ -260,27 +260,30 @@ def _ordered(cfg: ModelConfig, pairs: Mapping[str, Any]) -> list[str]:
 # ---- 2. a merged model GGUF ----------------------------------------------------
 
 
-def _encode(arr: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """float32 (rows, cols) -> (data to write, its ggml type). Norms and other 1-D
-    tensors stay F32; a row that does not fit Q8_0 blocks falls back to F16."""
-    if arr.ndim < 2 or outtype == "f32":
-        return np.ascontiguousarray(arr, dtype=np.float32), GGMLQuantizationType.F32
-    if outtype == "q8_0" and arr.shape[-1] % 32 == 0:
-        return quants.quantize(arr, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-    return arr.astype(np.float16), GGMLQuantizationType.F16
-
-
-def _encoded_nbytes(shape: tuple[int, ...], qt: GGMLQuantizationType) -> int:
-    block, size = GGML_QUANT_SIZES[qt]
-    return int(np.prod(shape)) // block * size
-
-
 def _planned_type(shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
+    """The ggml type a tensor of this shape is written in: norms and other 1-D tensors
+    stay F32; a row that does not fit Q8_0 blocks falls back to F16."""
     if len(shape) < 2 or outtype == "f32":
         return GGMLQuantizationType.F32
     if outtype == "q8_0" and shape[-1] % 32 == 0:
         return GGMLQuantizationType.Q8_0
     return GGMLQuantizationType.F16
+
+
+def _encode(arr: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """float32 (rows, cols) -> (data to write, its ggml type from _planned_type, the
+    type the header already announced)."""
+    qt = _planned_type(arr.shape, outtype)
+    if qt == GGMLQuantizationType.F32:
+        return np.ascontiguousarray(arr, dtype=np.float32), qt
+    if qt == GGMLQuantizationType.Q8_0:
+        return quants.quantize(arr, qt), qt
+    return arr.astype(np.float16), qt
+
+
+def _encoded_nbytes(shape: tuple[int, ...], qt: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[qt]
+    return int(np.prod(shape)) // block * size
 
 
 def _engine_weights(base: Any, mix: _Mix) -> Callable[[str], np.ndarray | None] | None:
