@@ -34,6 +34,7 @@ from ..chat_template import build_prompt
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
+from . import endpoints as E
 from . import responses as R
 from .build_info import build_info
 from .responses import HttpError
@@ -194,6 +195,7 @@ SETTINGS = web.AppKey("settings", ServerSettings)
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
+METRICS = web.AppKey("metrics", E.Metrics)
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TOKENIZE_INLINE_CHARS = 16384
@@ -221,6 +223,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     )
     # chat templates stop themselves (RenderLimits); the timeout is a backstop
     app[TEXT_POOL] = BlockingPool("text", workers=2, queue=64, timeout=60.0)
+    app[METRICS] = E.Metrics()
     app.on_response_prepare.append(add_cors_on_prepare)
     r = app.router
     r.add_get("/health", health)
@@ -242,6 +245,14 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_post("/apply-template", apply_template)
+    r.add_get("/slots", slots)
+    r.add_post("/slots/{id_slot}", slots_action)
+    r.add_get("/metrics", metrics)
+    for path in ("/embedding", "/embeddings", "/v1/embeddings"):
+        r.add_post(path, embeddings)
+    r.add_post("/infill", infill)
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        r.add_post(path, rerank)
     return app
 
 
@@ -411,6 +422,8 @@ class _Generation:
                 continue
             if isinstance(ev, DoneEvent):
                 self.done = ev
+                if ev.stop_type not in ("error", "cancel"):
+                    self.request.app[METRICS].record(ev)
             return ev
 
     def cancel(self) -> None:
@@ -499,6 +512,61 @@ async def props(request: web.Request) -> web.Response:
             "lora_init_without_apply": s.lora_init_without_apply,
         }
     )
+
+
+async def slots(request: web.Request) -> web.Response:
+    """GET /slots (--no-slots: 501); ?fail_on_no_slot answers 503 when all are busy."""
+    s = _settings(request)
+    if not s.slots:
+        raise E.not_supported(
+            "This server does not support slots endpoint. Start it with `--slots`"
+        )
+    eng = _engine(request)
+    if "fail_on_no_slot" in request.query and E.idle_slots(eng) == 0:
+        raise HttpError("no slot available", 503, "unavailable_error")
+    return web.json_response(E.slots_list(eng, s, _model_id(request, eng)))
+
+
+async def slots_action(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    out = E.slot_action(
+        eng, _settings(request), request.match_info["id_slot"], request.query.get("action")
+    )
+    return web.json_response(out)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text with llama-server's names (--metrics; else 501)."""
+    if not _settings(request).metrics:
+        raise E.not_supported(
+            "This server does not support metrics endpoint. Start it with `--metrics`"
+        )
+    eng = _engine(request)
+    return web.Response(
+        text=request.app[METRICS].prometheus(eng.stats()),
+        content_type="text/plain",
+        charset="utf-8",
+    )
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    if not _settings(request).embedding:
+        raise E.not_supported(
+            "This server does not support embeddings. Start it with `--embeddings`"
+        )
+    raise E.not_supported("embeddings are not implemented by Mixdesk yet")
+
+
+async def infill(request: web.Request) -> web.Response:
+    """/infill needs the model's fill-in-the-middle tokens (501 without them)."""
+    missing = E.missing_fim_tokens(_engine(request).tokenizer)
+    if missing:  # before the body is read: the answer does not depend on it
+        raise E.not_supported(f"Infill is not supported by this model: {missing}")
+    return await completion(request, prompt_field=E.infill_prompt)
+
+
+async def rerank(request: web.Request) -> web.Response:
+    raise E.not_supported("This server does not support reranking. Start it with `--reranking`")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -696,6 +764,9 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     s = _settings(request)
     body = await _body(request)
     opts = R.parse_generation(body, s.n_predict_default, oai=oai, defaults=s.sampling)
+    opts.extra["post_sampling"] = R.get_bool(body, "post_sampling_probs", False)
+    opts.extra["response_fields"] = R.parse_response_fields(body)
+    opts.extra["verbose"] = R.get_bool(body, "verbose", False) or s.verbose
     if oai:
         n_top = R.parse_oai_logprobs(body, chat)
         if n_top:
@@ -708,6 +779,10 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
         text = await _render_chat(request, eng, body)
         prompt = await _encode_prompt(request, eng, text)
         _verbose(request, "prompt", lambda: text)
+    elif callable(prompt_field):  # /infill builds its tokens from its own fields
+        prompt = prompt_field(eng, body)
+        R.check_prompt_tokens(prompt, eng.config.vocab_size)
+        _verbose(request, "prompt", lambda: eng.tokenizer.decode(prompt))
     else:
         if "prompt" not in body:
             raise HttpError('"prompt" is required')
@@ -782,18 +857,27 @@ async def _stream(
     return resp
 
 
-async def completion(request: web.Request) -> web.StreamResponse:
-    """llama-server's POST /completion (also /completions)."""
-    eng, opts, prompt, gen = await _start(request, "prompt", oai=False)
+async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.StreamResponse:
+    """llama-server's POST /completion (also /completions, and /infill's answer)."""
+    eng, opts, prompt, gen = await _start(request, prompt_field, oai=False)
     mid = _model_id(request, eng)
     tok = eng.tokenizer
     n_probs = opts.params.n_probs
     all_ids = [a["id"] for a in eng.adapters()]
 
+    post = opts.extra["post_sampling"]
+    prompt_text = tok.decode(prompt, strip_prefix_space=False)
+
     def settings_for(done):
-        return R.generation_settings(
+        out = R.generation_settings(
             opts.params, eng.ctx_size, mid, opts.stream, R.mix_to_lora(done.mix, all_ids)
         )
+        out["post_sampling_probs"] = post
+        return out
+
+    def probability(token, logprob, top, merged):
+        e = R.completion_probability(tok, token, logprob, top, merged)
+        return R.as_post_sampling(e) if post else e
 
     if not opts.stream:
         done, toks = await gen.collect()
@@ -805,18 +889,21 @@ async def completion(request: web.Request) -> web.StreamResponse:
             for t in toks:
                 merged = merger.push(t.token)
                 if merged is not None:  # None: ends inside a UTF-8 character
-                    probs.append(R.completion_probability(tok, t.token, t.logprob, t.top, merged))
-        return web.json_response(
-            R.completion_final(
-                done,
-                prompt_n=len(prompt),
-                model=mid,
-                all_ids=all_ids,
-                return_tokens=opts.return_tokens,
-                probs=probs,
-                settings=settings_for(done),
-            )
+                    probs.append(probability(t.token, t.logprob, t.top, merged))
+        out = R.completion_final(
+            done,
+            prompt_n=len(prompt),
+            model=mid,
+            all_ids=all_ids,
+            return_tokens=opts.return_tokens,
+            probs=probs,
+            settings=settings_for(done),
+            prompt_text=prompt_text,
         )
+        body = R.select_fields(out, opts.extra["response_fields"])
+        if opts.extra["verbose"]:
+            body["__verbose"] = out
+        return web.json_response(body)
 
     merger = tok.probs_merger()
 
@@ -829,9 +916,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
                 # id and any complete text, so nothing a client counts is lost
                 merged = merger.push(ev.token)
                 probs = (
-                    []
-                    if merged is None
-                    else [R.completion_probability(tok, ev.token, ev.logprob, ev.top, merged)]
+                    [] if merged is None else [probability(ev.token, ev.logprob, ev.top, merged)]
                 )
             return R.completion_chunk(ev.text, [ev.token], probs)
         return R.completion_chunk(ev.text, [], [] if n_probs else None) if ev.text else None
@@ -848,6 +933,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
                     probs=None,
                     settings=settings_for(ev),
                     streaming=True,
+                    prompt_text=prompt_text,
                 )
             )
         ]

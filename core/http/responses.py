@@ -453,6 +453,49 @@ def _prob_entry(tokenizer, tid: int, logprob: float) -> dict:
     }
 
 
+def as_post_sampling(entry: dict) -> dict:
+    """A completion_probabilities entry in llama-server's post_sampling_probs form:
+    ``prob``/``top_probs`` (probabilities, not logs) and no zero-probability
+    candidate. Mixdesk's candidates come from the distribution the sampler drew from
+    before top-k/top-p/min-p truncation, so a truncated candidate still shows its
+    probability there."""
+    out = {k: v for k, v in entry.items() if k not in ("logprob", "top_logprobs")}
+    out["prob"] = math.exp(entry["logprob"])
+    out["top_probs"] = [
+        {**{k: v for k, v in t.items() if k != "logprob"}, "prob": math.exp(t["logprob"])}
+        for t in entry.get("top_logprobs", [])
+        if math.exp(t["logprob"]) > 0.0
+    ]
+    return out
+
+
+def select_fields(body: dict, paths: Any) -> dict:
+    """llama-server's ``response_fields``: only the named fields, each under its path
+    (``"generation_settings/n_predict"``); a name that is not in the body is left
+    out, as llama-server does. An empty list keeps the whole body."""
+    if not paths:
+        return body
+    out = {}
+    for path in paths:
+        cur: Any = body
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
+    return out
+
+
+def parse_response_fields(body: Mapping) -> list[str]:
+    v = body.get("response_fields")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise HttpError("response_fields must be a list of field names")
+    return v
+
+
 def completion_probability(
     tokenizer,
     token: int,
@@ -553,6 +596,7 @@ def completion_final(
     probs: list[dict] | None,
     settings: dict,
     streaming: bool = False,
+    prompt_text: str = "",
 ) -> dict:
     """llama-server's /completion response (or its last stream chunk)."""
     out = {
@@ -565,6 +609,7 @@ def completion_final(
         "tokens_predicted": len(done.tokens),
         "tokens_evaluated": prompt_n,
         "generation_settings": settings,
+        "prompt": prompt_text,
         "has_new_line": "\n" in done.content,
         "truncated": False,
         "stop_type": done.stop_type if done.stop_type in ("eos", "limit", "word") else "none",
@@ -586,10 +631,50 @@ def completion_chunk(text: str, tokens: list[int], probs: list[dict] | None) -> 
     return out
 
 
+# generation_settings fields of llama-server's samplers Mixdesk does not have, at the
+# values that switch them off (what llama-server shows for a request not using them):
+# a script reading any of them finds it, with the value that means "not applied"
+LLAMA_ONLY_SETTINGS = {
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
+    "top_n_sigma": -1.0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "typical_p": 1.0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": ["\n", ":", '"', "*"],
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
+    "n_keep": 0,
+    "n_discard": 0,
+    "logit_bias": [],
+    "min_keep": 0,
+    "grammar": "",
+    "grammar_lazy": False,
+    "grammar_triggers": [],
+    "preserved_tokens": [],
+    "chat_format": "Content-only",
+    "reasoning_format": "none",
+    "reasoning_in_content": False,
+    "generation_prompt": "",
+    "speculative.types": "none",
+    "timings_per_token": False,
+    "post_sampling_probs": False,
+    "backend_sampling": False,
+}
+
+
 def generation_settings(
     p: SamplingParams, n_ctx: int, model: str, stream: bool, lora: list[dict]
 ) -> dict:
     return {
+        **LLAMA_ONLY_SETTINGS,
         "n_ctx": n_ctx,
         "model": model,
         "n_predict": p.n_predict,
