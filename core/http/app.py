@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -359,6 +359,22 @@ def _resolve_mix(eng, opts: R.GenOptions, oai: bool) -> dict[int, float] | None:
     return None
 
 
+def _refused(e: BaseException, prompt: list[int], eng) -> BaseException:
+    """What a refused submit answers: a prompt too long for the context is llama-server's
+    400 (its wording and fields: scripts match on them); anything else as it is."""
+    from ..serve.engine import EngineError
+
+    if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
+        return HttpError(
+            "the request exceeds the available context size, try increasing it",
+            400,
+            e.type,
+            n_prompt_tokens=len(prompt),
+            n_ctx=eng.ctx_size,
+        )
+    return e
+
+
 class _Generation:
     """One submitted request whose engine events arrive on an asyncio.Queue."""
 
@@ -370,6 +386,7 @@ class _Generation:
         params: SamplingParams,
         mix,
         cache_prompt: bool,
+        submit: bool = True,
     ):
         loop = asyncio.get_running_loop()
         self.request = request
@@ -383,24 +400,45 @@ class _Generation:
                 if r is not None:
                     r.cancel()
 
+        self.on_event = on_event
         self.done: DoneEvent | None = None
+        if not submit:
+            return  # many() submits the whole batch at once
         try:
             self.req = eng.submit(
                 prompt, params, on_event, mix=mix, cache_prompt=cache_prompt, source="http"
             )
         except Exception as e:
-            from ..serve.engine import EngineError
+            raise _refused(e, prompt, eng) from None
 
-            if isinstance(e, EngineError) and e.type == "exceed_context_size_error":
-                # llama-server's wording and fields: scripts match on them
-                raise HttpError(
-                    "the request exceeds the available context size, try increasing it",
-                    400,
-                    e.type,
-                    n_prompt_tokens=len(prompt),
-                    n_ctx=eng.ctx_size,
-                ) from None
-            raise
+    @classmethod
+    def many(cls, request, eng, jobs: list[tuple[list[int], SamplingParams]], mix, cache_prompt):
+        """Several generations (n choices, several prompts) submitted together with
+        Engine.submit_many, so the scheduler admits them in the same step and they run
+        as one batch. If any is refused, none runs."""
+        gens = [cls(request, eng, p, params, mix, cache_prompt, submit=False) for p, params in jobs]
+        got = eng.submit_many(
+            [
+                dict(
+                    prompt=p,
+                    params=params,
+                    on_event=g.on_event,
+                    mix=mix,
+                    cache_prompt=cache_prompt,
+                    source="http",
+                )
+                for g, (p, params) in zip(gens, jobs)
+            ]
+        )
+        bad = [(e, p) for e, (p, _) in zip(got, jobs) if isinstance(e, BaseException)]
+        if bad:
+            for r in got:
+                if not isinstance(r, BaseException):
+                    r.cancel()
+            raise _refused(bad[0][0], bad[0][1], eng)
+        for g, r in zip(gens, got):
+            g.req = r
+        return gens
 
     def _client_gone(self) -> bool:
         t = self.request.transport
@@ -786,10 +824,29 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     else:
         if "prompt" not in body:
             raise HttpError('"prompt" is required')
+        if R.is_multi_prompt(body["prompt"]):
+            R.check_choices(len(body["prompt"]), opts.extra["n"])
+            prompts = [await _encode_prompt(request, eng, p) for p in body["prompt"]]
+            return eng, opts, prompts, _start_many(request, eng, opts, prompts, mix)
         prompt = await _encode_prompt(request, eng, body["prompt"])
         _verbose(request, "prompt", lambda: eng.tokenizer.decode(prompt))
+    if opts.extra["n"] > 1:
+        return eng, opts, [prompt], _start_many(request, eng, opts, [prompt], mix)
     gen = _Generation(request, eng, prompt, opts.params, mix, opts.cache_prompt)
     return eng, opts, prompt, gen
+
+
+def _start_many(request, eng, opts, prompts: list[list[int]], mix) -> list[_Generation]:
+    """n completions of each prompt, prompt-major (choice index = prompt * n + j), in one
+    batch. With a seed, completion j of a prompt samples with seed + j: reproducible,
+    and the n choices differ as OpenAI's n means."""
+    n, p = opts.extra["n"], opts.params
+    jobs = [
+        (prompt, replace(p, seed=None if p.seed is None else p.seed + j))
+        for prompt in prompts
+        for j in range(n)
+    ]
+    return _Generation.many(request, eng, jobs, mix, opts.cache_prompt)
 
 
 async def _start_oai(request: web.Request, id_prefix: str, chat: bool = False) -> tuple:
@@ -860,6 +917,8 @@ async def _stream(
 async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.StreamResponse:
     """llama-server's POST /completion (also /completions, and /infill's answer)."""
     eng, opts, prompt, gen = await _start(request, prompt_field, oai=False)
+    if isinstance(gen, list):  # several prompts or n_cmpl > 1
+        return await _completion_many(request, eng, opts, prompt, gen)
     mid = _model_id(request, eng)
     tok = eng.tokenizer
     n_probs = opts.params.n_probs
@@ -945,6 +1004,8 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/completions."""
     eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(request, "cmpl")
     tok = eng.tokenizer
+    if isinstance(gen, list):  # n > 1 or several prompts: one choice each
+        return await _oai_many(request, eng, opts, prompt, gen, (mid, all_ids, cid, created))
 
     if not opts.stream:
         done, toks = await gen.collect()
@@ -995,6 +1056,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         request, "chatcmpl", chat=True
     )
     tok = eng.tokenizer
+    if isinstance(gen, list):  # n > 1
+        meta = (mid, all_ids, cid, created)
+        return await _oai_many(request, eng, opts, prompt, gen, meta, chat=True)
 
     if not opts.stream:
         done, toks = await gen.collect()
@@ -1042,3 +1106,190 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         {"role": "assistant", "content": None}, cid=cid, created=created, model=mid
     )
     return await _stream(request, gen, token_chunk, final_chunks, first=first)
+
+
+# ---- several completions in one request (n > 1, several prompts) ------------------------
+
+
+async def _collect_all(gens: list[_Generation]) -> list[tuple[DoneEvent, list[TokenEvent]]]:
+    """Every generation's result; a failed one fails the request (500, its message), and
+    a client that goes away cancels them all."""
+    try:
+        got = await asyncio.gather(*(g.collect() for g in gens))
+    finally:
+        for g in gens:
+            g.cancel()
+    for done, _ in got:
+        _raise_for_done(done)
+    return got
+
+
+def _choice_prompt(prompts: list[list[int]], n: int, i: int) -> list[int]:
+    return prompts[i // n]
+
+
+async def _completion_many(request, eng, opts, prompts, gens) -> web.StreamResponse:
+    """/completion with several prompts (or n_cmpl > 1): llama-server answers a JSON
+    array of results, each with its ``index``; streamed, each chunk carries it."""
+    mid = _model_id(request, eng)
+    tok = eng.tokenizer
+    all_ids = [a["id"] for a in eng.adapters()]
+    n = opts.extra["n"]
+
+    def final(i: int, done: DoneEvent, probs=None, streaming=False) -> dict:
+        out = R.completion_final(
+            done,
+            prompt_n=len(_choice_prompt(prompts, n, i)),
+            model=mid,
+            all_ids=all_ids,
+            return_tokens=opts.return_tokens,
+            probs=probs,
+            settings=R.generation_settings(
+                gens[i].req.params, eng.ctx_size, mid, opts.stream, R.mix_to_lora(done.mix, all_ids)
+            ),
+            streaming=streaming,
+        )
+        out["index"] = i
+        return out
+
+    def probs_of(toks) -> list[dict] | None:
+        if not opts.params.n_probs:
+            return None
+        merger, probs = tok.probs_merger(), []
+        for t in toks:
+            merged = merger.push(t.token)
+            if merged is not None:  # None: ends inside a UTF-8 character
+                probs.append(R.completion_probability(tok, t.token, t.logprob, t.top, merged))
+        return probs
+
+    if not opts.stream:
+        got = await _collect_all(gens)
+        return web.json_response([final(i, d, probs_of(t)) for i, (d, t) in enumerate(got)])
+
+    def token_chunk(i: int, ev) -> dict | None:
+        if not ev.text and ev.kind != "token":
+            return None
+        out = R.completion_chunk(ev.text, [ev.token] if ev.kind == "token" else [], None)
+        out["index"] = i
+        return out
+
+    def final_chunks(i: int, ev) -> list[bytes]:
+        return [R.sse(final(i, ev, streaming=True))]
+
+    return await _stream_many(request, gens, token_chunk, final_chunks)
+
+
+async def _oai_many(request, eng, opts, prompts, gens, meta, chat=False) -> web.StreamResponse:
+    """/v1/completions and /v1/chat/completions with n > 1 (or several prompts): one
+    choice per generation, ``index`` prompt * n + j; usage adds up all of them."""
+    mid, all_ids, cid, created = meta
+    tok = eng.tokenizer
+    n, n_top = opts.extra["n"], opts.extra["n_top"]
+    prompt_n = sum(len(p) for p in prompts)
+
+    def total_usage(dones: list[DoneEvent]) -> dict:
+        u = R.usage(prompt_n, dones[0])
+        u["completion_tokens"] = sum(len(d.tokens) for d in dones)
+        u["total_tokens"] = prompt_n + u["completion_tokens"]
+        u["prompt_tokens_details"] = {"cached_tokens": sum(d.timings.cache_n for d in dones)}
+        return u
+
+    if not opts.stream:
+        got = await _collect_all(gens)
+        choices, out = [], {}
+        for i, (done, toks) in enumerate(got):
+            args = dict(cid=cid, created=created, model=mid, all_ids=all_ids)
+            p_n = len(_choice_prompt(prompts, n, i))
+            if chat:
+                lp = [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
+                one = R.oai_chat(done, prompt_n=p_n, logprobs=lp if n_top else None, **args)
+            else:
+                lp = R.oai_completion_logprobs(
+                    tok, [(t.token, t.logprob, t.top) for t in toks], n_top
+                )
+                one = R.oai_completion(done, prompt_n=p_n, logprobs=lp if n_top else None, **args)
+            out = out or one
+            choices.append({**one["choices"][0], "index": i})
+        out["choices"] = choices
+        out["usage"] = total_usage([d for d, _ in got])
+        return web.json_response(out)
+
+    build = R.oai_chat_chunk if chat else R.oai_completion_chunk
+
+    def chunk(i: int, what, finish=None) -> dict:
+        out = build(what, cid=cid, created=created, model=mid, finish=finish)
+        out["choices"][0]["index"] = i
+        return out
+
+    def token_chunk(i: int, ev) -> dict | None:
+        if not ev.text:
+            return None
+        return chunk(i, {"content": ev.text} if chat else ev.text)
+
+    def final_chunks(i: int, ev) -> list[bytes]:
+        return [R.sse(chunk(i, {} if chat else "", R.finish_reason(ev.stop_type)))]
+
+    def closing(dones: list[DoneEvent]) -> list[bytes]:
+        tail = {k: v for k, v in chunk(0, {} if chat else "").items() if k != "choices"}
+        extra = {"usage": total_usage(dones), "timings": R.timings(dones[0].timings)}
+        return [R.sse({**tail, "choices": [], **extra}), R.SSE_DONE]
+
+    def first(i: int) -> dict:
+        return chunk(i, {"role": "assistant", "content": None})
+
+    return await _stream_many(
+        request, gens, token_chunk, final_chunks, closing, first if chat else None
+    )
+
+
+async def _stream_many(
+    request, gens, token_chunk, final_chunks, closing=None, first=None
+) -> web.StreamResponse:
+    """_stream for several generations at once: their events interleave as the batch
+    produces them, each chunk tagged with its choice index by the callbacks. An error
+    in any of them ends the stream with the error; a client that goes away cancels all."""
+    resp = await _open_sse(request)
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: _Generation) -> None:
+        while True:
+            ev = await g.next(watch_client=False)
+            merged.put_nowait((i, ev))
+            if isinstance(ev, DoneEvent):
+                return
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    dones: list[DoneEvent | None] = [None] * len(gens)
+    try:
+        if first is not None:
+            for i in range(len(gens)):
+                await resp.write(R.sse(first(i)))
+        while any(d is None for d in dones):
+            try:
+                i, ev = await asyncio.wait_for(merged.get(), POLL_S)
+            except TimeoutError:
+                if gens[0]._client_gone():
+                    raise ConnectionResetError("client disconnected") from None
+                continue
+            if isinstance(ev, DoneEvent):
+                dones[i] = ev
+                if ev.stop_type in ("error", "cancel"):
+                    await resp.write(R.sse(_stream_error(ev)))
+                    break
+                for c in final_chunks(i, ev):
+                    await resp.write(c)
+                continue
+            c = token_chunk(i, ev)
+            if c is not None:
+                await resp.write(R.sse(c))
+        else:
+            for c in closing(dones) if closing is not None else []:
+                await resp.write(c)
+    except ConnectionError:
+        request[DISCONNECTED] = True
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            g.cancel()
+    return resp

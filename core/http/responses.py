@@ -172,6 +172,9 @@ def get_stop(body: Mapping) -> list[str]:
     raise HttpError("stop must be a string or a list of strings")
 
 
+MAX_CHOICES = 16  # completions in one request (prompts x n): each takes a batch row
+
+
 @dataclass
 class GenOptions:
     """A generation request as read from a body (any of the three endpoints)."""
@@ -233,9 +236,7 @@ def parse_generation(
     defaults: SamplingParams | None = None,
 ) -> GenOptions:
     params = parse_sampling(body, n_predict_default, oai, defaults)
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise HttpError("only n = 1 is supported")
+    n = parse_n(body)
     opts = GenOptions(
         params=params,
         stream=get_bool(body, "stream", False),
@@ -246,7 +247,41 @@ def parse_generation(
     )
     if "lora" in body and body["lora"] is None:
         raise HttpError('lora must be a list of {"id", "scale"} objects, got null')
+    opts.extra["n"] = n
     return opts
+
+
+def parse_n(body: Mapping) -> int:
+    """Completions per prompt: OpenAI's ``n``, llama-server's ``n_cmpl``. Every one is a
+    sequence in the batch, so a request may ask for at most MAX_CHOICES in all."""
+    n = get_int(body, "n_cmpl", None)
+    name = "n_cmpl" if n is not None else "n"
+    n = n if n is not None else get_int(body, "n", 1)
+    if n < 1:
+        raise HttpError(f"{name} must be at least 1, got {n}")
+    if n > MAX_CHOICES:
+        raise HttpError(
+            f"{name} = {n} is too many completions for one request (at most {MAX_CHOICES})"
+        )
+    return n
+
+
+def is_multi_prompt(prompt: Any) -> bool:
+    """llama-server's several prompts in one request: a list of two or more prompts,
+    each a string, a token list or a {"prompt_string"} object."""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(x, (str, list, dict)) for x in prompt)
+    )
+
+
+def check_choices(n_prompts: int, n: int) -> None:
+    if n_prompts * n > MAX_CHOICES:
+        raise HttpError(
+            f"{n_prompts} prompts x n = {n} is {n_prompts * n} completions, too many for "
+            f"one request (at most {MAX_CHOICES})"
+        )
 
 
 def parse_oai_logprobs(body: Mapping, chat: bool) -> int:
