@@ -200,3 +200,30 @@ def test_engine_rejects_bad_params_and_tokens(engine):
         engine.complete([1, 2], SamplingParams(top_p=7))
     with pytest.raises(EngineError, match="invalid token id"):
         engine.complete([1, 10**6], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [{5: float("nan")}, {5: float("inf")}, {"5": 1.0}, {True: 1.0}, {5: "x"}, [(5, 1.0)]],
+)
+def test_validate_rejects_bad_logit_bias(bias):
+    with pytest.raises(SamplingError, match="logit_bias"):
+        validate(SamplingParams(logit_bias=bias))
+
+
+def test_logit_bias_ban_and_force_hold_at_every_temperature():
+    logits = logits_for([0.7, 0.2, 0.05, 0.05])
+    for t in (0.0, 0.5, 1.5):
+        banned = SamplingParams(temperature=t, seed=1, top_k=0, min_p=0, logit_bias={0: -np.inf})
+        assert 0 not in draws(validate(banned), logits, 100)
+        forced = SamplingParams(temperature=t, seed=1, logit_bias={3: 1e6})
+        assert set(draws(validate(forced), logits, 100)) == {3}
+
+
+def test_logit_bias_ban_survives_penalties():
+    """-inf stays -inf through the repeat penalty (multiplied) and a negative presence
+    penalty (subtracted): a banned token never comes back."""
+    p = SamplingParams(
+        temperature=0, repeat_penalty=1.5, presence_penalty=-50.0, logit_bias={1: -np.inf}
+    )
+    assert make_sampler(validate(p))(logits_for([0.1, 0.8, 0.1]), [1, 1, 1]) != 1

@@ -230,3 +230,27 @@ def test_compile_refuses_non_strings_and_huge_grammars(engine):
         compile_grammar("json_schema", [1, 2], engine.tokenizer)
     with pytest.raises(GrammarError, match="too long"):
         compile_grammar("gbnf", 'root ::= "a"' + " " * (300 << 10), engine.tokenizer)
+
+
+def _run(engine, prompt, params):
+    events = list(engine.generate(prompt, params))
+    return events[-1]
+
+
+def test_constrained_requests_are_never_drafted_and_keep_the_grammar(engine):
+    """Prompt-lookup drafting (on by default) would feed tokens past the mask: a
+    constrained sequence never drafts, an unconstrained one on the same text does."""
+    tok = engine.tokenizer
+    prompt = tok.encode("1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3", add_special=True)
+    sched = engine.scheduler
+    assert engine.draft_max > 0
+    before = sched.drafted
+    plain = _run(engine, prompt, SamplingParams(temperature=0, n_predict=24, ignore_eos=True))
+    assert sched.drafted > before  # this text does draft when unconstrained
+    g = compile_grammar("gbnf", 'root ::= (" " [1-8])+ " 9"', tok)
+    before = sched.drafted
+    done = _run(engine, prompt, SamplingParams(temperature=0, n_predict=24, grammar=g))
+    assert sched.drafted == before
+    assert plain.stop_type == "limit" and done.content.strip()
+    parts = done.content.split(" ")
+    assert parts[0] == "" and all(p in "12345678" and len(p) == 1 for p in parts[1:-1])
