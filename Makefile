@@ -7,7 +7,7 @@ PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 
-.PHONY: run test lint serve bench package model clean
+.PHONY: run test lint serve bench package model clean compat
 
 $(STAMP): requirements.txt
 	test -x $(PYBIN) || $(PY) -m venv $(VENV)
@@ -36,6 +36,13 @@ test: lint model
 
 bench: model
 	$(PYBIN) -m bench.engine $(ARGS)
+
+# make compat: llama.cpp's own server tests (from the pinned llama-cpp-python sdist)
+# against main.py --headless, through our adapter (tools/compat.py); prints a per-file
+# passed/failed table. Not part of make test: the full run takes ~25 minutes.
+# COMPAT_ARGS="--files test_basic.py test_completion.py" runs a subset.
+compat: model
+	$(PYBIN) tools/compat.py $(COMPAT_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist

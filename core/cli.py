@@ -504,7 +504,8 @@ def _check_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
     args.host_list = [h.strip() for h in args.host.split(",") if h.strip()]
     if not args.host_list:
         parser.error("--host: no address given")
-    args.aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
+    # llama-server keeps the aliases in a sorted set: the id is the first in that order
+    args.aliases = sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()})
     args.alias = args.aliases[0] if args.aliases else None
     args.tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
 

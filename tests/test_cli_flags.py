@@ -147,9 +147,10 @@ def test_a_meaningless_sampling_flag_is_a_user_error():
 
 def test_alias_list_tags_hosts_and_timeout():
     a = parse_args(
-        ["--alias", "one, two", "--tags", "a,b", "--host", "127.0.0.1,127.0.0.2", "-to", "9"]
+        ["--alias", "two, one", "--tags", "a,b", "--host", "127.0.0.1,127.0.0.2", "-to", "9"]
     )
     s = ServerSettings.from_args(a)
+    # llama-server's sorted set of aliases: the id is the first in that order
     assert s.alias == "one" and s.aliases == ["one", "two"] and s.tags == ["a", "b"]
     assert s.hosts == ["127.0.0.1", "127.0.0.2"] and s.body_timeout == 9.0
 

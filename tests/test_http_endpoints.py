@@ -58,7 +58,7 @@ def test_slots_list_every_slot(server):
     assert st == 200 and [s["id"] for s in slots] == [0, 1]
     s = slots[0]
     assert s["n_ctx"] == 256 and s["is_processing"] is False
-    assert "temperature" in s["params"] and "next_token" in s
+    assert "params" not in s and "next_token" in s  # llama-server's current shape
     st, _ = req(server, "GET", "/slots?fail_on_no_slot=1", headers=AUTH)
     assert st == 200  # idle slots: no failure
 

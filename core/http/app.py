@@ -562,7 +562,7 @@ async def slots(request: web.Request) -> web.Response:
     eng = _engine(request)
     if "fail_on_no_slot" in request.query and E.idle_slots(eng) == 0:
         raise HttpError("no slot available", 503, "unavailable_error")
-    return web.json_response(E.slots_list(eng, s, _model_id(request, eng)))
+    return web.json_response(E.slots_list(eng))
 
 
 async def slots_action(request: web.Request) -> web.Response:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..serve.sampling import SamplingParams
 from ..serve.scheduler import DoneEvent
 from . import responses as R
 from .responses import HttpError
@@ -88,17 +87,11 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def slots_list(eng, settings, model: str) -> list[dict]:
-    """GET /slots: one entry per slot, llama-server's fields. Mixdesk's scheduler does
-    not pin requests to numbered slots, so the first ``active`` slots show as busy."""
+def slots_list(eng) -> list[dict]:
+    """GET /slots: one entry per slot, llama-server's fields (no "params": llama-server
+    left them out to keep /slots cheap). Mixdesk's scheduler does not pin requests to
+    numbered slots, so the first ``active`` slots show as busy."""
     stats = eng.stats()
-    params = R.generation_settings(
-        settings.sampling or SamplingParams(n_predict=settings.n_predict_default),
-        eng.ctx_size,
-        model,
-        False,
-        R.mix_to_lora(eng.get_mix()),
-    )
     return [
         {
             "id": i,
@@ -106,7 +99,6 @@ def slots_list(eng, settings, model: str) -> list[dict]:
             "n_ctx": eng.ctx_size,
             "speculative": eng.draft_max > 0,
             "is_processing": i < stats["active"],
-            "params": params,
             "next_token": {
                 "has_next_token": i < stats["active"],
                 "has_new_line": False,

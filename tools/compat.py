@@ -1,0 +1,225 @@
+"""``make compat``: llama.cpp's own server tests, run against Mixdesk.
+
+The tests come from the pinned llama-cpp-python sdist (it vendors llama.cpp):
+``tools/server/tests`` is extracted into build/compat/ and run unchanged, except
+for one adapter of ours, the ``utils.py`` they import. It wraps upstream's
+``utils.py`` (renamed ``_upstream_utils.py``) so that:
+
+* ``ServerProcess.start`` runs ``main.py --headless`` with the flags the test built
+  (Mixdesk refuses the ones it lacks by name, and that test then fails: a refusal is
+  an honest answer, not a skip);
+* every model preset is SmolLM2 (the embedded default model): no download, and
+  ``--hf-repo/--hf-file/--offline`` are dropped; a LoRA file the tests download is
+  replaced by the reference adapter lora_attn.gguf;
+* ``match_regex`` (the tests' check of the generated text against what their
+  tiny story models write) only asks for a string: that text is model-specific.
+  Nothing about the API (status codes, fields, counts of a request's own tokens)
+  is relaxed.
+
+Nothing from upstream is committed: the sdist is fetched with pip (or taken from
+``--sdist``), the tests are extracted to build/compat/ each run. The extra test
+dependencies (filelock, wget, prometheus-client) go to build/compat/site, never
+into the project's venv. Prints a per-file passed/failed table.
+
+    python tools/compat.py [--sdist FILE.tar.gz] [--files test_basic.py ...] [-k EXPR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PIN = "llama-cpp-python==0.3.36"
+WORK = REPO / "build" / "compat"
+SUBDIR = "vendor/llama.cpp/tools/server/tests/"
+EXTRA_DEPS = ["filelock", "wget", "prometheus-client"]
+
+ADAPTER = r'''"""Mixdesk's adapter for llama.cpp's server tests (written by tools/compat.py)."""
+import os
+import subprocess as _subprocess
+import sys
+import types
+
+import _upstream_utils as _up
+from _upstream_utils import *  # noqa: F401,F403
+
+MIXDESK = os.environ["MIXDESK_REPO"]
+MODEL = os.environ["MIXDESK_MODEL"]
+LORA = os.environ["MIXDESK_LORA"]
+PYTHON = os.environ["MIXDESK_PYTHON"]
+DROP_WITH_VALUE = {"--hf-repo", "--hf-file", "-hf", "-hff"}
+DROP = {"--offline"}
+
+
+def _translate(args):
+    """llama-server's command line -> main.py --headless's."""
+    out, i, has_model = [], 1, False
+    while i < len(args):
+        a = args[i]
+        if a in DROP_WITH_VALUE:
+            i += 2
+            continue
+        if a in DROP:
+            i += 1
+            continue
+        if a in ("--model", "-m"):
+            has_model = True
+        if a == "--lora" and i + 1 < len(args) and not os.path.exists(args[i + 1]):
+            out += ["--lora", LORA]
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    if not has_model:
+        out += ["--model", MODEL]
+    return [PYTHON, os.path.join(MIXDESK, "main.py"), "--headless", *out]
+
+
+class _Popen(_subprocess.Popen):
+    def __init__(self, args, *a, **kw):
+        if args and args[0] == "mixdesk-server":
+            args = _translate(list(args))
+            kw.pop("creationflags", None)
+            kw["cwd"] = MIXDESK
+        super().__init__(args, *a, **kw)
+
+
+_up.subprocess = types.SimpleNamespace(**{**vars(_subprocess), "Popen": _Popen})
+_up.ServerProcess.server_path = "mixdesk-server"
+
+
+def _download_file(url, output_file_path=None):
+    return LORA if url.endswith(".gguf") else _up.download_file(url, output_file_path)
+
+
+def _match_regex(regex, text):  # the tests' story-model text is model-specific
+    return isinstance(text, str)
+
+
+_up.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download
+download_file = _download_file
+match_regex = _match_regex
+'''
+
+
+def fetch_sdist(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    dl = WORK / "sdist"
+    found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
+    if found:
+        return found[-1]
+    dl.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PIN,
+         "-d", str(dl)],
+        check=True,
+    )  # fmt: skip
+    return sorted(dl.glob("llama_cpp_python-*.tar.gz"))[-1]
+
+
+def extract_tests(sdist: Path) -> Path:
+    dest = WORK / "tests"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            _, _, rel = m.name.partition("/")
+            if not rel.startswith(SUBDIR) or not m.isfile():
+                continue
+            target = dest / rel[len(SUBDIR) :]
+            if not target.resolve().is_relative_to(dest.resolve()):
+                continue  # a hostile member name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(m).read())
+    (dest / "utils.py").rename(dest / "_upstream_utils.py")
+    (dest / "utils.py").write_text(ADAPTER)
+    (dest / "tmp").mkdir(exist_ok=True)
+    return dest
+
+
+def ensure_deps() -> Path:
+    site = WORK / "site"
+    missing = [d for d in EXTRA_DEPS if not any(site.glob(d.replace("-", "_") + "*"))]
+    if missing:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), *missing],
+            check=True,
+        )
+    return site
+
+
+def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Path:
+    from core.default_model import ensure_default_model
+
+    model = ensure_default_model(log=print)
+    report = WORK / "report.xml"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORK / "site"), str(tests)]),
+        "MIXDESK_REPO": str(REPO),
+        "MIXDESK_MODEL": str(model),
+        "MIXDESK_LORA": str(REPO / "tests/data/llamacpp/adapters/lora_attn.gguf"),
+        "MIXDESK_PYTHON": sys.executable,
+        "PORT": os.environ.get("PORT", "18080"),
+    }
+    targets = [f"unit/{f}" for f in files] if files else ["unit"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={report}", "-o", "junit_family=xunit1", *targets]  # fmt: skip
+    if keyword:
+        cmd += ["-k", keyword]
+    try:
+        subprocess.run(cmd, cwd=tests, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"compat: stopped after {timeout} s; the table covers the tests that ran")
+    return report
+
+
+def table(report: Path) -> str:
+    counts: dict[str, list[int]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        f = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("/")[-1]
+        c = counts.setdefault(f, [0, 0, 0])
+        if case.find("skipped") is not None:
+            c[2] += 1
+        elif case.find("failure") is not None or case.find("error") is not None:
+            c[1] += 1
+        else:
+            c[0] += 1
+    rows = ["| file | passed | failed | skipped |", "|---|---:|---:|---:|"]
+    total = [0, 0, 0]
+    for f in sorted(counts):
+        p, x, s = counts[f]
+        total = [total[0] + p, total[1] + x, total[2] + s]
+        rows.append(f"| {f} | {p} | {x} | {s} |")
+    rows.append(f"| **total** | **{total[0]}** | **{total[1]}** | **{total[2]}** |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sdist", help=f"the {PIN} sdist (default: pip download it)")
+    ap.add_argument("--files", nargs="*", default=[], help="unit test files (default: all)")
+    ap.add_argument("-k", dest="keyword", help="pytest -k expression")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole run")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    tests = extract_tests(fetch_sdist(a.sdist))
+    ensure_deps()
+    report = run(tests, a.files, a.keyword, a.timeout)
+    if not report.exists():
+        print("compat: no report (pytest did not run)")
+        return 1
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
