@@ -254,3 +254,21 @@ def test_constrained_requests_are_never_drafted_and_keep_the_grammar(engine):
     assert plain.stop_type == "limit" and done.content.strip()
     parts = done.content.split(" ")
     assert parts[0] == "" and all(p in "12345678" and len(p) == 1 for p in parts[1:-1])
+
+
+def test_response_format_follows_llama_servers_rules(engine):
+    tok = engine.tokenizer
+
+    def rc(body):
+        return request_constraint(body, tok)
+
+    any_object = rc({"json_schema": {"type": "object"}})
+    assert rc({"response_format": {"type": ""}}) is None  # an empty type is text
+    assert rc({"response_format": {"type": "json_object"}}) == any_object
+    assert rc({"response_format": {"type": "json_schema", "json_schema": {}}}) == any_object
+    assert rc({"json_schema": {}}) == any_object  # an empty schema means any object
+    # json_object without its own schema keeps the body's json_schema
+    body = {"json_schema": PERSON, "response_format": {"type": "json_object"}}
+    assert rc(body) == rc({"json_schema": PERSON}) != any_object
+    body = {"json_schema": PERSON, "response_format": {"type": "json_object", "schema": {}}}
+    assert rc(body) == any_object

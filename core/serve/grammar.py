@@ -139,19 +139,23 @@ def _requested(body) -> tuple[str | None, Any]:
     if fmt is not None:
         if not isinstance(fmt, dict):
             raise GrammarError('"response_format" must be an object')
-        t = fmt.get("type")
+        t = fmt.get("type") or "text"  # llama-server: an absent or empty type is text
         if t == "json_object":
-            schema = fmt.get("schema", json.loads(_ANY_JSON_OBJECT))
+            if "schema" in fmt or schema is None:  # else the body's json_schema stays
+                schema = fmt.get("schema", {})
         elif t == "json_schema":
             js = fmt.get("json_schema")
             if not isinstance(js, dict):
                 raise GrammarError('response_format: "json_schema" must be an object')
             schema = js.get("schema", {})
         elif t != "text":
+            got = t if isinstance(t, str) else json.dumps(t)
             raise GrammarError(
                 'response_format type must be one of "text", "json_object" or "json_schema", '
-                f"but got: {_one_line(json.dumps(t), 40)}"
+                f"but got: {_one_line(got, 40)}"
             )
+    if schema == {}:
+        schema = json.loads(_ANY_JSON_OBJECT)  # llama-server: an empty schema means any object
     if grammar and schema is not None:
         raise GrammarError('Either "json_schema" or "grammar" can be specified, but not both')
     if schema is not None:
