@@ -172,3 +172,12 @@ def test_a_feature_that_is_off_answers_501(server, method, path, flag):
     st, out = req(server, method, path, {"content": "x"})
     assert st == 501
     assert out["error"]["type"] == "not_supported_error" and flag in out["error"]["message"]
+
+
+def test_truncated_when_the_context_fills(server):
+    body = {"prompt": "Hi how are you", "n_predict": -1, "ignore_eos": True, "temperature": 0}
+    st, out = req(server, "POST", "/completion", body)
+    assert st == 200 and out["truncated"] is True and out["stop_type"] == "limit"
+    assert out["tokens_evaluated"] + out["tokens_predicted"] == 256
+    st, out = req(server, "POST", "/completion", {**body, "n_predict": 4})
+    assert out["truncated"] is False and out["stop_type"] == "limit"

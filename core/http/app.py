@@ -958,6 +958,7 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
             probs=probs,
             settings=settings_for(done),
             prompt_text=prompt_text,
+            n_ctx=eng.ctx_size,
         )
         body = R.select_fields(out, opts.extra["response_fields"])
         if opts.extra["verbose"]:
@@ -993,6 +994,7 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
                     settings=settings_for(ev),
                     streaming=True,
                     prompt_text=prompt_text,
+                    n_ctx=eng.ctx_size,
                 )
             )
         ]

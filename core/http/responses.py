@@ -632,8 +632,11 @@ def completion_final(
     settings: dict,
     streaming: bool = False,
     prompt_text: str = "",
+    n_ctx: int = 0,
 ) -> dict:
-    """llama-server's /completion response (or its last stream chunk)."""
+    """llama-server's /completion response (or its last stream chunk). ``truncated``:
+    generation stopped because the slot's context (``n_ctx``) was full."""
+    full = n_ctx > 0 and prompt_n + len(done.tokens) >= n_ctx
     out = {
         "index": 0,
         "content": "" if streaming else done.content,
@@ -646,7 +649,7 @@ def completion_final(
         "generation_settings": settings,
         "prompt": prompt_text,
         "has_new_line": "\n" in done.content,
-        "truncated": False,
+        "truncated": done.stop_type == "limit" and full,
         "stop_type": done.stop_type if done.stop_type in ("eos", "limit", "word") else "none",
         "stopping_word": done.stopping_word,
         "tokens_cached": done.timings.cache_n,
