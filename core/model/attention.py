@@ -58,15 +58,27 @@ def causal_mask(p0: int, n: int) -> np.ndarray | None:
 
 
 def attend(
-    li: int, cache: KVCache, q, k, v, mask: np.ndarray | None, n_heads: int, scale: float
+    li: int,
+    cache: KVCache,
+    q,
+    k,
+    v,
+    mask: np.ndarray | None,
+    n_heads: int,
+    scale: float,
+    window: int = 0,
 ) -> np.ndarray:
     """Causal GQA attention of n new queries (n, H, hd) of one sequence over its cache,
-    after storing their keys/values (n, KV, hd) at positions length..length+n-1."""
+    after storing their keys/values (n, KV, hd) at positions length..length+n-1.
+    ``window`` > 0: a sliding-window layer, where the query at position p sees only
+    keys at p-window+1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
     n, KV, hd = k.shape
     g = n_heads // KV
     p0 = cache.length
     L = p0 + n
     cache.store(li, p0, k, v)
+    if window:
+        return _attend_window(li, cache, q, n, L, n_heads, scale, window)
     if n == 1:
         # Decoding: one query, no mask, no blocks. Half the numpy calls of the
         # general path, which matters when 8 streams run 30 layers per step.
@@ -93,6 +105,39 @@ def attend(
             qb, cache.keys(li, Lb), cache.values(li, Lb), diagonal if mask is not None else None
         )
         out[:, :, i0:i1] = o.reshape(KV, g, nb, hd)  # from (KV, g*nb, hd)
+    return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
+
+
+def window_mask(q0: int, q1: int, k0: int, k1: int, window: int) -> np.ndarray:
+    """Additive mask (q1-q0, k1-k0) of queries at positions q0..q1-1 over keys at
+    k0..k1-1: a key is seen when it is not in the future and less than ``window``
+    positions back."""
+    qp, kp = np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
+    seen = (kp <= qp) & (kp > qp - window)
+    return np.where(seen, np.float32(0.0), np.float32(-np.inf))  # (q1-q0, k1-k0)
+
+
+def _attend_window(li: int, cache: KVCache, q, n: int, L: int, n_heads: int, scale, window):
+    """attend() for a sliding-window layer: each query block reads only the keys its
+    window reaches (the cache keeps them all; the window is a view into it)."""
+    KV, hd = cache.k.shape[1], cache.k.shape[3]
+    g = n_heads // KV
+    p0 = L - n
+    q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
+    out = np.empty((KV, g, n, hd), dtype=np.float32)
+    for i0 in range(0, n, ATTN_BLOCK):
+        i1 = min(n, i0 + ATTN_BLOCK)
+        nb, Lb = i1 - i0, p0 + i1
+        k0 = max(0, p0 + i0 - window + 1)  # the first key the block's first query sees
+        qb = q4[:, :, i0:i1].reshape(KV, g * nb, hd)  # (KV, g*nb, hd)
+        m = window_mask(p0 + i0, p0 + i1, k0, Lb, window)  # (nb, Lb-k0)
+
+        def masked(s, m=m, nb=nb, n_k=Lb - k0):
+            s.reshape(KV, g, nb, n_k)[...] += m
+
+        kc = cache.keys(li, Lb)[:, k0:]  # (KV, Lb-k0, hd)
+        vc = cache.values(li, Lb)[:, k0:]
+        out[:, :, i0:i1] = sdpa(qb, kc, vc, masked).reshape(KV, g, nb, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
 
 
@@ -137,16 +182,18 @@ class PooledDecode:
             hidden,
         )
 
-    def attend(self, li: int, q, k, v, n_heads: int, scale: float) -> np.ndarray:
+    def attend(self, li: int, q, k, v, n_heads: int, scale: float, window: int = 0) -> np.ndarray:
         """One new query (n, H, hd) for each of n decoding sequences, batched: the slots
         s0..s1 are attended in one matmul up to the longest length, and positions past
-        each sequence's own length are masked."""
+        each sequence's own length are masked (and, with ``window``, positions at or
+        more than ``window`` before it)."""
         n, KV, hd = k.shape
         g = n_heads // KV
         self.pool.store(li, self.slots, self.pos, k, v)
         q4 = np.zeros((self.s1 - self.s0, KV, g, hd), dtype=np.float32)  # (S', KV, g, hd)
         q4[self.at] = (q * scale).reshape(n, KV, g, hd)
-        o = self._product(li, q4)[self.at]  # (n, KV, g, hd)
+        hidden = self._windowed(window) if window else self.hidden
+        o = self._product(li, q4, hidden)[self.at]  # (n, KV, g, hd)
         if not np.isfinite(o).all():
             # Masked scores become exact zeros, but 0 x NaN is NaN: stale rows past a
             # slot's length holding NaN/inf (left by whatever failed in it before)
@@ -156,12 +203,22 @@ class PooledDecode:
             # keys/values are non-finite stays non-finite, alone, and fails alone.
             for slot, pos in zip(self.slots, self.pos):
                 self.pool.clear(li, slot, pos + 1, self.L)
-            o = self._product(li, q4)[self.at]
+            o = self._product(li, q4, hidden)[self.at]
         return o.reshape(n, n_heads * hd)  # (n, H*hd)
 
-    def _product(self, li: int, q4: np.ndarray) -> np.ndarray:
+    def _windowed(self, window: int) -> np.ndarray:
+        """``hidden`` plus the keys out of each slot's window, built once per forward."""
+        got = self.__dict__.setdefault("_window_hidden", {})
+        if window not in got:
+            old = np.arange(self.L)[None, :] <= (self.pos - window)[:, None]  # (n, L)
+            h = self.hidden.copy()
+            h[self.at, 0, 0, :] |= old
+            got[window] = h
+        return got[window]
+
+    def _product(self, li: int, q4: np.ndarray, hidden: np.ndarray) -> np.ndarray:
         """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer."""
-        hide = lambda s: np.copyto(s, np.float32(-np.inf), where=self.hidden)  # (S',1,1,L)
+        hide = lambda s: np.copyto(s, np.float32(-np.inf), where=hidden)  # (S',1,1,L)
         kc = self.pool.keys(li, self.s0, self.s1, self.L)  # (S', KV, L, hd)
         vc = self.pool.values(li, self.s0, self.s1, self.L)
         return sdpa(q4, kc, vc, hide)  # (S', KV, g, hd)

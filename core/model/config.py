@@ -13,7 +13,14 @@ from gguf.constants import LlamaFileType
 from ..errors import UserError
 from ..gguf.reader import short_name
 
-SUPPORTED_ARCHS = ("llama",)  # Mistral-style and Llama 3.x models also say "llama"
+# Mistral-style and Llama 3.x models also say "llama"; Qwen2/2.5 and DeepSeek-R1-Distill-
+# Qwen say "qwen2"; Gemma 3 text models say "gemma3"
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+# Architectures whose Q/K rows are in Hugging Face order and rotate halves (llama.cpp's
+# LLAMA_ROPE_TYPE_NEOX); llama's converter permutes Q/K rows for adjacent pairs instead.
+NEOX_ROPE_ARCHS = ("qwen2", "gemma3")
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
+GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see all keys
 
 
 class ModelConfigError(UserError):
@@ -37,6 +44,12 @@ class ModelConfig:
     rope_dim: int  # rotated dims per head (== head_dim for llama)
     rope_scale: float  # linear position scaling factor (1.0 = none)
     file_type: str  # e.g. "MOSTLY_Q4_1"
+    rope_neox: bool = False  # rotate halves (HF order), not adjacent pairs
+    # attention scale applied to q; 0: 1/sqrt(head_dim)
+    attn_scale: float = 0.0
+    sliding_window: int = 0  # keys a sliding-window layer sees (0: no such layers)
+    swa_layers: tuple[int, ...] = ()  # layers that use the sliding window
+    rope_base_swa: float = 0.0  # rope base of the sliding-window layers
 
     @property
     def q_dim(self) -> int:
@@ -114,6 +127,7 @@ class ModelConfig:
                 f"{head_dim} dims) are not supported"
             )
         name = meta.get("general.name", source)
+        extra = _family_params(arch, m, head_dim)
         return cls(
             arch=arch,
             name=name if isinstance(name, str) else source,
@@ -130,7 +144,32 @@ class ModelConfig:
             rope_dim=rope_dim,
             rope_scale=rope_scale,
             file_type=ft_name.removeprefix("MOSTLY_"),
+            **extra,
         )
+
+    @property
+    def scale(self) -> float:
+        """What q is multiplied by before q·k (a Python float: an np.float64 would
+        upcast q to float64)."""
+        return float(self.attn_scale or 1.0 / math.sqrt(self.head_dim))
+
+
+def _family_params(arch: str, m: _Meta, head_dim: int) -> dict[str, Any]:
+    """The hyper-parameters beyond llama's, read as llama.cpp reads them."""
+    out: dict[str, Any] = {"rope_neox": arch in NEOX_ROPE_ARCHS}
+    if arch == "gemma3":
+        a = "gemma3."
+        n_layers = m.integer(a + "block_count", hi=MAX_LAYERS)
+        # llama.cpp scales q by 1/sqrt(n_embd_head_k) (query_pre_attn_scalar = head_dim
+        # for every Gemma 3 but 27B, whose converter writes that value as key_length)
+        out["attn_scale"] = 1.0 / math.sqrt(head_dim)
+        out["sliding_window"] = m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CTX)
+        if out["sliding_window"]:
+            out["swa_layers"] = tuple(
+                i for i in range(n_layers) if i % GEMMA3_GLOBAL_EVERY < GEMMA3_GLOBAL_EVERY - 1
+            )
+        out["rope_base_swa"] = GEMMA3_LOCAL_ROPE_BASE
+    return out
 
 
 # Upper bounds far above any real llama-family model: a value past one is a corrupt

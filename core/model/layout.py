@@ -9,7 +9,8 @@ stack, which shapes to check against which metadata keys), LoRA (which fused row
 an adapter tensor lands in, HF <-> GGUF names), the forward pass (where Q, K, V,
 gate and up start) and the exports. A new architecture declares its block here:
 Phi-3, whose file stores ``attn_qkv`` already fused, would list one source part
-covering q+2kv rows; Qwen2's Q/K/V biases would be one more field of a part.
+covering q+2kv rows; Qwen2's Q/K/V biases are the ``bias`` field of their parts (the
+fused bias ``<matrix>_bias`` is stacked like the matrix).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ DIMS: dict[str, Dim] = {
     "q": Dim(lambda c: c.q_dim, "{a}attention.head_count × {a}attention.key_length"),
     "kv": Dim(lambda c: c.kv_dim, "{a}attention.head_count_kv × {a}attention.key_length"),
     "ffn": Dim(lambda c: c.ffn_dim, "{a}feed_forward_length"),
+    "hd": Dim(lambda c: c.head_dim, "{a}attention.key_length"),
 }
 
 
@@ -45,6 +47,7 @@ class Part:
     rows: str  # DIMS name of its output size
     hf: str  # Hugging Face (PEFT) module inside a layer, e.g. "self_attn.q_proj"
     rope_heads: str = ""  # ModelConfig field: heads whose rows the GGUF converter permuted
+    bias: bool = False  # the file also holds blk.N.<tensor>.bias (rows,)
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,18 @@ class Matrix:
     parts: tuple[Part, ...]  # stacked along the rows in this order
     cols: str  # DIMS name of its input size
 
+    @property
+    def bias(self) -> str:
+        """LayerWeights field of its fused bias ("" when no part has one)."""
+        return f"{self.name}_bias" if any(p.bias for p in self.parts) else ""
+
 
 @dataclass(frozen=True)
 class Norm:
     """A norm weight of a block: LayerWeights field ``name``, GGUF ``blk.N.<name>.weight``."""
 
     name: str
+    size: str = "dim"  # DIMS name of its length ("hd": one head's, shared by all heads)
 
 
 LLAMA_BLOCK: tuple[Norm | Matrix, ...] = (
@@ -83,9 +92,47 @@ LLAMA_BLOCK: tuple[Norm | Matrix, ...] = (
     ),
     Matrix("w_down", (Part("ffn_down", "dim", "mlp.down_proj"),), "ffn"),
 )
+# Qwen2: llama's block with Q/K/V biases, Q/K rows in Hugging Face order (no permutation)
+QWEN2_BLOCK: tuple[Norm | Matrix, ...] = (
+    Norm("attn_norm"),
+    Matrix(
+        "wqkv",
+        (
+            Part("attn_q", "q", "self_attn.q_proj", bias=True),
+            Part("attn_k", "kv", "self_attn.k_proj", bias=True),
+            Part("attn_v", "kv", "self_attn.v_proj", bias=True),
+        ),
+        "dim",
+    ),
+    *LLAMA_BLOCK[2:],
+)
+# Gemma 3: per-head Q/K norms, norms after attention and after the FFN (llama.cpp's
+# converter already stores Gemma's (1 + w) RMS norm weights as 1 + w)
+GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
+    Norm("attn_norm"),
+    Matrix(
+        "wqkv",
+        (
+            Part("attn_q", "q", "self_attn.q_proj"),
+            Part("attn_k", "kv", "self_attn.k_proj"),
+            Part("attn_v", "kv", "self_attn.v_proj"),
+        ),
+        "dim",
+    ),
+    Norm("attn_q_norm", "hd"),
+    Norm("attn_k_norm", "hd"),
+    LLAMA_BLOCK[2],  # wo
+    Norm("post_attention_norm"),
+    *LLAMA_BLOCK[3:],  # ffn_norm, w_gate_up, w_down
+    Norm("post_ffw_norm"),
+)
 # The order of a block's entries is the order of the weight cache file (core/model/
 # weights.py: bump its CACHE_FORMAT when this table changes).
-BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {"llama": LLAMA_BLOCK}
+BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {
+    "llama": LLAMA_BLOCK,
+    "qwen2": QWEN2_BLOCK,
+    "gemma3": GEMMA3_BLOCK,
+}
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
@@ -101,6 +148,16 @@ def matrices(cfg: ModelConfig) -> tuple[Matrix, ...]:
 
 def norms(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(e.name for e in block(cfg) if isinstance(e, Norm))
+
+
+def layer_fields(cfg: ModelConfig) -> tuple[str, ...]:
+    """LayerWeights fields one block of this architecture fills, in file order."""
+    out: list[str] = []
+    for e in block(cfg):
+        out.append(e.name)
+        if isinstance(e, Matrix) and e.bias:
+            out.append(e.bias)
+    return tuple(out)
 
 
 def matrix(cfg: ModelConfig, name: str) -> Matrix:
@@ -183,11 +240,14 @@ def fused_plan(
         b = f"blk.{i}."
         for e in block(cfg):
             if isinstance(e, Norm):
-                plan.append((b + e.name, (d,), [f"{b}{e.name}.weight"]))
-            else:
-                plan.append(
-                    (b + e.name, fused_shape(cfg, e), [f"{b}{p.tensor}.weight" for p in e.parts])
-                )
+                plan.append((b + e.name, (size(cfg, e.size),), [f"{b}{e.name}.weight"]))
+                continue
+            plan.append(
+                (b + e.name, fused_shape(cfg, e), [f"{b}{p.tensor}.weight" for p in e.parts])
+            )
+            if e.bias:
+                bias = [f"{b}{p.tensor}.bias" for p in e.parts]
+                plan.append((b + e.bias, (out_rows(cfg, e.name),), bias))
     plan.append(("output_norm", (d,), ["output_norm.weight"]))
     if "output.weight" in present:
         plan.append(("output", (cfg.vocab_size, d), ["output.weight"]))
@@ -210,11 +270,13 @@ def file_tensors(
         b = f"blk.{i}."
         for e in block(cfg):
             if isinstance(e, Norm):
-                want[f"{b}{e.name}.weight"] = ((d,), dim_k)
+                want[f"{b}{e.name}.weight"] = ((size(cfg, e.size),), keys[e.size])
                 continue
             for p in e.parts:
                 shape = (size(cfg, p.rows), size(cfg, e.cols))
                 want[f"{b}{p.tensor}.weight"] = (shape, f"{keys[p.rows]}, {keys[e.cols]}")
+                if p.bias:
+                    want[f"{b}{p.tensor}.bias"] = ((size(cfg, p.rows),), keys[p.rows])
     want["output_norm.weight"] = ((d,), dim_k)
     if "output.weight" in present:
         want["output.weight"] = ((cfg.vocab_size, d), f"{vocab}, {dim_k}")

@@ -1,4 +1,5 @@
-"""The llama forward pass in numpy, over a batch of sequences.
+"""The llama forward pass in numpy, over a batch of sequences (also Qwen2's: the same
+block plus Q/K/V biases and NeoX rope, both read from the layout and the config).
 
 Each sequence in a batch brings its own new tokens, its own start position, its
 own KV cache and its own LoRA mix. The base matmuls run once over all tokens of
@@ -20,7 +21,7 @@ from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
 from .linear import Linear
-from .primitives import RopeTable, rms_norm, rope, silu_mul
+from .primitives import RopeTable, rms_norm, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
 
 CALIBRATE_LAYERS = 4  # layers whose matrices time the small-batch regimes at load
@@ -59,14 +60,14 @@ class LlamaModel:
             raise
         self.stacks = AdapterStacks(cfg)  # LoRA weights of several mixes, stacked
         self.rope = RopeTable(cfg, weights.rope_freqs)
+        # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
+        self.rope_qk = rope_neox if cfg.rope_neox else rope
         # where the fused products' parts start (core/model/layout.py); Q and K are
         # adjacent, so rope turns both in one call
         qkv, gu = layout.row_slices(cfg, "wqkv"), layout.row_slices(cfg, "w_gate_up")
         self.qk_rows = slice(qkv["attn_q"].start, qkv["attn_k"].stop)
         self.v_rows, self.gate_rows, self.up_rows = qkv["attn_v"], gu["ffn_gate"], gu["ffn_up"]
-        self.scale = float(
-            1.0 / np.sqrt(cfg.head_dim)
-        )  # a Python float: an np.float64 would upcast q to float64
+        self.scale = cfg.scale  # a Python float: an np.float64 would upcast q to float64
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)
@@ -97,8 +98,6 @@ class LlamaModel:
             return self._forward(items, spans, tokens, cis)
 
     def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:
-        cfg = self.cfg
-
         # every LoRA delta of this batch, each row under its own sequence's mix
         lora = LoraDeltas([it.mix for it in items], spans, self.stacks)
         x = self.w.tok_embd[tokens]  # (T, d) copy
@@ -110,7 +109,11 @@ class LlamaModel:
 
         for it in items:
             it.cache.extend(it.tokens)
+        return self._logits(items, spans, x, lora)
 
+    def _logits(self, items, spans, x, lora: LoraDeltas) -> list[np.ndarray]:
+        """Final norm and output matrix on the rows each item wants logits for."""
+        cfg = self.cfg
         rows = [
             np.arange(s, e) if it.all_logits else np.array([e - 1])
             for it, (s, e) in zip(items, spans)
@@ -132,7 +135,9 @@ class LlamaModel:
 
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)  # (T, d)
         qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
-        qk = rope(qkv[:, self.qk_rows].reshape(T, H + KV, hd), cis)  # (T, H+KV, hd)
+        if lw.wqkv_bias is not None:
+            qkv += lw.wqkv_bias  # (q+2kv,) qwen2
+        qk = self.rope_qk(qkv[:, self.qk_rows].reshape(T, H + KV, hd), cis)  # (T, H+KV, hd)
         q, k = qk[:, :H], qk[:, H:]  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.v_rows].reshape(T, KV, hd)  # (T, KV, hd)
 

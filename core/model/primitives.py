@@ -1,4 +1,4 @@
-"""Shared building blocks of the forward passes: RMS norm, SwiGLU, rope.
+"""Shared building blocks of the forward passes: RMS norm, SwiGLU, GeGLU, rope.
 
 Architectures (core/model/llama.py, and the ones to come) compose these; each one
 is measured at SmolLM2's sizes, which is what the comments' numbers refer to.
@@ -45,6 +45,48 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    # GeGLU (Gemma): gelu(g) * u with the tanh approximation, as llama.cpp's
+    # ggml_gelu: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), in row blocks like
+    # silu_mul so the chain of in-place passes stays in L2.
+    T, f = gate.shape
+    out = np.empty((T, f), dtype=np.float32)  # (T, f)
+    h = np.empty((min(T, SILU_ROWS), f), dtype=np.float32)
+    for r in range(0, T, SILU_ROWS):
+        g = gate[r : r + SILU_ROWS]
+        o, hb = out[r : r + SILU_ROWS], h[: min(SILU_ROWS, T - r)]
+        np.multiply(g, g, out=hb)
+        hb *= np.float32(0.044715)
+        hb += 1.0
+        hb *= g
+        hb *= np.float32(math.sqrt(2.0 / math.pi))
+        np.tanh(hb, out=o)
+        o += 1.0
+        o *= g
+        o *= 0.5
+        o *= up[r : r + SILU_ROWS]
+    return out
+
+
+def rms_norm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # per-head RMS norm (Gemma 3's and Qwen3's Q/K norms): x (T, H, hd), w (hd,)
+    ms = np.einsum("thd,thd->th", x, x)[..., None] / x.shape[-1]  # (T, H, 1)
+    return x * (1.0 / np.sqrt(ms + eps)) * w  # (T, H, hd)
+
+
+def rope_neox(x: np.ndarray, cis: np.ndarray) -> np.ndarray:
+    # x: (T, H, hd); cis: (T, 1, hd/2). NeoX-style rope (llama.cpp's ROPE_TYPE_NEOX,
+    # Hugging Face's rotate_half): dims i and i + hd/2 form the pair, so the complex
+    # number is x[i] + i*x[i+hd/2]; the same angles as the adjacent-pair rope.
+    half = x.shape[-1] // 2
+    z = np.empty((*x.shape[:-1], half), dtype=np.complex64)  # (T, H, hd/2)
+    z.real, z.imag = x[..., :half], x[..., half:]
+    z *= cis
+    out = np.empty(x.shape, dtype=np.float32)  # (T, H, hd)
+    out[..., :half], out[..., half:] = z.real, z.imag
+    return out
+
+
 def rope(x: np.ndarray, cis: np.ndarray) -> np.ndarray:
     # x: (T, H, hd) float32 with a contiguous last axis; cis: (T, 1, hd/2) complex64.
     # llama's "normal" rope rotates adjacent pairs (x[2i], x[2i+1]) (GGUF stores Q/K
@@ -56,12 +98,20 @@ def rope(x: np.ndarray, cis: np.ndarray) -> np.ndarray:
 class RopeTable:
     """e^(i*theta) per absolute position, grown on demand (never per token)."""
 
-    def __init__(self, cfg: ModelConfig, freq_factors: np.ndarray | None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        freq_factors: np.ndarray | None,
+        base: float | None = None,
+        scale: float | None = None,
+    ):
+        """``base``/``scale`` replace cfg's (Gemma 3's sliding-window layers)."""
         half = cfg.rope_dim // 2
-        inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
+        base = cfg.rope_base if base is None else base
+        inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
         if freq_factors is not None:
             inv = inv / np.asarray(freq_factors, dtype=np.float64)
-        self.inv_freq = inv / cfg.rope_scale
+        self.inv_freq = inv / (cfg.rope_scale if scale is None else scale)
         self.cis = np.zeros((0, half), dtype=np.complex64)
 
     def get(self, positions: np.ndarray) -> np.ndarray:

@@ -54,6 +54,12 @@ class LayerWeights:
     ffn_norm: np.ndarray  # (dim,)
     w_gate_up: np.ndarray  # (2*ffn, dim)             fused gate|up
     w_down: np.ndarray  # (dim, ffn)
+    # only the architectures whose block (core/model/layout.py) declares them:
+    wqkv_bias: np.ndarray | None = None  # (q_dim + 2*kv_dim,)  qwen2
+    attn_q_norm: np.ndarray | None = None  # (head_dim,)  gemma3, shared by all heads
+    attn_k_norm: np.ndarray | None = None  # (head_dim,)
+    post_attention_norm: np.ndarray | None = None  # (dim,)
+    post_ffw_norm: np.ndarray | None = None  # (dim,)
 
     @property
     def projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -74,7 +80,7 @@ class Weights:
     def nbytes(self) -> int:
         arrays = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
         for lw in self.layers:
-            arrays += [lw.attn_norm, lw.ffn_norm, *lw.projections]
+            arrays += [a for a in vars(lw).values() if a is not None]
         return sum(a.nbytes for a in arrays)
 
 
@@ -111,7 +117,7 @@ def _cache_key(path: Path) -> str:
 
 def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
     layers = [
-        LayerWeights(**{e.name: arrays[f"blk.{i}.{e.name}"] for e in layout.block(cfg)})
+        LayerWeights(**{f: arrays[f"blk.{i}.{f}"] for f in layout.layer_fields(cfg)})
         for i in range(cfg.n_layers)
     ]
     tied = "output" not in arrays
@@ -205,10 +211,7 @@ def load_weights(
             data = gf.dequantize(info.name)  # info.shape
         except UnsupportedQuant as e:
             raise ModelLoadError(str(e)) from None
-        if dest.ndim == 1:
-            dest[:] = data
-        else:
-            dest[row : row + info.shape[0]] = data
+        dest[row : row + info.shape[0]] = data  # a norm: all of it; a bias: its rows
         with lock:
             done_elems += info.n_elements
             progress(min(done_elems / total, 0.999), f"dequantizing {info.name}")

@@ -27,6 +27,7 @@ from ..lora.adapter import Adapter, AdapterError, load_adapter
 from ..lora.mix import MixKey, build_mix, mix_key
 from ..lora.runtime import MixCache
 from ..model.config import ModelConfig
+from ..model.families import model_class
 from ..model.kv_cache import ContextOverflow
 from ..model.llama import LlamaModel
 from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
@@ -193,7 +194,8 @@ class Engine:
                 check()
                 report(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
 
-            model = LlamaModel(cfg, weights, threads=self.threads, calibrate_step=calibrating)
+            make = model_class(cfg)  # the forward pass of this architecture
+            model = make(cfg, weights, threads=self.threads, calibrate_step=calibrating)
             try:
                 report(LOAD_CALIBRATED, "reserving the KV cache")
                 scheduler = self._new_scheduler(model, tok, path, cfg, ctx)

@@ -1,0 +1,19 @@
+"""Which forward pass runs which architecture (``general.architecture``)."""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .gemma3 import Gemma3Model
+from .llama import LlamaModel
+
+# llama and qwen2 share one block (qwen2's biases and NeoX rope come from the layout
+# table and the config); Gemma 3's block differs in most steps
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {
+    "llama": LlamaModel,
+    "qwen2": LlamaModel,
+    "gemma3": Gemma3Model,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    return MODEL_CLASSES[cfg.arch]

@@ -1,0 +1,94 @@
+"""The Gemma 3 forward pass: llama's batch machinery with Gemma's block.
+
+As llama.cpp builds it (src/models/gemma3.cpp): embeddings scaled by sqrt(dim);
+per-head RMS norms on Q and K before a NeoX rope; norms after attention and after
+the FFN, before their residual adds; a GeGLU FFN (gelu-tanh gate); q scaled by
+1/sqrt(head_dim). Five of every six layers attend over a sliding window with the
+local rope base (10000); every sixth layer attends globally with rope.freq_base.
+The GGUF stores Gemma's (1 + w) norm weights already as 1 + w (llama.cpp's
+converter adds the one), so every norm here is a plain RMS norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..lora.runtime import LoraDeltas
+from .attention import PooledDecode, attend, causal_mask
+from .llama import LlamaModel
+from .primitives import RopeTable, gelu_mul, rms_norm, rms_norm_heads, rope_neox
+from .weights import LayerWeights
+
+
+class Gemma3Model(LlamaModel):
+    def __init__(self, cfg, weights, threads=None, calibrate_step=None):
+        super().__init__(cfg, weights, threads=threads, calibrate_step=calibrate_step)
+        # sliding-window layers keep their own base and no position scaling
+        self.rope_local = RopeTable(cfg, None, base=cfg.rope_base_swa, scale=1.0)
+        self.swa = frozenset(cfg.swa_layers)
+        self.embed_scale = np.float32(math.sqrt(cfg.dim))
+
+    def forward(self, items):
+        spans, start = [], 0
+        for it in items:
+            n = len(it.tokens)
+            it.cache.reserve(n)
+            spans.append((start, start + n))
+            start += n
+        tokens = np.concatenate([np.asarray(it.tokens, dtype=np.int64) for it in items])  # (T,)
+        positions = np.concatenate(
+            [np.arange(it.cache.length, it.cache.length + len(it.tokens)) for it in items]
+        )  # (T,)
+        cis = (self.rope.get(positions), self.rope_local.get(positions))  # global, local
+        with self.lin.small_batch(self.lin.regime(len(tokens))):
+            return self._forward(items, spans, tokens, cis)
+
+    def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:
+        lora = LoraDeltas([it.mix for it in items], spans, self.stacks)
+        x = self.w.tok_embd[tokens]  # (T, d) copy
+        lora.embed(x, tokens)  # llama.cpp adds the LoRA delta before the scaling
+        x *= self.embed_scale
+        pooled = PooledDecode.plan(items, spans)
+        masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
+        for li, lw in enumerate(self.w.layers):
+            x = self._block(li, lw, x, items, spans, lora, cis, masks, pooled)
+        for it in items:
+            it.cache.extend(it.tokens)
+        return self._logits(items, spans, x, lora)
+
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks, pooled):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, KV, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        window = cfg.sliding_window if li in self.swa else 0
+        cs = cis[1] if li in self.swa else cis[0]  # (T, 1, hd/2)
+
+        h = rms_norm(x, lw.attn_norm, eps)  # (T, d)
+        qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
+        q = rms_norm_heads(qkv[:, self.qk_rows][:, : H * hd].reshape(T, H, hd), lw.attn_q_norm, eps)
+        k = rms_norm_heads(
+            qkv[:, self.qk_rows][:, H * hd :].reshape(T, KV, hd), lw.attn_k_norm, eps
+        )
+        q, k = rope_neox(q, cs), rope_neox(k, cs)  # (T, H, hd), (T, KV, hd)
+        v = qkv[:, self.v_rows].reshape(T, KV, hd)  # (T, KV, hd)
+
+        attn = np.empty((T, cfg.q_dim), dtype=np.float32)  # (T, H*hd)
+        if pooled is not None:
+            r = pooled.rows
+            attn[r] = pooled.attend(li, q[r], k[r], v[r], H, self.scale, window)
+        for i, (it, (s, e), mask) in enumerate(zip(items, spans, masks)):
+            if pooled is None or i not in pooled.items:
+                attn[s:e] = attend(
+                    li, it.cache, q[s:e], k[s:e], v[s:e], mask, H, self.scale, window
+                )
+
+        o = lora.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
+        x = x + rms_norm(o, lw.post_attention_norm, eps)
+
+        h = rms_norm(x, lw.ffn_norm, eps)  # (T, d)
+        gu = lora.project(self.lin, h, lw.w_gate_up, li, "w_gate_up")  # (T, 2f)
+        act = gelu_mul(gu[:, self.gate_rows], gu[:, self.up_rows])  # (T, f)
+        d = lora.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
+        return x + rms_norm(d, lw.post_ffw_norm, eps)
