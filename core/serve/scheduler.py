@@ -425,7 +425,9 @@ class Scheduler:
         s.history.append(tok)
         s.timings.predicted_n += 1
 
-        if self.tokenizer.is_eog(tok) and not p.ignore_eos:
+        # a finished grammar allows only an end-of-generation token: it ends the
+        # sequence even under ignore_eos (which never bans it for a grammar)
+        if self.tokenizer.is_eog(tok) and (not p.ignore_eos or p.grammar):
             ev.text = s.stops.feed(s.decoder.flush())
             s.content.append(ev.text)
             self._emit(s, ev)
