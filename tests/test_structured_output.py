@@ -272,3 +272,12 @@ def test_response_format_follows_llama_servers_rules(engine):
     assert rc(body) == rc({"json_schema": PERSON}) != any_object
     body = {"json_schema": PERSON, "response_format": {"type": "json_object", "schema": {}}}
     assert rc(body) == any_object
+
+
+def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(engine):
+    tok = engine.tokenizer
+    g = compile_grammar("gbnf", 'root ::= "yes" | "no"', tok)
+    prompt = tok.encode("Is water wet? Answer:", add_special=True)
+    params = SamplingParams(temperature=0, n_predict=20, ignore_eos=True, grammar=g)
+    done = _run(engine, prompt, params)
+    assert done.stop_type == "eos" and done.content in ("yes", "no"), done
