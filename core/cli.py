@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--slot-save-path",
         metavar="DIR",
-        help="folder for POST /slots/{id}?action=save|restore (without it: 501)",
+        help="enables POST /slots/{id}?action=erase (drops the cached prompts); "
+        "save/restore answer 501: Mixdesk writes no KV cache files (without it: 501)",
     )
     s.add_argument("--metrics", action="store_true", help="expose GET /metrics (Prometheus)")
     s.add_argument(
@@ -267,13 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--embeddings",
         dest="embedding",
         action="store_true",
-        help="serve /embedding and /v1/embeddings (pooled from the final hidden state)",
+        help="accepted for llama-server scripts; /embedding and /v1/embeddings answer 501 "
+        "(Mixdesk does not compute embeddings yet)",
     )
     s.add_argument(
         "--pooling",
         choices=["none", "mean", "cls", "last"],
         default=None,
-        help="embedding pooling (default mean; 'none' only on /embedding)",
+        help="llama-server's embedding pooling choices, accepted (no effect until "
+        "embeddings exist, see --embedding)",
     )
     s.add_argument(
         "-b",

@@ -592,7 +592,7 @@ async def embeddings(request: web.Request) -> web.Response:
         raise E.not_supported(
             "This server does not support embeddings. Start it with `--embeddings`"
         )
-    raise E.not_supported("embeddings are not implemented by Mixdesk yet")
+    raise E.not_supported("embeddings are not supported by Mixdesk yet (--embedding is accepted)")
 
 
 async def infill(request: web.Request) -> web.Response:
