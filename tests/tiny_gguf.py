@@ -1,4 +1,6 @@
-"""Write tiny random llama GGUF models with gguf.GGUFWriter, for shape/edge-case tests."""
+"""Write tiny random GGUF models with gguf.GGUFWriter, for shape/edge-case tests: llama,
+and with ``arch=`` the tensors and keys of the other families Mixdesk runs (qwen2's Q/K/V
+biases; gemma3's Q/K norms, post norms, key_length and sliding window)."""
 
 from __future__ import annotations
 
@@ -42,11 +44,15 @@ def write_tiny_llama(
     seed=0,
     ctx=256,
     kv: dict[str, tuple[Any, GGUFValueType] | None] | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """``kv`` overrides metadata after the normal keys are set: key -> (value, type),
-    or None to drop the key; for writing hostile but well-formed files."""
+    or None to drop the key; for writing hostile but well-formed files. ``head_dim``
+    writes attention.key_length (gemma3: head_dim * n_heads need not be dim);
+    ``sliding_window`` writes attention.sliding_window (gemma3)."""
     rng = np.random.default_rng(seed)
-    hd = dim // n_heads
+    hd = head_dim or dim // n_heads
     w = GGUFWriter(str(path), arch)
     w.add_name("tiny")
     w.add_context_length(ctx)
@@ -59,6 +65,11 @@ def write_tiny_llama(
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if head_dim:
+        w.add_uint32(f"{arch}.attention.key_length", head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if sliding_window:
+        w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
     if rope_scale:
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", rope_scale)
@@ -100,6 +111,15 @@ def write_tiny_llama(
         t(b + "attn_q.weight", (n_heads * hd, dim))
         t(b + "attn_k.weight", (n_kv_heads * hd, dim))
         t(b + "attn_v.weight", (n_kv_heads * hd, dim))
+        if arch == "qwen2":  # biases stay F32, like llama.cpp's 1-D tensors
+            w.add_tensor(b + "attn_q.bias", rng.standard_normal(n_heads * hd).astype(np.float32))
+            for n in ("attn_k.bias", "attn_v.bias"):
+                w.add_tensor(b + n, rng.standard_normal(n_kv_heads * hd).astype(np.float32))
+        if arch == "gemma3":
+            t(b + "attn_q_norm.weight", (hd,), norm=True)
+            t(b + "attn_k_norm.weight", (hd,), norm=True)
+            t(b + "post_attention_norm.weight", (dim,), norm=True)
+            t(b + "post_ffw_norm.weight", (dim,), norm=True)
         t(b + "attn_output.weight", (dim, n_heads * hd))
         t(b + "ffn_norm.weight", (dim,), norm=True)
         t(b + "ffn_gate.weight", (ffn, dim))

@@ -1,0 +1,187 @@
+"""The other families on tiny random GGUFs written here: qwen2 (Q/K/V biases, NeoX rope)
+and gemma3 (Q/K norms, post norms, GeGLU, sliding-window layers with their own rope).
+
+Cached decode (one sequence, and several decoding together in a KV pool) must equal one
+uncached forward over the whole sequence; a sliding-window layer must really ignore the
+keys outside its window; an unsupported architecture is refused in one line that
+names it and the supported ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.model.attention import attend, causal_mask, window_mask
+from core.model.families import model_class
+from core.model.kv_cache import KVCache
+from core.model.llama import BatchItem
+from core.model.primitives import RopeTable, rope_neox
+from core.model.weights import ModelLoadError, load_weights, open_model_file
+from tests.tiny_gguf import write_tiny_llama
+
+GEMMA = dict(arch="gemma3", dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn=80)
+
+
+def build(tmp_path, name="tiny.gguf", **kw):
+    gf, cfg = open_model_file(write_tiny_llama(tmp_path / name, **kw))
+    return model_class(cfg)(cfg, load_weights(gf, cfg, use_cache=False))
+
+
+def full_forward(model, tokens) -> np.ndarray:
+    cache = model.new_cache(64)
+    return model([BatchItem(np.array(tokens), cache, all_logits=True)])[0]  # (n, vocab)
+
+
+def incremental(model, tokens, prompt=5) -> np.ndarray:
+    cache = model.new_cache(64)
+    steps = [model([BatchItem(np.array(tokens[:prompt]), cache, all_logits=True)])[0]]
+    for t in tokens[prompt:]:
+        steps.append(model([BatchItem(np.array([t]), cache)])[0])
+    return np.concatenate(steps)
+
+
+def pooled(model, seqs, prompt=3) -> list[np.ndarray]:
+    """Each sequence prefilled in its own pool slot, then all decoded together one token
+    per forward (the pooled batched attention), as the scheduler runs them."""
+    pool = model.new_pool(len(seqs), 64)
+    caches = [pool.acquire() for _ in seqs]
+    outs = [
+        [model([BatchItem(np.array(s[:prompt]), c, all_logits=True)])[0]]
+        for s, c in zip(seqs, caches)
+    ]
+    for p in range(prompt, len(seqs[0])):
+        got = model([BatchItem(np.array([s[p]]), c) for s, c in zip(seqs, caches)])
+        for o, g in zip(outs, got):
+            o.append(g)
+    return [np.concatenate(o) for o in outs]
+
+
+FAMILIES = {
+    "qwen2": dict(arch="qwen2", n_heads=4, n_kv_heads=2),
+    "qwen2_mqa_untied": dict(arch="qwen2", n_heads=4, n_kv_heads=1, tied=False),
+    # 7 layers: 0-4 and 6 slide over 4 keys, layer 5 is global; 14 tokens > window
+    "gemma3_window": dict(GEMMA, n_layers=7, sliding_window=4),
+    "gemma3_no_window": dict(GEMMA, n_layers=2),
+    "gemma3_mqa": dict(GEMMA, n_heads=2, n_kv_heads=1, n_layers=6, sliding_window=3),
+}
+
+
+@pytest.mark.parametrize("kw", FAMILIES.values(), ids=FAMILIES.keys())
+def test_cached_decode_equals_full_forward(tmp_path, kw):
+    model = build(tmp_path, **kw)
+    tokens = list(np.random.default_rng(1).integers(3, 300, size=14))
+    full = full_forward(model, tokens)
+    assert full.shape == (14, 300) and np.isfinite(full).all()
+    np.testing.assert_allclose(incremental(model, tokens), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", FAMILIES.values(), ids=FAMILIES.keys())
+def test_pooled_decode_equals_full_forward(tmp_path, kw):
+    model = build(tmp_path, **kw)
+    rng = np.random.default_rng(2)
+    seqs = [list(rng.integers(3, 300, size=12)) for _ in range(3)]
+    for got, s in zip(pooled(model, seqs), seqs):
+        np.testing.assert_allclose(got, full_forward(model, s), rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_reads_its_hyper_parameters(tmp_path):
+    model = build(tmp_path, **dict(GEMMA, n_layers=13, sliding_window=4))
+    cfg = model.cfg
+    assert (cfg.head_dim, cfg.q_dim, cfg.dim) == (16, 64, 48)  # q_dim need not be dim
+    assert cfg.rope_neox and cfg.sliding_window == 4 and cfg.rope_base_swa == 10000.0
+    assert cfg.swa_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12)  # every 6th is global
+    assert cfg.scale == pytest.approx(1 / 4)  # 1/sqrt(key_length)
+    assert model.w.layers[0].attn_q_norm.shape == (16,)
+
+
+def test_sliding_window_ignores_keys_outside_it(tmp_path):
+    """Two sliding layers of window 3: the last position's logits reach back 2 + 2 tokens
+    and no further. Changing token 0 must leave positions >= 5 bit-for-bit alone (and
+    move positions within reach); with a global layer, the change reaches them."""
+    tokens = list(np.random.default_rng(3).integers(3, 300, size=10))
+    edited = [7 if tokens[0] != 7 else 8] + tokens[1:]
+    sliding = build(tmp_path, "swa.gguf", **dict(GEMMA, n_layers=2, sliding_window=3))
+    a, b = full_forward(sliding, tokens), full_forward(sliding, edited)
+    np.testing.assert_array_equal(a[5:], b[5:])
+    assert np.abs(a[:5] - b[:5]).max(axis=1).min() > 1e-4
+    # the same weights with the window off (no sliding_window key): layer 1 now sees all
+    full = build(tmp_path, "full.gguf", **dict(GEMMA, n_layers=2))
+    a, b = full_forward(full, tokens), full_forward(full, edited)
+    assert np.abs(a[5:] - b[5:]).max(axis=1).min() > 1e-4
+
+
+@pytest.mark.parametrize("p0, n", [(0, 9), (5, 4), (12, 1), (3, 300)])
+def test_window_attention_equals_a_brute_force_mask(p0, n):
+    """attend() with a window against softmax over an explicit mask, including a prompt
+    longer than one attention block (300 > 128 queries)."""
+    rng = np.random.default_rng(4)
+    KV, H, hd, window, L = 2, 4, 8, 5, p0 + n
+    keys = rng.standard_normal((L, KV, hd)).astype(np.float32)
+    vals = rng.standard_normal((L, KV, hd)).astype(np.float32)
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+
+    class Cfg:
+        n_layers, n_kv_heads, head_dim = 1, KV, hd
+
+    cache = KVCache(Cfg, L)
+    cache.store(0, 0, keys[:p0], vals[:p0])
+    cache.tokens = [0] * p0
+    got = attend(0, cache, q, keys[p0:], vals[p0:], causal_mask(p0, n), H, 0.5, window)
+    m = window_mask(p0, L, 0, L, window)  # (n, L)
+    kh = np.repeat(keys, H // KV, axis=1)  # (L, H, hd)
+    vh = np.repeat(vals, H // KV, axis=1)
+    s = np.einsum("nhd,lhd->hnl", q * 0.5, kh) + m  # (H, n, L)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hnl,lhd->nhd", p / p.sum(-1, keepdims=True), vh).reshape(n, H * hd)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_neox_rotates_halves():
+    """Hugging Face's rotate_half rope: x*cos + rotate_half(x)*sin, same angles."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+
+    class Cfg:
+        rope_dim, rope_base, rope_scale = 8, 10000.0, 1.0
+
+    pos = np.array([0, 4, 9])
+    ang = pos[:, None] * RopeTable(Cfg, None).inv_freq[None, :]  # (3, 4)
+    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]  # (3, 1, 8)
+    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+    rot = np.concatenate([-x[..., 4:], x[..., :4]], -1)
+    want = x * cos + rot * sin
+    got = rope_neox(x, RopeTable(Cfg, None).get(pos))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_biases_are_loaded_and_used(tmp_path):
+    path = write_tiny_llama(tmp_path / "q.gguf", arch="qwen2")
+    gf, cfg = open_model_file(path)
+    w = load_weights(gf, cfg, use_cache=False)
+    want = np.concatenate([gf.dequantize(f"blk.1.attn_{p}.bias") for p in "qkv"])
+    np.testing.assert_array_equal(w.layers[1].wqkv_bias, want)
+    model = model_class(cfg)(cfg, w)
+    tokens = [5, 9, 33, 4]
+    with_bias = full_forward(model, tokens)
+    for lw in w.layers:
+        lw.wqkv_bias = np.zeros_like(lw.wqkv_bias)
+    assert np.abs(full_forward(model, tokens) - with_bias).max() > 1e-3
+
+
+def test_missing_bias_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "q.gguf", arch="qwen2")
+    gf, cfg = open_model_file(path)
+    del gf.tensors["blk.0.attn_k.bias"]
+    with pytest.raises(ModelLoadError, match="missing tensor 'blk.0.attn_k.bias'"):
+        load_weights(gf, cfg, use_cache=False)
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
+    path = write_tiny_llama(tmp_path / "phi2.gguf", arch="phi2")
+    with pytest.raises(ModelLoadError) as e:
+        open_model_file(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "unsupported architecture 'phi2'" in msg
+    assert "llama, qwen2, gemma3" in msg
