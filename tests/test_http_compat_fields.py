@@ -181,3 +181,23 @@ def test_truncated_when_the_context_fills(server):
     assert out["tokens_evaluated"] + out["tokens_predicted"] == 256
     st, out = req(server, "POST", "/completion", {**body, "n_predict": 4})
     assert out["truncated"] is False and out["stop_type"] == "limit"
+
+
+def test_chat_input_tokens_and_verbose(server):
+    msgs = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "Hi"}]}
+    st, out = req(server, "POST", "/chat/completions/input_tokens", msgs)
+    assert st == 200
+    st, chat = req(server, "POST", "/v1/chat/completions", {**msgs, "max_tokens": 1})
+    assert out == {"input_tokens": chat["usage"]["prompt_tokens"]}
+    st, out = req(server, "POST", "/chat/completions/input_tokens", {"messages": []})
+    assert st == 400
+    st, chat = req(
+        server, "POST", "/v1/chat/completions", {**msgs, "max_tokens": 1, "verbose": True}
+    )
+    assert "Book" in chat["__verbose"]["prompt"] and chat["__verbose"]["tokens_predicted"] == 1
+    st, cmpl = req(
+        server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "verbose": True}
+    )
+    assert cmpl["__verbose"]["prompt"].endswith("Hi")
+    st, chat = req(server, "POST", "/v1/chat/completions", {**msgs, "max_tokens": 1})
+    assert "__verbose" not in chat

@@ -242,6 +242,8 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     r.add_post("/v1/completions", oai_completions)
     r.add_post("/chat/completions", chat_completions)
     r.add_post("/v1/chat/completions", chat_completions)
+    r.add_post("/chat/completions/input_tokens", chat_input_tokens)
+    r.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_post("/apply-template", apply_template)
@@ -1017,17 +1019,18 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
             if n_top
             else None
         )
-        return web.json_response(
-            R.oai_completion(
-                done,
-                cid=cid,
-                created=created,
-                model=mid,
-                prompt_n=len(prompt),
-                all_ids=all_ids,
-                logprobs=lp,
-            )
+        out = R.oai_completion(
+            done,
+            cid=cid,
+            created=created,
+            model=mid,
+            prompt_n=len(prompt),
+            all_ids=all_ids,
+            logprobs=lp,
         )
+        if opts.extra["verbose"]:
+            out["__verbose"] = _verbose_body(eng, opts, prompt, done, mid, all_ids)
+        return web.json_response(out)
 
     def token_chunk(ev):
         lp = (
@@ -1052,6 +1055,34 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
     return await _stream(request, gen, token_chunk, final_chunks)
 
 
+def _verbose_body(eng, opts, prompt: list[int], done: DoneEvent, mid: str, all_ids) -> dict:
+    """The ``__verbose`` object of an OpenAI answer: the /completion form of the same
+    result, with the prompt text the template built."""
+    return R.completion_final(
+        done,
+        prompt_n=len(prompt),
+        model=mid,
+        all_ids=all_ids,
+        return_tokens=False,
+        probs=None,
+        settings=R.generation_settings(
+            opts.params, eng.ctx_size, mid, False, R.mix_to_lora(done.mix, all_ids)
+        ),
+        prompt_text=eng.tokenizer.decode(prompt, strip_prefix_space=False),
+        n_ctx=eng.ctx_size,
+    )
+
+
+async def chat_input_tokens(request: web.Request) -> web.Response:
+    """POST /chat/completions/input_tokens: how many tokens the chat's prompt takes
+    (the template rendered as for a generation), without generating."""
+    eng = _engine(request)
+    body = await _body(request)
+    text = await _render_chat(request, eng, body)
+    prompt = await _encode_prompt(request, eng, text)
+    return web.json_response({"input_tokens": len(prompt)})
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/chat/completions, with llama-server's timings and lora extras."""
     eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(
@@ -1071,17 +1102,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if n_top
             else None
         )
-        return web.json_response(
-            R.oai_chat(
-                done,
-                cid=cid,
-                created=created,
-                model=mid,
-                prompt_n=len(prompt),
-                all_ids=all_ids,
-                logprobs=lp,
-            )
+        out = R.oai_chat(
+            done,
+            cid=cid,
+            created=created,
+            model=mid,
+            prompt_n=len(prompt),
+            all_ids=all_ids,
+            logprobs=lp,
         )
+        if opts.extra["verbose"]:  # llama-server's debug copy, in its /completion form
+            out["__verbose"] = _verbose_body(eng, opts, prompt, done, mid, all_ids)
+        return web.json_response(out)
 
     def token_chunk(ev):
         lp = (
