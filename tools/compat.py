@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -175,10 +176,18 @@ def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Pat
            f"--junitxml={report}", "-o", "junit_family=xunit1", *targets]  # fmt: skip
     if keyword:
         cmd += ["-k", keyword]
+    proc = subprocess.Popen(cmd, cwd=tests, env=env)
     try:
-        subprocess.run(cmd, cwd=tests, env=env, timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        print(f"compat: stopped after {timeout} s; the table covers the tests that ran")
+        # an interrupted pytest still writes its report: the table covers what ran
+        print(f"compat: stopping after {timeout} s; the table covers the tests that ran")
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     return report
 
 
