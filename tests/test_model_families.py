@@ -185,3 +185,108 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     assert "\n" not in msg
     assert "unsupported architecture 'phi2'" in msg
     assert "llama, qwen2, gemma3" in msg
+
+
+# ---- LoRA on the families: llama.cpp GGUFs, PEFT names, export round-trips -------------
+
+
+def tiny_engine(path):
+    from core.serve.engine import Engine
+
+    return Engine.from_path(path, n_parallel=1, ctx_size=64)
+
+
+def random_lora(path, cfg, targets=("attn_q", "attn_k", "attn_v", "ffn_up"), rank=4, seed=0):
+    """A llama.cpp-format LoRA GGUF on ``targets`` of every layer."""
+    from core.model import layout
+    from tests.tiny_gguf import write_lora_gguf
+
+    rng = np.random.default_rng(seed)
+    shapes = layout.part_shapes(cfg)
+    tensors = {}
+    for i in range(cfg.n_layers):
+        for t in targets:
+            out, inp = shapes[t]
+            tensors[f"blk.{i}.{t}.weight.lora_a"] = 0.3 * rng.standard_normal((rank, inp))
+            tensors[f"blk.{i}.{t}.weight.lora_b"] = 0.3 * rng.standard_normal((out, rank))
+    return write_lora_gguf(path, tensors, {"adapter.lora.alpha": float(rank)}, arch=cfg.arch)
+
+
+def engine_logits(eng, mix, tokens) -> np.ndarray:
+    from core.lora.mix import mix_key
+
+    adapters = {a["id"]: eng.adapter(a["id"]) for a in eng.adapters()}
+    mw = eng.mixes.get(mix_key(mix), adapters)
+    cache = eng.model.new_cache(len(tokens))
+    return eng.model([BatchItem(np.array(tokens), cache, mw, all_logits=True)])[0]
+
+
+@pytest.mark.parametrize("kw", [dict(arch="qwen2"), dict(GEMMA, n_layers=6, sliding_window=3)])
+def test_exports_round_trip(tmp_path, kw):
+    """LoRA GGUF, PEFT folder and merged GGUF of a two-adapter mix each reproduce the mix:
+    no Q/K permutation for these families (a permuted PEFT B would move the logits),
+    and the merged file keeps qwen2's biases and gemma3's extra norms."""
+    from core.lora.export import export_lora, export_merged, export_peft
+    from core.lora.naming import rope_heads
+
+    eng = tiny_engine(write_tiny_llama(tmp_path / "base.gguf", **kw))
+    try:
+        cfg = eng.model.cfg
+        # Q/K rows in Hugging Face order: PEFT import/export must not permute them
+        assert rope_heads(cfg, "blk.0.attn_q.weight") == rope_heads(cfg, "blk.0.attn_k.weight") == 0
+        a0 = eng.add_adapter(random_lora(tmp_path / "qkv.gguf", cfg))
+        a1 = eng.add_adapter(
+            random_lora(tmp_path / "mlp.gguf", cfg, ("attn_output", "ffn_down"), 2, 1)
+        )
+        mix = {a0: 0.7, a1: -0.5}
+        tokens = [5, 40, 41, 200, 7, 9, 120, 33]
+        want = engine_logits(eng, mix, tokens)
+        assert np.abs(want - engine_logits(eng, {}, tokens)).max() > 1e-2  # the mix matters
+        items = [(eng.adapter(a), s) for a, s in mix.items()]
+        export_lora(eng, items, tmp_path / "mix.gguf")
+        export_peft(eng, items, tmp_path / "mix_peft")
+        for out in (tmp_path / "mix.gguf", tmp_path / "mix_peft"):
+            aid = eng.add_adapter(out)
+            np.testing.assert_allclose(engine_logits(eng, {aid: 1.0}, tokens), want, atol=1e-4)
+            eng.remove_adapter(aid)
+        export_merged(eng, items, tmp_path / "merged.gguf", outtype="f32")
+    finally:
+        eng.stop()
+    merged = tiny_engine(tmp_path / "merged.gguf")
+    try:
+        np.testing.assert_allclose(engine_logits(merged, {}, tokens), want, atol=1e-4)
+    finally:
+        merged.stop()
+
+
+def test_gemma3_peft_language_model_prefix(tmp_path):
+    """A PEFT folder from Gemma3ForConditionalGeneration (model.language_model.layers.N)
+    lands on the same GGUF tensors as one from Gemma3ForCausalLM (model.layers.N)."""
+    from core.lora.naming import gguf_to_hf_module, hf_module_to_gguf
+    from tests.tiny_gguf import write_tiny_peft
+
+    path = write_tiny_llama(tmp_path / "g.gguf", **dict(GEMMA, n_layers=2))
+    _, cfg = open_model_file(path)
+    mm = "base_model.model.model.language_model.layers.1.mlp.down_proj"
+    assert hf_module_to_gguf(cfg, mm) == "blk.1.ffn_down.weight"
+    assert hf_module_to_gguf(cfg, "model.language_model.embed_tokens") == "token_embd.weight"
+    assert gguf_to_hf_module(cfg, "blk.1.attn_k.weight") == "model.layers.1.self_attn.k_proj"
+    eng = tiny_engine(path)
+    try:
+        plain = write_tiny_peft(tmp_path / "plain", dim=48, q_dim=64)
+        prefixed = tmp_path / "prefixed"
+        prefixed.mkdir()
+        (prefixed / "adapter_config.json").write_bytes((plain / "adapter_config.json").read_bytes())
+        from safetensors.numpy import load_file, save_file
+
+        st = load_file(plain / "adapter_model.safetensors")
+        mm_prefix = "base_model.model.model.language_model."
+        renamed = {k.replace("base_model.model.model.", mm_prefix): v for k, v in st.items()}
+        save_file(renamed, str(prefixed / "adapter_model.safetensors"))
+        a, b = eng.add_adapter(plain), eng.add_adapter(prefixed)
+        tokens = [5, 9, 33, 4]
+        got = engine_logits(eng, {b: 1.0}, tokens)
+        np.testing.assert_array_equal(got, engine_logits(eng, {a: 1.0}, tokens))
+        assert np.abs(got - engine_logits(eng, {}, tokens)).max() > 1e-3
+    finally:
+        eng.stop()

@@ -14,10 +14,18 @@ import numpy as np
 from ..model import layout
 from ..model.config import ModelConfig
 
+# Gemma 3 checkpoints of the multimodal class (Gemma3ForConditionalGeneration: 4B and
+# up) name the text model's modules model.language_model.*; the text-only ones (270M,
+# 1B) say model.*, as every other family does. PEFT folders of both map to one GGUF.
+HF_TEXT_PREFIXES = {"gemma3": ("model.language_model.",)}
+
 
 def hf_module_to_gguf(cfg: ModelConfig, module: str) -> str | None:
     """'model.layers.3.self_attn.q_proj' -> 'blk.3.attn_q.weight' (also embed/lm_head)."""
     module = module.removeprefix("base_model.model.")
+    for prefix in HF_TEXT_PREFIXES.get(cfg.arch, ()):
+        if module.startswith(prefix):
+            module = "model." + module.removeprefix(prefix)
     if module == "model.embed_tokens":
         return "token_embd.weight"
     if module == "lm_head":
@@ -32,7 +40,8 @@ def hf_module_to_gguf(cfg: ModelConfig, module: str) -> str | None:
 
 def gguf_to_hf_module(cfg: ModelConfig, name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj' (and embed/lm_head);
-    None for a tensor with no Hugging Face counterpart."""
+    None for a tensor with no Hugging Face counterpart. Gemma 3 exports use the
+    text-only class's names (model.layers.*), which its GGUFs are converted from."""
     if name == "token_embd.weight":
         return "model.embed_tokens"
     if name == "output.weight":
