@@ -160,9 +160,9 @@ def test_a_bug_in_one_sequences_sampling_fails_it_alone(engine, monkeypatch):
     (want,) = run_jobs(engine, [job(engine, SHORT, greedy())])
     real = core.serve.scheduler.make_sampler
 
-    def make(p, eog=()):
+    def make(p, eog=(), constraint=None):
         if p.seed != 4242:
-            return real(p, eog)
+            return real(p, eog, constraint)
 
         def broken(logits, history):
             raise RuntimeError("sampler bug")
