@@ -60,6 +60,8 @@ def pooled(model, seqs, prompt=3) -> list[np.ndarray]:
 FAMILIES = {
     "qwen2": dict(arch="qwen2", n_heads=4, n_kv_heads=2),
     "qwen2_mqa_untied": dict(arch="qwen2", n_heads=4, n_kv_heads=1, tied=False),
+    # Qwen3-0.6B's shape: head_dim * heads > dim
+    "qwen3": dict(arch="qwen3", dim=48, n_heads=4, n_kv_heads=2, head_dim=16),
     # 7 layers: 0-4 and 6 slide over 4 keys, layer 5 is global; 14 tokens > window
     "gemma3_window": dict(GEMMA, n_layers=7, sliding_window=4),
     "gemma3_no_window": dict(GEMMA, n_layers=2),
@@ -184,7 +186,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg
     assert "unsupported architecture 'phi2'" in msg
-    assert "llama, qwen2, gemma3" in msg
+    assert "llama, qwen2, qwen3, gemma3" in msg
 
 
 # ---- LoRA on the families: llama.cpp GGUFs, PEFT names, export round-trips -------------
@@ -221,7 +223,11 @@ def engine_logits(eng, mix, tokens) -> np.ndarray:
     return eng.model([BatchItem(np.array(tokens), cache, mw, all_logits=True)])[0]
 
 
-@pytest.mark.parametrize("kw", [dict(arch="qwen2"), dict(GEMMA, n_layers=6, sliding_window=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(arch="qwen2"), FAMILIES["qwen3"], dict(GEMMA, n_layers=6, sliding_window=3)],
+    ids=["qwen2", "qwen3", "gemma3"],
+)
 def test_exports_round_trip(tmp_path, kw):
     """LoRA GGUF, PEFT folder and merged GGUF of a two-adapter mix each reproduce the mix:
     no Q/K permutation for these families (a permuted PEFT B would move the logits),
@@ -290,3 +296,17 @@ def test_gemma3_peft_language_model_prefix(tmp_path):
         assert np.abs(got - engine_logits(eng, {}, tokens)).max() > 1e-3
     finally:
         eng.stop()
+
+
+def test_qwen3_qk_norms_are_used(tmp_path):
+    """Qwen3's per-head Q/K norms run before rope: scaling a norm weight moves the logits
+    (without them, attention would see the unnormalized heads)."""
+    gf, cfg = open_model_file(write_tiny_llama(tmp_path / "q3.gguf", **FAMILIES["qwen3"]))
+    w = load_weights(gf, cfg, use_cache=False)
+    assert w.layers[0].attn_q_norm.shape == w.layers[0].attn_k_norm.shape == (16,)
+    assert w.layers[0].wqkv_bias is None and cfg.rope_neox and cfg.q_dim == 64
+    model = model_class(cfg)(cfg, w)
+    tokens = [5, 9, 33, 4, 77]
+    before = full_forward(model, tokens)
+    w.layers[0].attn_k_norm = w.layers[0].attn_k_norm * 3.0
+    assert np.abs(full_forward(model, tokens) - before).max() > 1e-3

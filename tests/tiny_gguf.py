@@ -115,9 +115,10 @@ def write_tiny_llama(
             w.add_tensor(b + "attn_q.bias", rng.standard_normal(n_heads * hd).astype(np.float32))
             for n in ("attn_k.bias", "attn_v.bias"):
                 w.add_tensor(b + n, rng.standard_normal(n_kv_heads * hd).astype(np.float32))
-        if arch == "gemma3":
+        if arch in ("qwen3", "gemma3"):
             t(b + "attn_q_norm.weight", (hd,), norm=True)
             t(b + "attn_k_norm.weight", (hd,), norm=True)
+        if arch == "gemma3":
             t(b + "post_attention_norm.weight", (dim,), norm=True)
             t(b + "post_ffw_norm.weight", (dim,), norm=True)
         t(b + "attn_output.weight", (dim, n_heads * hd))

@@ -14,11 +14,11 @@ from ..errors import UserError
 from ..gguf.reader import short_name
 
 # Mistral-style and Llama 3.x models also say "llama"; Qwen2/2.5 and DeepSeek-R1-Distill-
-# Qwen say "qwen2"; Gemma 3 text models say "gemma3"
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+# Qwen say "qwen2"; Qwen3 dense models "qwen3"; Gemma 3 text models say "gemma3"
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # Architectures whose Q/K rows are in Hugging Face order and rotate halves (llama.cpp's
 # LLAMA_ROPE_TYPE_NEOX); llama's converter permutes Q/K rows for adjacent pairs instead.
-NEOX_ROPE_ARCHS = ("qwen2", "gemma3")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see all keys
 

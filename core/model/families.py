@@ -6,11 +6,12 @@ from .config import ModelConfig
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 
-# llama and qwen2 share one block (qwen2's biases and NeoX rope come from the layout
-# table and the config); Gemma 3's block differs in most steps
+# llama, qwen2 and qwen3 share one block (qwen2's biases, qwen3's Q/K norms and NeoX
+# rope come from the layout table and the config); Gemma 3's block differs in most steps
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "llama": LlamaModel,
     "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
     "gemma3": Gemma3Model,
 }
 

@@ -106,6 +106,22 @@ QWEN2_BLOCK: tuple[Norm | Matrix, ...] = (
     ),
     *LLAMA_BLOCK[2:],
 )
+# Qwen3: llama's block with per-head RMS norms on Q and K (before rope), no biases
+QWEN3_BLOCK: tuple[Norm | Matrix, ...] = (
+    Norm("attn_norm"),
+    Matrix(
+        "wqkv",
+        (
+            Part("attn_q", "q", "self_attn.q_proj"),
+            Part("attn_k", "kv", "self_attn.k_proj"),
+            Part("attn_v", "kv", "self_attn.v_proj"),
+        ),
+        "dim",
+    ),
+    Norm("attn_q_norm", "hd"),
+    Norm("attn_k_norm", "hd"),
+    *LLAMA_BLOCK[2:],
+)
 # Gemma 3: per-head Q/K norms, norms after attention and after the FFN (llama.cpp's
 # converter already stores Gemma's (1 + w) RMS norm weights as 1 + w)
 GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
@@ -131,6 +147,7 @@ GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
 BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {
     "llama": LLAMA_BLOCK,
     "qwen2": QWEN2_BLOCK,
+    "qwen3": QWEN3_BLOCK,
     "gemma3": GEMMA3_BLOCK,
 }
 

@@ -1,5 +1,6 @@
-"""The llama forward pass in numpy, over a batch of sequences (also Qwen2's: the same
-block plus Q/K/V biases and NeoX rope, both read from the layout and the config).
+"""The llama forward pass in numpy, over a batch of sequences (also Qwen2's and Qwen3's:
+the same block plus Q/K/V biases (qwen2) or per-head Q/K norms (qwen3), and NeoX rope,
+all read from the layout and the config).
 
 Each sequence in a batch brings its own new tokens, its own start position, its
 own KV cache and its own LoRA mix. The base matmuls run once over all tokens of
@@ -21,7 +22,7 @@ from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
 from .linear import Linear
-from .primitives import RopeTable, rms_norm, rope, rope_neox, silu_mul
+from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
 
 CALIBRATE_LAYERS = 4  # layers whose matrices time the small-batch regimes at load
@@ -137,7 +138,12 @@ class LlamaModel:
         qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
         if lw.wqkv_bias is not None:
             qkv += lw.wqkv_bias  # (q+2kv,) qwen2
-        qk = self.rope_qk(qkv[:, self.qk_rows].reshape(T, H + KV, hd), cis)  # (T, H+KV, hd)
+        qk = qkv[:, self.qk_rows].reshape(T, H + KV, hd)  # (T, H+KV, hd)
+        if lw.attn_q_norm is not None:  # qwen3: per-head norms before rope
+            qn = rms_norm_heads(qk[:, :H], lw.attn_q_norm, cfg.norm_eps)  # (T, H, hd)
+            kn = rms_norm_heads(qk[:, H:], lw.attn_k_norm, cfg.norm_eps)  # (T, KV, hd)
+            qk = np.concatenate([qn, kn], axis=1)  # (T, H+KV, hd)
+        qk = self.rope_qk(qk, cis)  # (T, H+KV, hd)
         q, k = qk[:, :H], qk[:, H:]  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.v_rows].reshape(T, KV, hd)  # (T, KV, hd)
 

@@ -56,7 +56,7 @@ class LayerWeights:
     w_down: np.ndarray  # (dim, ffn)
     # only the architectures whose block (core/model/layout.py) declares them:
     wqkv_bias: np.ndarray | None = None  # (q_dim + 2*kv_dim,)  qwen2
-    attn_q_norm: np.ndarray | None = None  # (head_dim,)  gemma3, shared by all heads
+    attn_q_norm: np.ndarray | None = None  # (head_dim,)  qwen3, gemma3; shared by all heads
     attn_k_norm: np.ndarray | None = None  # (head_dim,)
     post_attention_norm: np.ndarray | None = None  # (dim,)
     post_ffw_norm: np.ndarray | None = None  # (dim,)
