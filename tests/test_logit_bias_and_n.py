@@ -222,10 +222,12 @@ def test_n_on_chat_and_n_cmpl_on_completion(server):
             "temperature": 0.9,
             "seed": 1,
             "n": 2,
+            "logprobs": True,
         },
     )
     assert st == 200, body
     assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"]["content"] for c in body["choices"])  # each its own logprobs
     assert all(c["message"]["role"] == "assistant" for c in body["choices"])
     assert body["usage"]["completion_tokens"] <= 12
     st, out = post(
