@@ -201,3 +201,9 @@ def test_chat_input_tokens_and_verbose(server):
     assert cmpl["__verbose"]["prompt"].endswith("Hi")
     st, chat = req(server, "POST", "/v1/chat/completions", {**msgs, "max_tokens": 1})
     assert "__verbose" not in chat
+
+
+def test_verbose_without_response_fields_is_not_circular(server):
+    # the whole body and its __verbose copy were one dict: JSON refused it, a 500
+    st, out = req(server, "POST", "/completion", {"prompt": "Hi", "n_predict": 1, "verbose": True})
+    assert st == 200 and out["__verbose"]["content"] == out["content"]

@@ -962,9 +962,9 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
             prompt_text=prompt_text,
             n_ctx=eng.ctx_size,
         )
-        body = R.select_fields(out, opts.extra["response_fields"])
+        body = dict(R.select_fields(out, opts.extra["response_fields"]))
         if opts.extra["verbose"]:
-            body["__verbose"] = out
+            body["__verbose"] = out  # a copy of the whole answer, not itself
         return web.json_response(body)
 
     merger = tok.probs_merger()
