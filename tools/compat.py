@@ -194,7 +194,11 @@ def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Pat
 def table(report: Path) -> str:
     counts: dict[str, list[int]] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        f = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("/")[-1]
+        # classname "unit.test_basic" (the case pytest was in when interrupted has none)
+        parts = [p for p in (case.get("classname") or "").split(".") if p.startswith("test_")]
+        if not parts:
+            continue
+        f = parts[0] + ".py"
         c = counts.setdefault(f, [0, 0, 0])
         if case.find("skipped") is not None:
             c[2] += 1
