@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
 from core.model.attention import attend, causal_mask, window_mask
 from core.model.families import model_class
@@ -21,6 +22,11 @@ from core.model.weights import ModelLoadError, load_weights, open_model_file
 from tests.tiny_gguf import write_tiny_llama
 
 GEMMA = dict(arch="gemma3", dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn=80)
+TIGHT_CAPS = {
+    "gemma2.attn_logit_softcapping": (0.5, GGUFValueType.FLOAT32),
+    "gemma2.final_logit_softcapping": (2.0, GGUFValueType.FLOAT32),
+}
+GEMMA2 = dict(GEMMA, arch="gemma2", kv=TIGHT_CAPS)
 
 
 def build(tmp_path, name="tiny.gguf", **kw):
@@ -66,6 +72,9 @@ FAMILIES = {
     "gemma3_window": dict(GEMMA, n_layers=7, sliding_window=4),
     "gemma3_no_window": dict(GEMMA, n_layers=2),
     "gemma3_mqa": dict(GEMMA, n_heads=2, n_kv_heads=1, n_layers=6, sliding_window=3),
+    # even layers slide, odd ones are global; attention and final soft-capping (the
+    # default caps 50/30 barely bite on a tiny model: tight ones make them matter)
+    "gemma2": dict(GEMMA2, n_layers=4, sliding_window=3),
 }
 
 
@@ -186,7 +195,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg
     assert "unsupported architecture 'phi2'" in msg
-    assert "llama, qwen2, qwen3, gemma3" in msg
+    assert "llama, qwen2, qwen3, gemma2, gemma3" in msg
 
 
 # ---- LoRA on the families: llama.cpp GGUFs, PEFT names, export round-trips -------------
@@ -225,8 +234,13 @@ def engine_logits(eng, mix, tokens) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(arch="qwen2"), FAMILIES["qwen3"], dict(GEMMA, n_layers=6, sliding_window=3)],
-    ids=["qwen2", "qwen3", "gemma3"],
+    [
+        dict(arch="qwen2"),
+        FAMILIES["qwen3"],
+        dict(GEMMA, n_layers=6, sliding_window=3),
+        FAMILIES["gemma2"],
+    ],
+    ids=["qwen2", "qwen3", "gemma3", "gemma2"],
 )
 def test_exports_round_trip(tmp_path, kw):
     """LoRA GGUF, PEFT folder and merged GGUF of a two-adapter mix each reproduce the mix:
@@ -310,3 +324,23 @@ def test_qwen3_qk_norms_are_used(tmp_path):
     before = full_forward(model, tokens)
     w.layers[0].attn_k_norm = w.layers[0].attn_k_norm * 3.0
     assert np.abs(full_forward(model, tokens) - before).max() > 1e-3
+
+
+def test_gemma2_reads_its_hyper_parameters_and_caps(tmp_path):
+    model = build(tmp_path, **dict(GEMMA2, n_layers=5, sliding_window=3))
+    cfg = model.cfg
+    assert cfg.swa_layers == (0, 2, 4) and cfg.sliding_window == 3  # every other layer
+    assert (cfg.attn_softcap, cfg.final_softcap) == (0.5, 2.0)
+    assert cfg.rope_base_swa == 0.0 and model.rope_local is model.rope  # one rope base
+    assert model.w.layers[0].attn_q_norm is None
+    tokens = [5, 9, 33, 4, 77, 12]
+    capped = full_forward(model, tokens)
+    assert np.abs(capped).max() <= 2.0 + 1e-5  # final soft-cap bounds every logit
+    # the same weights with the attention scores uncapped give other logits
+    kv = {**TIGHT_CAPS, "gemma2.attn_logit_softcapping": (1e5, GGUFValueType.FLOAT32)}
+    loose = build(tmp_path, "loose.gguf", **dict(GEMMA2, kv=kv, n_layers=5, sliding_window=3))
+    assert np.abs(full_forward(loose, tokens) - capped).max() > 1e-2
+    # without the keys: llama.cpp's defaults
+    plain = build(tmp_path, "plain.gguf", **dict(GEMMA2, kv=None, n_layers=1))
+    assert (plain.cfg.attn_softcap, plain.cfg.final_softcap) == (50.0, 30.0)
+    assert plain.cfg.sliding_window == 4096

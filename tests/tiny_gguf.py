@@ -1,6 +1,7 @@
 """Write tiny random GGUF models with gguf.GGUFWriter, for shape/edge-case tests: llama,
 and with ``arch=`` the tensors and keys of the other families Mixdesk runs (qwen2's Q/K/V
-biases; gemma3's Q/K norms, post norms, key_length and sliding window)."""
+biases; qwen3's and gemma3's Q/K norms; gemma2's and gemma3's post norms, key_length and
+sliding window)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def write_tiny_llama(
         if arch in ("qwen3", "gemma3"):
             t(b + "attn_q_norm.weight", (hd,), norm=True)
             t(b + "attn_k_norm.weight", (hd,), norm=True)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             t(b + "post_attention_norm.weight", (dim,), norm=True)
             t(b + "post_ffw_norm.weight", (dim,), norm=True)
         t(b + "attn_output.weight", (dim, n_heads * hd))

@@ -33,11 +33,17 @@ def sdpa(
     k: np.ndarray,
     v: np.ndarray,
     mask: Callable[[np.ndarray], None] | None = None,
+    softcap: float = 0.0,
 ) -> np.ndarray:
     """softmax(q kᵀ + mask) v over the last two axes. q (…, m, hd) already scaled by
     1/sqrt(hd) (scaling q, m*hd numbers, is cheaper than scaling the scores, m*L);
-    k, v (…, L, hd); ``mask`` edits the scores (…, m, L) in place. Returns (…, m, hd)."""
+    k, v (…, L, hd); ``mask`` edits the scores (…, m, L) in place. ``softcap`` c > 0
+    (Gemma 2): scores become c*tanh(scores/c) before the mask. Returns (…, m, hd)."""
     s = q @ k.swapaxes(-1, -2)  # (…, m, L)
+    if softcap:
+        s *= np.float32(1.0 / softcap)
+        np.tanh(s, out=s)
+        s *= np.float32(softcap)
     if mask is not None:
         mask(s)
     z = exp_normalized_inplace(s)  # (…, m, 1)
@@ -67,18 +73,19 @@ def attend(
     n_heads: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> np.ndarray:
     """Causal GQA attention of n new queries (n, H, hd) of one sequence over its cache,
     after storing their keys/values (n, KV, hd) at positions length..length+n-1.
     ``window`` > 0: a sliding-window layer, where the query at position p sees only
-    keys at p-window+1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
+    keys at p-window+1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD). ``softcap``: see sdpa."""
     n, KV, hd = k.shape
     g = n_heads // KV
     p0 = cache.length
     L = p0 + n
     cache.store(li, p0, k, v)
-    if window:
-        return _attend_window(li, cache, q, n, L, n_heads, scale, window)
+    if window or softcap:
+        return _attend_window(li, cache, q, n, L, n_heads, scale, window or L, softcap)
     if n == 1:
         # Decoding: one query, no mask, no blocks. Half the numpy calls of the
         # general path, which matters when 8 streams run 30 layers per step.
@@ -117,9 +124,12 @@ def window_mask(q0: int, q1: int, k0: int, k1: int, window: int) -> np.ndarray:
     return np.where(seen, np.float32(0.0), np.float32(-np.inf))  # (q1-q0, k1-k0)
 
 
-def _attend_window(li: int, cache: KVCache, q, n: int, L: int, n_heads: int, scale, window):
-    """attend() for a sliding-window layer: each query block reads only the keys its
-    window reaches (the cache keeps them all; the window is a view into it)."""
+def _attend_window(
+    li: int, cache: KVCache, q, n: int, L: int, n_heads: int, scale, window, softcap=0.0
+):
+    """attend() for a sliding-window layer (or a soft-capped one, window = all keys):
+    each query block reads only the keys its window reaches (the cache keeps them all;
+    the window is a view into it)."""
     KV, hd = cache.k.shape[1], cache.k.shape[3]
     g = n_heads // KV
     p0 = L - n
@@ -137,7 +147,7 @@ def _attend_window(li: int, cache: KVCache, q, n: int, L: int, n_heads: int, sca
 
         kc = cache.keys(li, Lb)[:, k0:]  # (KV, Lb-k0, hd)
         vc = cache.values(li, Lb)[:, k0:]
-        out[:, :, i0:i1] = sdpa(qb, kc, vc, masked).reshape(KV, g, nb, hd)
+        out[:, :, i0:i1] = sdpa(qb, kc, vc, masked, softcap).reshape(KV, g, nb, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
 
 
@@ -182,7 +192,9 @@ class PooledDecode:
             hidden,
         )
 
-    def attend(self, li: int, q, k, v, n_heads: int, scale: float, window: int = 0) -> np.ndarray:
+    def attend(
+        self, li: int, q, k, v, n_heads: int, scale: float, window: int = 0, softcap: float = 0.0
+    ) -> np.ndarray:
         """One new query (n, H, hd) for each of n decoding sequences, batched: the slots
         s0..s1 are attended in one matmul up to the longest length, and positions past
         each sequence's own length are masked (and, with ``window``, positions at or
@@ -193,7 +205,7 @@ class PooledDecode:
         q4 = np.zeros((self.s1 - self.s0, KV, g, hd), dtype=np.float32)  # (S', KV, g, hd)
         q4[self.at] = (q * scale).reshape(n, KV, g, hd)
         hidden = self._windowed(window) if window else self.hidden
-        o = self._product(li, q4, hidden)[self.at]  # (n, KV, g, hd)
+        o = self._product(li, q4, hidden, softcap)[self.at]  # (n, KV, g, hd)
         if not np.isfinite(o).all():
             # Masked scores become exact zeros, but 0 x NaN is NaN: stale rows past a
             # slot's length holding NaN/inf (left by whatever failed in it before)
@@ -203,7 +215,7 @@ class PooledDecode:
             # keys/values are non-finite stays non-finite, alone, and fails alone.
             for slot, pos in zip(self.slots, self.pos):
                 self.pool.clear(li, slot, pos + 1, self.L)
-            o = self._product(li, q4, hidden)[self.at]
+            o = self._product(li, q4, hidden, softcap)[self.at]
         return o.reshape(n, n_heads * hd)  # (n, H*hd)
 
     def _windowed(self, window: int) -> np.ndarray:
@@ -216,9 +228,9 @@ class PooledDecode:
             got[window] = h
         return got[window]
 
-    def _product(self, li: int, q4: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    def _product(self, li: int, q4: np.ndarray, hidden: np.ndarray, softcap=0.0) -> np.ndarray:
         """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer."""
         hide = lambda s: np.copyto(s, np.float32(-np.inf), where=hidden)  # (S',1,1,L)
         kc = self.pool.keys(li, self.s0, self.s1, self.L)  # (S', KV, L, hd)
         vc = self.pool.values(li, self.s0, self.s1, self.L)
-        return sdpa(q4, kc, vc, hide)  # (S', KV, g, hd)
+        return sdpa(q4, kc, vc, hide, softcap)  # (S', KV, g, hd)

@@ -14,13 +14,16 @@ from ..errors import UserError
 from ..gguf.reader import short_name
 
 # Mistral-style and Llama 3.x models also say "llama"; Qwen2/2.5 and DeepSeek-R1-Distill-
-# Qwen say "qwen2"; Qwen3 dense models "qwen3"; Gemma 3 text models say "gemma3"
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# Qwen say "qwen2"; Qwen3 dense models "qwen3"; Gemma 2 "gemma2"; Gemma 3 text models
+# say "gemma3"
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # Architectures whose Q/K rows are in Hugging Face order and rotate halves (llama.cpp's
 # LLAMA_ROPE_TYPE_NEOX); llama's converter permutes Q/K rows for adjacent pairs instead.
-NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma3")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see all keys
+GEMMA2_GLOBAL_EVERY = 2  # llama.cpp: set_swa_pattern(2), odd layers see all keys
+GEMMA2_DEFAULT_WINDOW = 4096  # llama.cpp's n_swa for gemma2 files without the key
 
 
 class ModelConfigError(UserError):
@@ -49,7 +52,9 @@ class ModelConfig:
     attn_scale: float = 0.0
     sliding_window: int = 0  # keys a sliding-window layer sees (0: no such layers)
     swa_layers: tuple[int, ...] = ()  # layers that use the sliding window
-    rope_base_swa: float = 0.0  # rope base of the sliding-window layers
+    rope_base_swa: float = 0.0  # rope base of the sliding-window layers (0: rope_base)
+    attn_softcap: float = 0.0  # gemma2: scores -> c*tanh(scores/c) before the mask (0: off)
+    final_softcap: float = 0.0  # gemma2: logits -> c*tanh(logits/c) (0: off)
 
     @property
     def q_dim(self) -> int:
@@ -157,18 +162,24 @@ class ModelConfig:
 def _family_params(arch: str, m: _Meta, head_dim: int) -> dict[str, Any]:
     """The hyper-parameters beyond llama's, read as llama.cpp reads them."""
     out: dict[str, Any] = {"rope_neox": arch in NEOX_ROPE_ARCHS}
-    if arch == "gemma3":
-        a = "gemma3."
+    if arch in ("gemma2", "gemma3"):
+        a = arch + "."
         n_layers = m.integer(a + "block_count", hi=MAX_LAYERS)
         # llama.cpp scales q by 1/sqrt(n_embd_head_k) (query_pre_attn_scalar = head_dim
-        # for every Gemma 3 but 27B, whose converter writes that value as key_length)
+        # for the Gemma 2/3 sizes but 27B, which llama.cpp special-cases by size)
         out["attn_scale"] = 1.0 / math.sqrt(head_dim)
-        out["sliding_window"] = m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CTX)
-        if out["sliding_window"]:
-            out["swa_layers"] = tuple(
-                i for i in range(n_layers) if i % GEMMA3_GLOBAL_EVERY < GEMMA3_GLOBAL_EVERY - 1
-            )
+        default = GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else 0
+        window = m.integer(a + "attention.sliding_window", default, lo=0, hi=MAX_CTX)
+        every = GEMMA2_GLOBAL_EVERY if arch == "gemma2" else GEMMA3_GLOBAL_EVERY
+        out["sliding_window"] = window
+        if window:
+            out["swa_layers"] = tuple(i for i in range(n_layers) if i % every < every - 1)
+    if arch == "gemma3":
         out["rope_base_swa"] = GEMMA3_LOCAL_ROPE_BASE
+    if arch == "gemma2":
+        cap = (0.0, MAX_SOFTCAP)
+        out["attn_softcap"] = m.number(a + "attn_logit_softcapping", 50.0, *cap)
+        out["final_softcap"] = m.number(a + "final_logit_softcapping", 30.0, *cap)
     return out
 
 
@@ -182,6 +193,7 @@ MAX_LAYERS = 1 << 12
 MAX_CTX = 1 << 24  # 16M tokens
 MAX_ROPE_BASE = 1e12
 MAX_ROPE_SCALE = 1e4
+MAX_SOFTCAP = 1e6
 
 _REQUIRED = object()
 

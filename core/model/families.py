@@ -12,6 +12,7 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "llama": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
+    "gemma2": Gemma3Model,  # Gemma 3's pass without Q/K norms, with soft-capping
     "gemma3": Gemma3Model,
 }
 

@@ -1,4 +1,4 @@
-"""The Gemma 3 forward pass: llama's batch machinery with Gemma's block.
+"""The Gemma 3 (and Gemma 2) forward pass: llama's batch machinery with Gemma's block.
 
 As llama.cpp builds it (src/models/gemma3.cpp): embeddings scaled by sqrt(dim);
 per-head RMS norms on Q and K before a NeoX rope; norms after attention and after
@@ -7,6 +7,10 @@ the FFN, before their residual adds; a GeGLU FFN (gelu-tanh gate); q scaled by
 local rope base (10000); every sixth layer attends globally with rope.freq_base.
 The GGUF stores Gemma's (1 + w) norm weights already as 1 + w (llama.cpp's
 converter adds the one), so every norm here is a plain RMS norm.
+
+Gemma 2 (src/models/gemma2.cpp) is the same pass without the Q/K norms, with one rope
+base for all layers, sliding windows on every other layer, and soft-capping:
+attention scores c*tanh(s/c) before the mask, final logits likewise.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ from .weights import LayerWeights
 class Gemma3Model(LlamaModel):
     def __init__(self, cfg, weights, threads=None, calibrate_step=None):
         super().__init__(cfg, weights, threads=threads, calibrate_step=calibrate_step)
-        # sliding-window layers keep their own base and no position scaling
-        self.rope_local = RopeTable(cfg, None, base=cfg.rope_base_swa, scale=1.0)
+        # gemma3's sliding-window layers keep their own base and no position scaling
+        self.rope_local = (
+            RopeTable(cfg, None, base=cfg.rope_base_swa, scale=1.0)
+            if cfg.rope_base_swa
+            else self.rope
+        )
         self.swa = frozenset(cfg.swa_layers)
         self.embed_scale = np.float32(math.sqrt(cfg.dim))
 
@@ -41,7 +49,9 @@ class Gemma3Model(LlamaModel):
         positions = np.concatenate(
             [np.arange(it.cache.length, it.cache.length + len(it.tokens)) for it in items]
         )  # (T,)
-        cis = (self.rope.get(positions), self.rope_local.get(positions))  # global, local
+        glob = self.rope.get(positions)  # (T, 1, hd/2)
+        local = glob if self.rope_local is self.rope else self.rope_local.get(positions)
+        cis = (glob, local)
         with self.lin.small_batch(self.lin.regime(len(tokens))):
             return self._forward(items, spans, tokens, cis)
 
@@ -67,21 +77,22 @@ class Gemma3Model(LlamaModel):
 
         h = rms_norm(x, lw.attn_norm, eps)  # (T, d)
         qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
-        q = rms_norm_heads(qkv[:, self.qk_rows][:, : H * hd].reshape(T, H, hd), lw.attn_q_norm, eps)
-        k = rms_norm_heads(
-            qkv[:, self.qk_rows][:, H * hd :].reshape(T, KV, hd), lw.attn_k_norm, eps
-        )
+        q = qkv[:, self.qk_rows][:, : H * hd].reshape(T, H, hd)  # (T, H, hd)
+        k = qkv[:, self.qk_rows][:, H * hd :].reshape(T, KV, hd)  # (T, KV, hd)
+        if lw.attn_q_norm is not None:  # gemma3
+            q, k = rms_norm_heads(q, lw.attn_q_norm, eps), rms_norm_heads(k, lw.attn_k_norm, eps)
         q, k = rope_neox(q, cs), rope_neox(k, cs)  # (T, H, hd), (T, KV, hd)
+        cap = cfg.attn_softcap  # gemma2
         v = qkv[:, self.v_rows].reshape(T, KV, hd)  # (T, KV, hd)
 
         attn = np.empty((T, cfg.q_dim), dtype=np.float32)  # (T, H*hd)
         if pooled is not None:
             r = pooled.rows
-            attn[r] = pooled.attend(li, q[r], k[r], v[r], H, self.scale, window)
+            attn[r] = pooled.attend(li, q[r], k[r], v[r], H, self.scale, window, cap)
         for i, (it, (s, e), mask) in enumerate(zip(items, spans, masks)):
             if pooled is None or i not in pooled.items:
                 attn[s:e] = attend(
-                    li, it.cache, q[s:e], k[s:e], v[s:e], mask, H, self.scale, window
+                    li, it.cache, q[s:e], k[s:e], v[s:e], mask, H, self.scale, window, cap
                 )
 
         o = lora.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
@@ -92,3 +103,13 @@ class Gemma3Model(LlamaModel):
         act = gelu_mul(gu[:, self.gate_rows], gu[:, self.up_rows])  # (T, f)
         d = lora.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
         return x + rms_norm(d, lw.post_ffw_norm, eps)
+
+    def _logits(self, items, spans, x, lora) -> list[np.ndarray]:
+        out = super()._logits(items, spans, x, lora)
+        c = self.cfg.final_softcap
+        if c:  # gemma2: after the output LoRA, as llama.cpp does
+            for lg in out:
+                lg *= np.float32(1.0 / c)
+                np.tanh(lg, out=lg)
+                lg *= np.float32(c)
+        return out

@@ -142,12 +142,17 @@ GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
     *LLAMA_BLOCK[3:],  # ffn_norm, w_gate_up, w_down
     Norm("post_ffw_norm"),
 )
+# Gemma 2: Gemma 3's block without the Q/K norms
+GEMMA2_BLOCK: tuple[Norm | Matrix, ...] = tuple(
+    e for e in GEMMA3_BLOCK if not (isinstance(e, Norm) and e.size == "hd")
+)
 # The order of a block's entries is the order of the weight cache file (core/model/
 # weights.py: bump its CACHE_FORMAT when this table changes).
 BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {
     "llama": LLAMA_BLOCK,
     "qwen2": QWEN2_BLOCK,
     "qwen3": QWEN3_BLOCK,
+    "gemma2": GEMMA2_BLOCK,
     "gemma3": GEMMA3_BLOCK,
 }
 
