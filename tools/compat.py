@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 PIN = "llama-cpp-python==0.3.36"
 WORK = REPO / "build" / "compat"
 SUBDIR = "vendor/llama.cpp/tools/server/tests/"
+TEMPLATES = "vendor/llama.cpp/models/templates/"
 EXTRA_DEPS = ["filelock", "wget", "prometheus-client"]
 
 ADAPTER = r'''"""Mixdesk's adapter for llama.cpp's server tests (written by tools/compat.py)."""
@@ -72,6 +73,12 @@ def _translate(args):
             continue
         if a in ("--model", "-m"):
             has_model = True
+        if a == "--chat-template-file" and i + 1 < len(args):
+            # upstream's path is relative to its tree: the file was extracted to templates/
+            name = os.path.basename(args[i + 1])
+            out += [a, os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", name)]
+            i += 2
+            continue
         if a == "--lora" and i + 1 < len(args) and not os.path.exists(args[i + 1]):
             out += ["--lora", LORA]
             i += 2
@@ -133,9 +140,14 @@ def extract_tests(sdist: Path) -> Path:
     with tarfile.open(sdist) as tar:
         for m in tar.getmembers():
             _, _, rel = m.name.partition("/")
-            if not rel.startswith(SUBDIR) or not m.isfile():
+            if not m.isfile():
                 continue
-            target = dest / rel[len(SUBDIR) :]
+            if rel.startswith(SUBDIR):
+                target = dest / rel[len(SUBDIR) :]
+            elif rel.startswith(TEMPLATES):  # the tests' --chat-template-file files
+                target = dest / "templates" / rel[len(TEMPLATES) :]
+            else:
+                continue
             if not target.resolve().is_relative_to(dest.resolve()):
                 continue  # a hostile member name
             target.parent.mkdir(parents=True, exist_ok=True)
