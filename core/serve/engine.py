@@ -41,12 +41,13 @@ from .events import (
     ModelError,
     ModelLoaded,
     ModelLoading,
+    PromptProgress,
     RequestFinished,
     RequestStarted,
 )
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
-from .scheduler import DoneEvent, Event, Request, Scheduler, TokenEvent
+from .scheduler import DoneEvent, Event, PromptProgressEvent, Request, Scheduler, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -493,9 +494,11 @@ class Engine:
         mix: Mapping[int, float] | None = None,
         cache_prompt: bool = True,
         source: str = "",
+        progress: bool = False,
     ) -> Request:
         """Queue a generation. ``mix`` None means the global mix, snapshotted now:
-        later mix changes do not alter this request (llama.cpp #10374)."""
+        later mix changes do not alter this request (llama.cpp #10374). With
+        ``progress``, on_event also gets a PromptProgressEvent per prompt chunk."""
         got = self.submit_many(
             [
                 dict(
@@ -505,6 +508,7 @@ class Engine:
                     mix=mix,
                     cache_prompt=cache_prompt,
                     source=source,
+                    progress=progress,
                 )
             ]
         )[0]
@@ -552,6 +556,7 @@ class Engine:
         mix: Mapping[int, float] | None = None,
         cache_prompt: bool = True,
         source: str = "",
+        progress: bool = False,
     ) -> Request:
         self.require_ready()
         validate(params)
@@ -576,6 +581,16 @@ class Engine:
         ids: list[int] = []
 
         def relay(ev: Event) -> None:
+            if isinstance(ev, PromptProgressEvent):
+                # listeners (the window) always hear of it; the caller only if it asked
+                self._notify(
+                    PromptProgress(
+                        id=ids[0] if ids else -1, source=source, done=ev.done, total=ev.total
+                    )
+                )
+                if progress:
+                    on_event(ev)
+                return
             on_event(ev)
             if isinstance(ev, DoneEvent):
                 self._notify(
@@ -590,6 +605,7 @@ class Engine:
                 )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
+        req.progress = True  # relay() turns each chunk into a PromptProgress for listeners
         ids.append(req.id)
         return req
 
@@ -600,11 +616,20 @@ class Engine:
         mix: Mapping[int, float] | None = None,
         cache_prompt: bool = True,
         source: str = "",
+        progress: bool = False,
     ) -> Iterator[Event]:
         """Synchronous generator of events for one request (CLI, tests, scripts).
         Closing the generator early cancels the request."""
         q: queue.Queue[Event] = queue.Queue()
-        req = self.submit(prompt, params, q.put, mix=mix, cache_prompt=cache_prompt, source=source)
+        req = self.submit(
+            prompt,
+            params,
+            q.put,
+            mix=mix,
+            cache_prompt=cache_prompt,
+            source=source,
+            progress=progress,
+        )
         try:
             while True:
                 ev = q.get()
@@ -676,6 +701,7 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "DoneEvent",
+    "PromptProgressEvent",
     "Event",
     "Request",
     "MixKey",

@@ -70,6 +70,17 @@ class RequestStarted(EngineEvent):
 
 
 @dataclass(frozen=True)
+class PromptProgress(EngineEvent):
+    """A chunk of a request's prompt was evaluated (one per scheduler prefill chunk)."""
+
+    name: ClassVar[str] = "prompt_progress"
+    id: int
+    source: str
+    done: int  # prompt tokens in the cache so far, cached prefix included
+    total: int
+
+
+@dataclass(frozen=True)
 class RequestFinished(EngineEvent):
     name: ClassVar[str] = "request_finished"
     id: int

@@ -99,7 +99,19 @@ class DoneEvent:
     kind: str = "done"
 
 
-Event = TokenEvent | DoneEvent
+@dataclass
+class PromptProgressEvent:
+    """One prompt chunk evaluated (sent only to requests with ``progress`` set): at most
+    one per PREFILL_CHUNK prompt tokens, the last one with done == total."""
+
+    done: int  # prompt tokens in the cache so far, cached prefix included
+    total: int  # prompt tokens
+    cache_n: int  # of which came from the prefix cache
+    time_ms: float  # spent evaluating this prompt so far
+    kind: str = "progress"
+
+
+Event = TokenEvent | DoneEvent | PromptProgressEvent
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Request:
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted_step: int = -1  # the scheduler step that first ran it
+    progress: bool = False  # also send a PromptProgressEvent per prompt chunk
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -305,6 +318,8 @@ class Scheduler:
             del s.pending[:n]
             s.timings.prompt_n += n
             s.timings.prompt_ms += dt
+            if s.req.progress:
+                self._emit_progress(s)
             if s.pending:
                 return  # more prompt to run before we can sample
             if s.req.params.n_predict == 0:
@@ -446,6 +461,11 @@ class Scheduler:
             s.next_token = tok
             return True
         return False
+
+    def _emit_progress(self, s: _Seq) -> None:
+        t = s.timings
+        total = len(s.req.prompt)
+        self._emit(s, PromptProgressEvent(total - len(s.pending), total, t.cache_n, t.prompt_ms))
 
     def _emit(self, s: _Seq, ev: Event) -> None:
         try:

@@ -1,0 +1,39 @@
+"""Prompt progress: the scheduler reports each evaluated prompt chunk, the engine
+relays it to listeners (the window) and, on request, to the caller (HTTP
+``return_progress``); the chat shows "Reading prompt…" with a bar meanwhile."""
+
+from __future__ import annotations
+
+from core.serve.engine import DoneEvent, PromptProgressEvent, SamplingParams
+from core.serve.scheduler import PREFILL_CHUNK
+
+LONG = PREFILL_CHUNK + 200  # two prefill chunks
+
+
+def _long_prompt() -> list[int]:
+    return [1] + [100 + i % 5000 for i in range(LONG - 1)]  # (LONG,) valid ids
+
+
+def test_engine_reports_each_prompt_chunk(clean_engine):
+    clean_engine.start()  # no window here: the engine's own loop thread
+    heard = []
+    off = clean_engine.subscribe(lambda name, p: heard.append((name, p)))
+    try:
+        params = SamplingParams(temperature=0.0, n_predict=1)
+        evs = list(clean_engine.generate(_long_prompt(), params, cache_prompt=False, progress=True))
+    finally:
+        off()
+    prog = [e for e in evs if isinstance(e, PromptProgressEvent)]
+    assert [(p.done, p.total) for p in prog] == [(PREFILL_CHUNK, LONG), (LONG, LONG)]
+    assert prog[0].cache_n == 0 and prog[1].time_ms >= prog[0].time_ms > 0
+    assert isinstance(evs[-1], DoneEvent) and evs[-1].stop_type == "limit"
+    relayed = [p for n, p in heard if n == "prompt_progress"]
+    assert [(p["done"], p["total"]) for p in relayed] == [(PREFILL_CHUNK, LONG), (LONG, LONG)]
+
+
+def test_progress_is_opt_in_for_the_caller(clean_engine):
+    """Consumers that did not ask (HTTP streams, the CLI) never see the new event."""
+    clean_engine.start()
+    params = SamplingParams(temperature=0.0, n_predict=1)
+    evs = list(clean_engine.generate(_long_prompt()[:20], params, cache_prompt=False))
+    assert not [e for e in evs if isinstance(e, PromptProgressEvent)]
