@@ -110,7 +110,7 @@ def test_every_reference_adapter_lands_in_the_table(smollm_path):
 
 def test_an_unknown_architecture_has_no_block():
     cfg = ModelConfig(
-        "phi3", "x", 1, 8, 2, 2, 4, 16, 10, 64, 1e-5, 1e4, 4, 1.0, "ALL_F32"
+        "gpt2", "x", 1, 8, 2, 2, 4, 16, 10, 64, 1e-5, 1e4, 4, 1.0, "ALL_F32"
     )  # not declared in layout.BLOCKS
     with pytest.raises(KeyError):
         layout.block(cfg)

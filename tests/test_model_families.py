@@ -75,6 +75,8 @@ FAMILIES = {
     # even layers slide, odd ones are global; attention and final soft-capping (the
     # default caps 50/30 barely bite on a tiny model: tight ones make them matter)
     "gemma2": dict(GEMMA2, n_layers=4, sliding_window=3),
+    "phi3": dict(arch="phi3", n_heads=4, n_kv_heads=2),
+    "phi3_longrope": dict(arch="phi3", n_heads=4, n_kv_heads=4, long_rope=(8, 1.2)),
 }
 
 
@@ -195,7 +197,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg
     assert "unsupported architecture 'phi2'" in msg
-    assert "llama, qwen2, qwen3, gemma2, gemma3" in msg
+    assert "llama, qwen2, qwen3, gemma2, gemma3, phi3" in msg
 
 
 # ---- LoRA on the families: llama.cpp GGUFs, PEFT names, export round-trips -------------
@@ -207,13 +209,17 @@ def tiny_engine(path):
     return Engine.from_path(path, n_parallel=1, ctx_size=64)
 
 
-def random_lora(path, cfg, targets=("attn_q", "attn_k", "attn_v", "ffn_up"), rank=4, seed=0):
-    """A llama.cpp-format LoRA GGUF on ``targets`` of every layer."""
+def random_lora(path, cfg, targets=None, rank=4, seed=0):
+    """A llama.cpp-format LoRA GGUF on ``targets`` of every layer (default: the parts
+    of wqkv and w_gate_up, phi3's fused tensors included)."""
     from core.model import layout
     from tests.tiny_gguf import write_lora_gguf
 
     rng = np.random.default_rng(seed)
     shapes = layout.part_shapes(cfg)
+    if targets is None:
+        fused = layout.matrix(cfg, "wqkv").parts + layout.matrix(cfg, "w_gate_up").parts
+        targets = [p.tensor for p in fused]
     tensors = {}
     for i in range(cfg.n_layers):
         for t in targets:
@@ -239,8 +245,9 @@ def engine_logits(eng, mix, tokens) -> np.ndarray:
         FAMILIES["qwen3"],
         dict(GEMMA, n_layers=6, sliding_window=3),
         FAMILIES["gemma2"],
+        FAMILIES["phi3"],
     ],
-    ids=["qwen2", "qwen3", "gemma3", "gemma2"],
+    ids=["qwen2", "qwen3", "gemma3", "gemma2", "phi3"],
 )
 def test_exports_round_trip(tmp_path, kw):
     """LoRA GGUF, PEFT folder and merged GGUF of a two-adapter mix each reproduce the mix:
@@ -344,3 +351,35 @@ def test_gemma2_reads_its_hyper_parameters_and_caps(tmp_path):
     plain = build(tmp_path, "plain.gguf", **dict(GEMMA2, kv=None, n_layers=1))
     assert (plain.cfg.attn_softcap, plain.cfg.final_softcap) == (50.0, 30.0)
     assert plain.cfg.sliding_window == 4096
+
+
+def test_phi3_fused_tensors_and_long_rope(tmp_path):
+    """attn_qkv and ffn_up are the fused matrices as stored; LoRA on them covers all
+    rows; LongRoPE picks the short factors while a sequence fits the original context
+    and the long ones past it (as llama.cpp by context per sequence), cos/sin scaled."""
+    from core.lora.naming import hf_module_to_gguf
+    from core.model import layout
+
+    path = write_tiny_llama(tmp_path / "phi3.gguf", **FAMILIES["phi3_longrope"])
+    gf, cfg = open_model_file(path)
+    w = load_weights(gf, cfg, use_cache=False)
+    np.testing.assert_array_equal(w.layers[0].wqkv, gf.dequantize("blk.0.attn_qkv.weight"))
+    np.testing.assert_array_equal(w.layers[1].w_gate_up, gf.dequantize("blk.1.ffn_up.weight"))
+    assert layout.fused_slot(cfg, "blk.1.attn_qkv.weight") == (1, "wqkv", 0, 192)
+    assert layout.fused_slot(cfg, "blk.0.ffn_up.weight") == (0, "w_gate_up", 0, 192)
+    assert hf_module_to_gguf(cfg, "model.layers.2.self_attn.qkv_proj") == "blk.2.attn_qkv.weight"
+    assert hf_module_to_gguf(cfg, "model.layers.0.mlp.gate_up_proj") == "blk.0.ffn_up.weight"
+    assert (cfg.rope_ctx_orig, cfg.rope_attn_factor) == (8, pytest.approx(1.2))
+    model = model_class(cfg)(cfg, w)
+    short = model.rope_for(8)
+    np.testing.assert_allclose(
+        short.inv_freq * w.rope_short, model.rope_for(9).inv_freq * w.rope_long
+    )
+    assert np.abs(short.get(np.array([3]))).max() == pytest.approx(1.2, rel=1e-5)
+    tokens = list(np.random.default_rng(6).integers(3, 300, size=8))
+    model.new_pool(1, 8)
+    fits = full_forward(model, tokens)
+    model.new_pool(1, 64)
+    longer = full_forward(model, tokens)
+    assert np.abs(fits - longer).max() > 1e-3  # the long factors are in use
+    np.testing.assert_allclose(incremental(model, tokens), longer, rtol=1e-4, atol=1e-4)

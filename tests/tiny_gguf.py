@@ -47,11 +47,13 @@ def write_tiny_llama(
     kv: dict[str, tuple[Any, GGUFValueType] | None] | None = None,
     head_dim: int | None = None,
     sliding_window: int | None = None,
+    long_rope: tuple[int, float] | None = None,
 ) -> Path:
     """``kv`` overrides metadata after the normal keys are set: key -> (value, type),
     or None to drop the key; for writing hostile but well-formed files. ``head_dim``
     writes attention.key_length (gemma3: head_dim * n_heads need not be dim);
-    ``sliding_window`` writes attention.sliding_window (gemma3)."""
+    ``sliding_window`` writes attention.sliding_window (gemma3); ``long_rope``
+    (original context, attn_factor) writes phi3's LongRoPE keys and factor tensors."""
     rng = np.random.default_rng(seed)
     hd = head_dim or dim // n_heads
     w = GGUFWriter(str(path), arch)
@@ -109,9 +111,12 @@ def write_tiny_llama(
     for i in range(n_layers):
         b = f"blk.{i}."
         t(b + "attn_norm.weight", (dim,), norm=True)
-        t(b + "attn_q.weight", (n_heads * hd, dim))
-        t(b + "attn_k.weight", (n_kv_heads * hd, dim))
-        t(b + "attn_v.weight", (n_kv_heads * hd, dim))
+        if arch == "phi3":  # stored fused: Q|K|V, and gate|up below
+            t(b + "attn_qkv.weight", ((n_heads + 2 * n_kv_heads) * hd, dim))
+        else:
+            t(b + "attn_q.weight", (n_heads * hd, dim))
+            t(b + "attn_k.weight", (n_kv_heads * hd, dim))
+            t(b + "attn_v.weight", (n_kv_heads * hd, dim))
         if arch == "qwen2":  # biases stay F32, like llama.cpp's 1-D tensors
             w.add_tensor(b + "attn_q.bias", rng.standard_normal(n_heads * hd).astype(np.float32))
             for n in ("attn_k.bias", "attn_v.bias"):
@@ -124,14 +129,22 @@ def write_tiny_llama(
             t(b + "post_ffw_norm.weight", (dim,), norm=True)
         t(b + "attn_output.weight", (dim, n_heads * hd))
         t(b + "ffn_norm.weight", (dim,), norm=True)
-        t(b + "ffn_gate.weight", (ffn, dim))
-        t(b + "ffn_up.weight", (ffn, dim))
+        if arch == "phi3":
+            t(b + "ffn_up.weight", (2 * ffn, dim))
+        else:
+            t(b + "ffn_gate.weight", (ffn, dim))
+            t(b + "ffn_up.weight", (ffn, dim))
         t(b + "ffn_down.weight", (dim, ffn))
     t("output_norm.weight", (dim,), norm=True)
     if not tied:
         t("output.weight", (vocab, dim))
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
+    if long_rope:  # phi3 LongRoPE: (original context, attn_factor)
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", long_rope[0])
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", long_rope[1])
+        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 9.0, hd // 2, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, hd // 2, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

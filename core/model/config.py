@@ -15,11 +15,11 @@ from ..gguf.reader import short_name
 
 # Mistral-style and Llama 3.x models also say "llama"; Qwen2/2.5 and DeepSeek-R1-Distill-
 # Qwen say "qwen2"; Qwen3 dense models "qwen3"; Gemma 2 "gemma2"; Gemma 3 text models
-# say "gemma3"
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+# say "gemma3"; Phi-3/3.5-mini "phi3"
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Architectures whose Q/K rows are in Hugging Face order and rotate halves (llama.cpp's
 # LLAMA_ROPE_TYPE_NEOX); llama's converter permutes Q/K rows for adjacent pairs instead.
-NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see all keys
 GEMMA2_GLOBAL_EVERY = 2  # llama.cpp: set_swa_pattern(2), odd layers see all keys
@@ -55,6 +55,8 @@ class ModelConfig:
     rope_base_swa: float = 0.0  # rope base of the sliding-window layers (0: rope_base)
     attn_softcap: float = 0.0  # gemma2: scores -> c*tanh(scores/c) before the mask (0: off)
     final_softcap: float = 0.0  # gemma2: logits -> c*tanh(logits/c) (0: off)
+    rope_attn_factor: float = 1.0  # phi3 LongRoPE: cos/sin scaled by it (llama.cpp attn_factor)
+    rope_ctx_orig: int = 0  # phi3: contexts past it use the long rope factors (0: ctx_len)
 
     @property
     def q_dim(self) -> int:
@@ -176,6 +178,11 @@ def _family_params(arch: str, m: _Meta, head_dim: int) -> dict[str, Any]:
             out["swa_layers"] = tuple(i for i in range(n_layers) if i % every < every - 1)
     if arch == "gemma3":
         out["rope_base_swa"] = GEMMA3_LOCAL_ROPE_BASE
+    if arch == "phi3":
+        # llama.cpp ignores phi3's attention.sliding_window (its "Phi SWA is disabled")
+        a = "phi3."
+        out["rope_attn_factor"] = m.number(a + "rope.scaling.attn_factor", 1.0, 0.0, 1e3)
+        out["rope_ctx_orig"] = m.integer(a + "rope.scaling.original_context_length", 0, 0, MAX_CTX)
     if arch == "gemma2":
         cap = (0.0, MAX_SOFTCAP)
         out["attn_softcap"] = m.number(a + "attn_logit_softcapping", 50.0, *cap)

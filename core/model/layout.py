@@ -36,6 +36,12 @@ DIMS: dict[str, Dim] = {
     "kv": Dim(lambda c: c.kv_dim, "{a}attention.head_count_kv × {a}attention.key_length"),
     "ffn": Dim(lambda c: c.ffn_dim, "{a}feed_forward_length"),
     "hd": Dim(lambda c: c.head_dim, "{a}attention.key_length"),
+    # tensors a file stores already fused (phi3): Q|K|V, gate|up
+    "qkv": Dim(
+        lambda c: c.q_dim + 2 * c.kv_dim,
+        "{a}attention.head_count, {a}attention.head_count_kv, {a}embedding_length",
+    ),
+    "ffn2": Dim(lambda c: 2 * c.ffn_dim, "{a}feed_forward_length (× 2: gate|up)"),
 }
 
 
@@ -142,6 +148,16 @@ GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
     *LLAMA_BLOCK[3:],  # ffn_norm, w_gate_up, w_down
     Norm("post_ffw_norm"),
 )
+# Phi-3: the file stores Q|K|V as one attn_qkv and gate|up as one ffn_up (one part
+# covering all rows of each; LoRA and PEFT's qkv_proj / gate_up_proj land on all of them)
+PHI3_BLOCK: tuple[Norm | Matrix, ...] = (
+    Norm("attn_norm"),
+    Matrix("wqkv", (Part("attn_qkv", "qkv", "self_attn.qkv_proj"),), "dim"),
+    LLAMA_BLOCK[2],  # wo
+    Norm("ffn_norm"),
+    Matrix("w_gate_up", (Part("ffn_up", "ffn2", "mlp.gate_up_proj"),), "dim"),
+    LLAMA_BLOCK[5],  # w_down
+)
 # Gemma 2: Gemma 3's block without the Q/K norms
 GEMMA2_BLOCK: tuple[Norm | Matrix, ...] = tuple(
     e for e in GEMMA3_BLOCK if not (isinstance(e, Norm) and e.size == "hd")
@@ -152,8 +168,16 @@ BLOCKS: dict[str, tuple[Norm | Matrix, ...]] = {
     "llama": LLAMA_BLOCK,
     "qwen2": QWEN2_BLOCK,
     "qwen3": QWEN3_BLOCK,
+    "phi3": PHI3_BLOCK,
     "gemma2": GEMMA2_BLOCK,
     "gemma3": GEMMA3_BLOCK,
+}
+
+# rope frequency factors a file may hold: Weights field -> GGUF tensor, (rope_dim/2,) each
+ROPE_FACTOR_TENSORS = {
+    "rope_freqs": "rope_freqs.weight",  # llama 3.x
+    "rope_long": "rope_factors_long.weight",  # phi3 LongRoPE
+    "rope_short": "rope_factors_short.weight",
 }
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
@@ -273,8 +297,9 @@ def fused_plan(
     plan.append(("output_norm", (d,), ["output_norm.weight"]))
     if "output.weight" in present:
         plan.append(("output", (cfg.vocab_size, d), ["output.weight"]))
-    if "rope_freqs.weight" in present:
-        plan.append(("rope_freqs", (cfg.rope_dim // 2,), ["rope_freqs.weight"]))
+    for field, src in ROPE_FACTOR_TENSORS.items():
+        if src in present:
+            plan.append((field, (cfg.rope_dim // 2,), [src]))
     return plan
 
 
@@ -302,8 +327,9 @@ def file_tensors(
     want["output_norm.weight"] = ((d,), dim_k)
     if "output.weight" in present:
         want["output.weight"] = ((cfg.vocab_size, d), f"{vocab}, {dim_k}")
-    if "rope_freqs.weight" in present:
-        want["rope_freqs.weight"] = ((cfg.rope_dim // 2,), a + "rope.dimension_count")
+    for src in ROPE_FACTOR_TENSORS.values():
+        if src in present:
+            want[src] = ((cfg.rope_dim // 2,), a + "rope.dimension_count")
     return want
 
 

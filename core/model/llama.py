@@ -65,9 +65,11 @@ class LlamaModel:
         self.rope_qk = rope_neox if cfg.rope_neox else rope
         # where the fused products' parts start (core/model/layout.py); Q and K are
         # adjacent, so rope turns both in one call
-        qkv, gu = layout.row_slices(cfg, "wqkv"), layout.row_slices(cfg, "w_gate_up")
-        self.qk_rows = slice(qkv["attn_q"].start, qkv["attn_k"].stop)
-        self.v_rows, self.gate_rows, self.up_rows = qkv["attn_v"], gu["ffn_gate"], gu["ffn_up"]
+        # (Q|K|V and gate|up in that order whether the file stores them apart or fused)
+        assert layout.out_rows(cfg, "wqkv") == cfg.q_dim + 2 * cfg.kv_dim
+        qk = cfg.q_dim + cfg.kv_dim
+        self.qk_rows, self.v_rows = slice(0, qk), slice(qk, qk + cfg.kv_dim)
+        self.gate_rows, self.up_rows = slice(0, cfg.ffn_dim), slice(cfg.ffn_dim, 2 * cfg.ffn_dim)
         self.scale = cfg.scale  # a Python float: an np.float64 would upcast q to float64
 
     def new_cache(self, capacity: int) -> KVCache:

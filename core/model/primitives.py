@@ -104,14 +104,17 @@ class RopeTable:
         freq_factors: np.ndarray | None,
         base: float | None = None,
         scale: float | None = None,
+        mscale: float = 1.0,
     ):
-        """``base``/``scale`` replace cfg's (Gemma 3's sliding-window layers)."""
+        """``base``/``scale`` replace cfg's (Gemma 3's sliding-window layers); ``mscale``
+        multiplies cos and sin (llama.cpp's attn_factor: phi3's LongRoPE)."""
         half = cfg.rope_dim // 2
         base = cfg.rope_base if base is None else base
         inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
         if freq_factors is not None:
             inv = inv / np.asarray(freq_factors, dtype=np.float64)
         self.inv_freq = inv / (cfg.rope_scale if scale is None else scale)
+        self.mscale = mscale
         self.cis = np.zeros((0, half), dtype=np.complex64)
 
     def get(self, positions: np.ndarray) -> np.ndarray:
@@ -119,5 +122,5 @@ class RopeTable:
         if need > len(self.cis):
             n = max(need, 2 * len(self.cis), 1024)
             ang = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # (n, half)
-            self.cis = np.exp(1j * ang).astype(np.complex64)
+            self.cis = (self.mscale * np.exp(1j * ang)).astype(np.complex64)
         return self.cis[positions][:, None, :]  # (T, 1, half)

@@ -75,6 +75,9 @@ class Weights:
     output: np.ndarray  # (vocab, dim); the same array as tok_embd when tied
     rope_freqs: np.ndarray | None  # (rope_dim/2,) llama3-style frequency factors
     tied: bool
+    # (rope_dim/2,) phi3's LongRoPE factors: long for contexts past the original one
+    rope_long: np.ndarray | None = None
+    rope_short: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -100,13 +103,12 @@ def check_tensors(cfg: ModelConfig, gf: GGUFFile) -> None:
             raise ModelLoadError(
                 f"{name}: tensor {src!r} has shape {info.shape}, but {keys} say {shape}"
             )
-    if "rope_freqs.weight" in gf.tensors:
-        info = gf.tensors["rope_freqs.weight"]
-        factors = gf.dequantize(info.name)  # (rope_dim/2,)
+    for src in layout.ROPE_FACTOR_TENSORS.values():
+        if src not in gf.tensors:
+            continue
+        factors = gf.dequantize(src)  # (rope_dim/2,)
         if not (np.isfinite(factors).all() and (factors > 0).all()):
-            raise ModelLoadError(
-                f"{name}: tensor 'rope_freqs.weight' must hold finite positive factors"
-            )
+            raise ModelLoadError(f"{name}: tensor {src!r} must hold finite positive factors")
 
 
 def _cache_key(path: Path) -> str:
@@ -127,6 +129,8 @@ def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
         output_norm=arrays["output_norm"],
         output=arrays["tok_embd"] if tied else arrays["output"],
         rope_freqs=arrays.get("rope_freqs"),
+        rope_long=arrays.get("rope_long"),
+        rope_short=arrays.get("rope_short"),
         tied=tied,
     )
 
