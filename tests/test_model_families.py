@@ -383,3 +383,23 @@ def test_phi3_fused_tensors_and_long_rope(tmp_path):
     longer = full_forward(model, tokens)
     assert np.abs(fits - longer).max() > 1e-3  # the long factors are in use
     np.testing.assert_allclose(incremental(model, tokens), longer, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_27b_scales_queries_by_dim_over_heads(tmp_path):
+    """llama.cpp's one size exception: Gemma 2/3 27B use query_pre_attn_scalar =
+    embedding_length / head_count, not head_dim (recognised by its block count)."""
+    from core.model.config import ModelConfig
+
+    for arch, layers in (("gemma3", 62), ("gemma2", 46)):
+        meta = {
+            "general.architecture": arch,
+            f"{arch}.embedding_length": 64,
+            f"{arch}.attention.head_count": 2,
+            f"{arch}.attention.key_length": 16,
+            f"{arch}.block_count": layers,
+            f"{arch}.feed_forward_length": 8,
+            f"{arch}.vocab_size": 10,
+        }
+        assert ModelConfig.from_metadata(meta).scale == pytest.approx(1 / np.sqrt(32))
+        meta[f"{arch}.block_count"] = layers - 1
+        assert ModelConfig.from_metadata(meta).scale == pytest.approx(1 / 4)

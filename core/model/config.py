@@ -23,6 +23,7 @@ NEOX_ROPE_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see all keys
 GEMMA2_GLOBAL_EVERY = 2  # llama.cpp: set_swa_pattern(2), odd layers see all keys
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B by block_count
 GEMMA2_DEFAULT_WINDOW = 4096  # llama.cpp's n_swa for gemma2 files without the key
 
 
@@ -167,9 +168,13 @@ def _family_params(arch: str, m: _Meta, head_dim: int) -> dict[str, Any]:
     if arch in ("gemma2", "gemma3"):
         a = arch + "."
         n_layers = m.integer(a + "block_count", hi=MAX_LAYERS)
-        # llama.cpp scales q by 1/sqrt(n_embd_head_k) (query_pre_attn_scalar = head_dim
-        # for the Gemma 2/3 sizes but 27B, which llama.cpp special-cases by size)
+        # llama.cpp scales q by 1/sqrt(n_embd_head_k) (query_pre_attn_scalar = head_dim)
+        # except for the 27B models, recognised by their layer count, whose
+        # query_pre_attn_scalar is embedding_length / head_count
         out["attn_scale"] = 1.0 / math.sqrt(head_dim)
+        if n_layers == GEMMA_27B_LAYERS[arch]:
+            dim = m.integer(a + "embedding_length", hi=MAX_DIM)
+            out["attn_scale"] = 1.0 / math.sqrt(dim / m.integer(a + "attention.head_count"))
         default = GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else 0
         window = m.integer(a + "attention.sliding_window", default, lo=0, hi=MAX_CTX)
         every = GEMMA2_GLOBAL_EVERY if arch == "gemma2" else GEMMA3_GLOBAL_EVERY
