@@ -115,3 +115,25 @@ def test_free_running_greedy(family):
     params = SamplingParams(temperature=0, n_predict=16, ignore_eos=True)
     done = engine.complete(case["prompt_tokens"], params, mix=case_mix(case), cache_prompt=False)
     assert done.tokens == case["tokens"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"], indirect=True)
+def test_exported_mix_reproduces_the_reference(family, tmp_path):
+    """The 0.5/0.5 mix of the reference adapters exported as one LoRA GGUF and as a PEFT
+    folder, loaded back alone at scale 1: the same logits as the mix (so still
+    llama.cpp's), with no Q/K permutation in these families' PEFT files."""
+    from core.lora.export import export_lora, export_peft
+
+    name, engine, ref = family
+    case = ref["greedy"][3]
+    items = [(engine.adapter(a), s) for a, s in case_mix(case).items()]
+    want = teacher_forced(engine, case)
+    export_lora(engine, items, tmp_path / "mix.gguf")
+    export_peft(engine, items, tmp_path / "mix_peft")
+    for out in (tmp_path / "mix.gguf", tmp_path / "mix_peft"):
+        aid = engine.add_adapter(out)
+        try:
+            single = dict(case, lora=[{"id": aid, "scale": 1.0}])
+            np.testing.assert_allclose(teacher_forced(engine, single), want, atol=2e-3)
+        finally:
+            engine.remove_adapter(aid)
