@@ -33,6 +33,7 @@ from .paths import config_dir, data_dir
 log = logging.getLogger(__name__)
 
 MAX_RECENT = 10
+THEMES = ("system", "light", "dark")  # "system" follows the desktop's colour scheme
 MAX_TEXT = 1_000_000  # a system prompt or path longer than this is not a setting
 SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a file name, no path, no dot-first
 
@@ -79,6 +80,15 @@ def _float(lo: float, hi: float) -> Callable[[Any], float]:
         if not math.isfinite(value) or not lo <= value <= hi:
             raise _Bad(f"not in {lo:g}..{hi:g}")
         return float(value)
+
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise _Bad(f"not one of {', '.join(choices)}")
+        return value
 
     return check
 
@@ -206,6 +216,7 @@ SCHEMA: dict[str, Field] = {
         ),
     ),
     "export_dir": Field(None, _opt_str),
+    "theme": Field("system", _one_of(THEMES)),  # the View menu's Light / Dark / System
     # the mixing desk as the user left it: adapters by path, with their fader and buttons
     "desk": Field(
         {"bypass": False, "adapters": []},

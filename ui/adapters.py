@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from core.settings import Settings
 
+from . import theme
 from .bridge import EngineBridge
 from .util import FileDropMixin, file_size, human_bytes, is_model_gguf
 
@@ -222,14 +223,14 @@ class AdapterPanel(FileDropMixin, QWidget):
             item.setToolTip(TARGETS_COL, ", ".join(a.get("targets") or []))
             if a.get("prompt_prefix"):
                 item.setToolTip(4, f"prompt prefix: {a['prompt_prefix']}")
-            item.setForeground(BASE_COL, QBrush(QColor("#2e9d5b")))
+            item.setForeground(BASE_COL, QBrush(QColor(theme.current().ok)))
             self.tree.addTopLevelItem(item)
         for path, msg in self.errors.items():
             reason = reason_text(path, msg)
             item = QTreeWidgetItem([Path(path).name, "", "", "", "", f"✗ {reason}", ""])
             item.setData(0, ERROR_ROLE, path)
             for c in range(len(COLUMNS)):
-                item.setForeground(c, QBrush(QColor("#d64545")))
+                item.setForeground(c, QBrush(QColor(theme.current().danger)))
                 item.setToolTip(c, f"{path}\n{reason}")
             self.tree.addTopLevelItem(item)
 

@@ -47,9 +47,12 @@ def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
     return [(str(p), float(s)) for p, s in pairs]
 
 
-def load_stylesheet() -> str:
-    qss = RESOURCES / "styles" / "mixdesk.qss"
-    return qss.read_text(encoding="utf-8") if qss.exists() else ""
+def load_stylesheet(dark: bool = False) -> str:
+    """The stylesheet in the light (or dark) theme's colours; the window's
+    ThemeController applies the one the View menu chose."""
+    from .theme import DARK, LIGHT, stylesheet
+
+    return stylesheet(DARK if dark else LIGHT)
 
 
 def app_icon():

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QEvent, QSize, Qt, QTimer
-from PySide6.QtGui import QAction, QGuiApplication, QIcon, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -34,6 +34,7 @@ from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
 from .server_panel import ServerPanel
+from .theme import ThemeController
 from .util import RESOURCES, FileDropMixin, is_adapter_path
 
 TITLE = "Mixdesk — LoRA mixing desk"
@@ -116,6 +117,8 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.setAcceptDrops(True)
         self.engine = engine
         self.settings = settings or Settings()
+        # before the widgets exist: they are polished once, in the right colours
+        self.theme = ThemeController(self.settings, self)
         self.bridge = EngineBridge(engine, self)
         self._closing = False
 
@@ -181,6 +184,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         )
         self.server.state_changed.connect(lambda on: on and self.banner.success())
         self.server.message.connect(self.show_error)
+        self.theme.changed.connect(self._theme_changed)
         self._restore()
         self._report_unreadable_files()
         self.bridge.start()
@@ -200,6 +204,17 @@ class MainWindow(FileDropMixin, QMainWindow):
         act = QAction("&Quit", self, shortcut=QKeySequence.Quit)
         act.triggered.connect(self.close)
         m.addAction(act)
+        v = self.menuBar().addMenu("&View")
+        t = v.addMenu("&Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for mode, label in (("system", "&System"), ("light", "&Light"), ("dark", "&Dark")):
+            act = QAction(label, self, checkable=True)
+            act.setChecked(self.theme.mode == mode)
+            act.triggered.connect(lambda _=False, m=mode: self.theme.set_mode(m))
+            group.addAction(act)
+            t.addAction(act)
+            self.theme_actions[mode] = act
         h = self.menuBar().addMenu("&Help")
         act = QAction("&About Mixdesk", self)
         act.triggered.connect(
@@ -211,6 +226,13 @@ class MainWindow(FileDropMixin, QMainWindow):
             )
         )
         h.addAction(act)
+
+    def _theme_changed(self, _theme) -> None:
+        """Re-render what draws its own colours from the palette; rebuild the adapter
+        rows, whose state colours come from the theme."""
+        self.chat.render()
+        self.compare._render()
+        self.adapters._rebuild()
 
     def status(self, text: str) -> None:
         self.statusBar().showMessage(text, 8000)
