@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
-from core.serve.scheduler import DoneEvent, Timings
+from core.serve.scheduler import DoneEvent, PromptProgressEvent, Timings
 
 from .workers import Worker
 
@@ -38,6 +38,7 @@ class Generation(QObject):
 
     token = Signal(str)
     finished = Signal(object)  # core.scheduler.DoneEvent
+    prompt_progress = Signal(int, int)  # prompt tokens read so far, of total (per chunk)
     _raw_token = Signal(str)
     _raw_done = Signal(object)
 
@@ -58,6 +59,9 @@ class Generation(QObject):
     def _on_event(self, ev) -> None:  # scheduler thread
         if isinstance(ev, DoneEvent):
             self._raw_done.emit(ev)
+            return
+        if isinstance(ev, PromptProgressEvent):  # queued to the GUI thread (our thread)
+            self.prompt_progress.emit(ev.done, ev.total)
             return
         self.n_tokens += 1
         if ev.text:
@@ -249,6 +253,7 @@ class EngineBridge(QObject):
                                 on_event=gen._on_event,
                                 mix=mix,
                                 source="gui",
+                                progress=True,
                             ),
                         )
                     )

@@ -13,10 +13,10 @@ import time
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (
-    QComboBox,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QTextBrowser,
     QVBoxLayout,
@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 from core.settings import Conversations, Settings
 
 from .bridge import EngineBridge, Generation
+from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
@@ -119,26 +120,19 @@ class ChatPane(QWidget):
         self.edit_index: int | None = None
         self.conversation = self.store.new()
 
-        self.history = QComboBox()
-        self.history.setMinimumWidth(140)
-        self.history.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
-        self.history.setMinimumContentsLength(12)
-        self.history.setToolTip("Saved conversations")
-        self.history.activated.connect(self._history_chosen)
-        new_btn = QPushButton("New chat")
-        new_btn.setToolTip("Start a new chat (Ctrl+N)")
-        new_btn.clicked.connect(self.new_conversation)
-        del_btn = QPushButton("Delete")
-        del_btn.setToolTip("Delete this saved conversation")
-        del_btn.clicked.connect(self.delete_conversation)
+        # the sidebar of saved chats (the window places it left of the transcript)
+        self.sidebar = ChatList(self.store)
+        self.sidebar.open_requested.connect(self._history_chosen)
+        self.sidebar.new_requested.connect(self.new_conversation)
+        self.sidebar.rename_requested.connect(self.rename_conversation)
+        self.sidebar.delete_requested.connect(self.delete_conversation)
+        self.sidebar.undo_requested.connect(self.undo_delete)
+        self._deleted: dict | None = None  # the last deleted chat, for Undo
         head = QHBoxLayout()
         title = QLabel("Chat")
         title.setObjectName("sectionTitle")
         head.addWidget(title)
         head.addStretch(1)
-        head.addWidget(self.history)
-        head.addWidget(new_btn)
-        head.addWidget(del_btn)
 
         self.view = QTextBrowser()
         self.view.setObjectName("transcript")
@@ -167,6 +161,11 @@ class ChatPane(QWidget):
         self.clear_btn.clicked.connect(self.clear)
         self.status = QLabel()
         self.status.setObjectName("hint")
+        # "Reading prompt… N / M tokens" while a long prompt (several chunks) is read
+        self.prompt_bar = QProgressBar()
+        self.prompt_bar.setObjectName("promptProgress")
+        self.prompt_bar.setFormat("Reading prompt… %v / %m tokens")
+        self.prompt_bar.hide()
         buttons = QHBoxLayout()
         buttons.addWidget(self.status, 1)
         for b in (self.clear_btn, self.regen_btn, self.stop_btn, self.send_btn):
@@ -176,6 +175,7 @@ class ChatPane(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(head)
         lay.addWidget(self.view, 1)
+        lay.addWidget(self.prompt_bar)
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.input)
         lay.addLayout(buttons)
@@ -361,6 +361,7 @@ class ChatPane(QWidget):
         self.conversation["messages"].append(reply)
         gen.token.connect(lambda t, r=reply: self._token(r, t))
         gen.finished.connect(lambda d, r=reply: self._done(r, d))
+        gen.prompt_progress.connect(self._prompt_progress)
         self._sent_at, self._first_at = time.monotonic(), 0.0
         self.status.setText("Reading prompt…")
         self._save()
@@ -368,7 +369,19 @@ class ChatPane(QWidget):
         self.render()
         return True
 
+    def _prompt_progress(self, done: int, total: int) -> None:
+        """One more prompt chunk read: the bar shows while some of the prompt is left
+        (a prompt read in one chunk never shows it), then the tokens take over."""
+        if self.gen is None or done >= total:
+            self.prompt_bar.hide()
+            return
+        self.prompt_bar.setRange(0, total)
+        self.prompt_bar.setValue(done)
+        self.prompt_bar.show()
+        self.status.setText(f"Reading prompt… {100 * done // total}%")
+
     def _token(self, reply: dict, text: str) -> None:
+        self.prompt_bar.hide()
         if not self._first_at:
             self._first_at = time.monotonic()
         reply["content"] += text
@@ -377,6 +390,7 @@ class ChatPane(QWidget):
 
     def _done(self, reply: dict, done) -> None:
         self.gen = None
+        self.prompt_bar.hide()
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
         t = done.timings.as_dict()
         reply["content"] = (
@@ -418,24 +432,17 @@ class ChatPane(QWidget):
         self.refresh_history()
 
     def refresh_history(self) -> None:
-        self.history.blockSignals(True)
-        self.history.clear()
-        for c in self.store.list():
-            self.history.addItem(c["title"], c["id"])
-        idx = self.history.findData(self.conversation["id"])
-        if idx < 0:
-            self.history.insertItem(0, "New chat (unsaved)", self.conversation["id"])
-            idx = 0
-        self.history.setCurrentIndex(idx)
-        self.history.blockSignals(False)
+        cid = self.conversation["id"]
+        self.sidebar.forget(cid)
+        self.sidebar.refresh(cid, unsaved=self.store.load(cid) is None)
         if self._started:
             for note in self.store.take_problems():
                 self.problem.emit(note)
 
-    def _history_chosen(self, index: int) -> None:
-        cid = self.history.itemData(index)
+    def _history_chosen(self, cid: str) -> None:
         if cid and cid != self.conversation["id"]:
-            self.open_conversation(cid)
+            if not self.open_conversation(cid):  # busy: keep showing the open one
+                self.refresh_history()
 
     def open_conversation(self, cid: str, apply_prompt: bool = True) -> bool:
         """Show a saved chat; switching to it also brings back its system prompt
@@ -464,8 +471,48 @@ class ChatPane(QWidget):
         self.render()
         self._update_buttons()
 
-    def delete_conversation(self) -> None:
-        if self.generating:
+    def rename_conversation(self, cid: str, title: str) -> bool:
+        title = " ".join(title.split())[:200]
+        conv = self.conversation if cid == self.conversation["id"] else self.store.load(cid)
+        if not title or conv is None or self.store.load(cid) is None:
+            self.refresh_history()  # an empty name, or an unsaved chat: put the row back
+            return False
+        conv["title"] = title
+        try:
+            self.store.save(conv)
+        except OSError as e:
+            self.message.emit(f"Could not rename the conversation: {e}")
+        self.refresh_history()
+        return True
+
+    def delete_conversation(self, cid: str | None = None) -> None:
+        """Delete a saved chat (the open one by default); Undo in the sidebar brings it
+        back. Deleting the open chat starts a new one."""
+        if self.generating and cid in (None, self.conversation["id"]):
             return
-        self.store.delete(self.conversation["id"])
-        self.new_conversation()
+        cid = cid or self.conversation["id"]
+        conv = self.store.load(cid)
+        self.store.delete(cid)
+        self._deleted = conv
+        if cid == self.conversation["id"]:
+            self.new_conversation()
+        else:
+            self.refresh_history()
+        if conv is not None:
+            self.sidebar.show_undo(conv["title"])
+
+    def undo_delete(self) -> bool:
+        conv, self._deleted = self._deleted, None
+        self.sidebar.hide_undo()
+        if conv is None:
+            return False
+        try:
+            self.store.save(conv)
+        except OSError as e:
+            self.message.emit(f"Could not restore the conversation: {e}")
+            return False
+        if self.generating or self.conversation["messages"]:
+            self.refresh_history()
+        else:  # nothing written in the chat that replaced it: show the restored one
+            self.open_conversation(conv["id"])
+        return True

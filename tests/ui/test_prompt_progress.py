@@ -37,3 +37,26 @@ def test_progress_is_opt_in_for_the_caller(clean_engine):
     params = SamplingParams(temperature=0.0, n_predict=1)
     evs = list(clean_engine.generate(_long_prompt()[:20], params, cache_prompt=False))
     assert not [e for e in evs if isinstance(e, PromptProgressEvent)]
+
+
+def test_chat_shows_reading_prompt_progress_for_a_long_prompt(window, qtbot, greedy):
+    """A prompt read in two chunks shows the bar at the first chunk, then hides it."""
+    w = window
+    greedy(w, n_predict=1)
+    seen = []
+    text = " ".join(f"word{i}" for i in range(220))  # ~700 tokens: two prefill chunks
+    assert w.chat.send(text)
+    w.chat.gen.prompt_progress.connect(  # after the chat's own slot: sees its result
+        lambda done, total: seen.append(
+            (done, total, w.chat.prompt_bar.isVisible(), w.chat.prompt_bar.value())
+        )
+    )
+    qtbot.waitUntil(lambda: not w.chat.generating, timeout=120000)
+    assert w.chat.conversation["messages"][-1]["meta"]["stop"] == "limit"
+    assert len(seen) == 2
+    (d1, total, shown1, value1), (d2, _, shown2, _) = seen
+    # done counts a cached prefix too (the chat template's start, from earlier tests)
+    assert PREFILL_CHUNK <= d1 < total and d2 == total
+    assert shown1 and value1 == d1 and w.chat.prompt_bar.maximum() == total
+    assert "Reading prompt" in w.chat.prompt_bar.format()
+    assert not shown2 and not w.chat.prompt_bar.isVisible()

@@ -212,5 +212,5 @@ def test_corrupt_chat_is_kept_aside_and_said(make_window):
     kept = _moved_aside(folder, "20260101-000000-cccccc.json")
     assert len(kept) == 1 and (folder / kept[0]).read_text() == '{"messages": ['
     assert "20260101-000000-cccccc.json could not be read" in w.banner.label.text()
-    titles = [w.chat.history.itemText(i) for i in range(w.chat.history.count())]
+    titles = w.chat.sidebar.titles()
     assert "good one" in titles
