@@ -159,6 +159,14 @@ class Strip:
             value = detent(value)
         self.set_value(value)
 
+    def set_busy(self, busy: bool) -> None:
+        """Light the name while a request that uses this adapter runs (chat or HTTP)."""
+        if bool(self.name.property("busy")) == busy:
+            return
+        self.name.setProperty("busy", busy)
+        self.name.style().unpolish(self.name)
+        self.name.style().polish(self.name)
+
     def show_silenced(self, silent: bool) -> None:
         """Dim a strip that the desk's buttons keep silent (mute, solo, bypass)."""
         for w in (self.name, self.eff):
@@ -304,6 +312,9 @@ class MixerPanel(QWidget):
         # current state rather than the (possibly stale) payload.
         bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
+        self._running: dict[int, set[int]] = {}  # request id -> adapter ids it uses
+        bridge.request_started.connect(self._request_started)
+        bridge.request_finished.connect(self._request_finished)
         bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
         self.refresh_presets()
         self.set_adapters(bridge.engine.adapters())
@@ -314,6 +325,21 @@ class MixerPanel(QWidget):
         QShortcut(QKeySequence("Ctrl+Z"), self, self.undo, context=ctx)
         QShortcut(QKeySequence("Ctrl+Shift+Z"), self, self.redo, context=ctx)
         QShortcut(QKeySequence("Ctrl+Y"), self, self.redo, context=ctx)
+
+    # -- activity ------------------------------------------------------------------
+    def _request_started(self, ev: dict) -> None:
+        used = {int(a) for a, scale in (ev.get("mix") or {}).items() if scale}
+        self._running[int(ev.get("id", -1))] = used
+        self._show_activity()
+
+    def _request_finished(self, ev: dict) -> None:
+        self._running.pop(int(ev.get("id", -1)), None)
+        self._show_activity()
+
+    def _show_activity(self) -> None:
+        busy = set().union(*self._running.values()) if self._running else set()
+        for aid, strip in self.strips.items():
+            strip.set_busy(aid in busy)
 
     # -- building -----------------------------------------------------------------
     def set_adapters(self, adapters: list[dict]) -> None:
@@ -340,6 +366,7 @@ class MixerPanel(QWidget):
                 self.grid.addWidget(w, row, col)
                 w.show()
         self.empty.setVisible(not adapters)
+        self._show_activity()
         if not adapters:
             self.grid.addWidget(self.empty, 1, 0, 1, 6)
         for r in range(self.grid.rowCount()):
