@@ -48,6 +48,8 @@ class ChatList(QWidget):
         self.search.textChanged.connect(self.apply_filter)
         self.list = QListWidget()
         self.list.setObjectName("chatList")
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)  # long titles elide
+        self.list.setTextElideMode(Qt.ElideRight)
         self.list.setEditTriggers(QAbstractItemView.EditKeyPressed)  # F2 renames
         self.list.itemClicked.connect(self._clicked)
         self.list.itemActivated.connect(self._clicked)
@@ -55,7 +57,7 @@ class ChatList(QWidget):
         self.list.setContextMenuPolicy(Qt.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         QShortcut(QKeySequence.Delete, self.list, self._delete_current, context=Qt.WidgetShortcut)
-        new_btn = QPushButton("New chat")
+        new_btn = QPushButton("New")
         new_btn.setToolTip("Start a new chat (Ctrl+N)")
         new_btn.clicked.connect(self.new_requested)
         self.delete_btn = QPushButton("Delete")
@@ -77,8 +79,9 @@ class ChatList(QWidget):
         self._undo_timer.timeout.connect(self.undo_bar.hide)
 
         buttons = QHBoxLayout()
+        buttons.setSpacing(4)
         buttons.addWidget(new_btn, 1)
-        buttons.addWidget(self.delete_btn)
+        buttons.addWidget(self.delete_btn, 1)
         title = QLabel("Chats")
         title.setObjectName("sectionTitle")
         lay = QVBoxLayout(self)
