@@ -3,7 +3,8 @@
     xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python -m tools.screenshot
 
 The window fills a 1280x800 screen (a common laptop size it must fit). SHOT_OUT
-changes where the PNG goes (to look at it before replacing docs/screenshot.png).
+changes where the PNG goes (to look at it before replacing docs/screenshot.png);
+SHOT_THEME=dark takes it in the dark theme (docs/screenshot-dark.png).
 
 Loads the default model and the demo adapters, sets a mix, saves two presets,
 chats at temperature 0 (a code block), regenerates the reply (versions ‹ 2/2 ›),
@@ -27,13 +28,16 @@ def main() -> None:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from ui.app import app_icon, create_window, load_stylesheet, teardown
+    from core.settings import Settings
+    from ui.app import app_icon, create_window, teardown
 
     app = QApplication(sys.argv[:1])
     app.setApplicationName("Mixdesk")
     app.setWindowIcon(app_icon())
     app.setStyle("Fusion")
-    app.setStyleSheet(load_stylesheet())
+    dark = os.environ.get("SHOT_THEME") == "dark"
+    Settings().set("theme", "dark" if dark else "light")  # the window applies it
+    default_out = REPO / "docs" / ("screenshot-dark.png" if dark else "screenshot.png")
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     args = argparse.Namespace(
@@ -94,7 +98,7 @@ def main() -> None:
             QTimer.singleShot(200, grab)
 
     def grab():
-        win.grab().save(os.environ.get("SHOT_OUT") or str(REPO / "docs" / "screenshot.png"))
+        win.grab().save(os.environ.get("SHOT_OUT") or str(default_out))
         print("saved", flush=True)
         win.chat.stop()
         QTimer.singleShot(500, win.close)

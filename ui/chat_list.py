@@ -38,6 +38,7 @@ class ChatList(QWidget):
 
     def __init__(self, store: Conversations, parent: QWidget | None = None):
         super().__init__(parent)
+        self.setObjectName("chatSidebar")
         self.store = store
         self._text: dict[str, str] = {}  # id -> its messages' text, for search
         self._filling = False
