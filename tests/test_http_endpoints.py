@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -110,8 +111,15 @@ def test_metrics_count_the_requests(server):
             headers=AUTH,
         )
         n += out["timings"]["predicted_n"]
-    st, text = req(server, "GET", "/metrics", headers=AUTH)
+
+    async def get_metrics():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.get(server.url + "/metrics") as r:
+                return r.status, await r.text(), r.headers
+
+    st, text, headers = run(get_metrics())
     assert st == 200
+    assert 0 < int(headers["Process-Start-Time-Unix"]) <= time.time()
     m = parse_metrics(text)
     for name in (
         "prompt_tokens_total",

@@ -586,6 +586,7 @@ async def metrics(request: web.Request) -> web.Response:
         text=request.app[METRICS].prometheus(eng.stats()),
         content_type="text/plain",
         charset="utf-8",
+        headers={"Process-Start-Time-Unix": str(E.PROCESS_START)},
     )
 
 

@@ -8,6 +8,7 @@ Host and body-size middlewares guard them too.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..serve.scheduler import DoneEvent
@@ -16,6 +17,7 @@ from .responses import HttpError
 from .security import printable
 
 NOT_SUPPORTED = "not_supported_error"
+PROCESS_START = int(time.time())  # /metrics' Process-Start-Time-Unix header (llama-server)
 
 
 def not_supported(message: str) -> HttpError:
