@@ -246,7 +246,12 @@ class ThemeController(QObject):
         theme = resolve(self.mode, self.system_dark)
         self.theme = _current = theme
         if app is not None:
-            app.setPalette(palette(theme))
-            if hasattr(app, "setStyleSheet"):  # a QApplication (widgets), not a bare GUI app
-                app.setStyleSheet(stylesheet(theme))
+            # only when it changes: setting either re-polishes every widget of the
+            # application (another window's included), which a new window must not cost
+            pal = palette(theme)
+            if app.palette() != pal:
+                app.setPalette(pal)
+            qss = stylesheet(theme)
+            if hasattr(app, "setStyleSheet") and app.styleSheet() != qss:  # not a bare GUI app
+                app.setStyleSheet(qss)
         self.changed.emit(theme)

@@ -40,6 +40,10 @@ def make_window(qtbot, clean_engine):
     made = []
 
     def make():
+        from PySide6.QtCore import QCoreApplication, QEvent
+
+        # earlier windows are deleted first: the new one's theme may re-polish every widget
+        QCoreApplication.sendPostedEvents(None, QEvent.DeferredDelete)
         win = MainWindow(clean_engine, Settings())
         win.show()
         made.append(win)
