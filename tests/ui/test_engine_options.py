@@ -24,7 +24,8 @@ def test_window_engine_gets_draft_max_and_chat_template_file(qtbot, smollm_path,
         qtbot.waitUntil(lambda: win.engine.ready, timeout=120000)
         eng = win.engine
         assert eng.draft_max == 0 and eng.scheduler.draft_max == 0
-        assert eng.requested_ctx == 512
+        # -c is the total context, divided across the -np slots as in llama-server
+        assert eng.requested_ctx == 512 // args.parallel
         assert eng.chat_template.source == TEMPLATE
         prompt = eng.chat_template.render([{"role": "user", "content": "hi"}])
         assert prompt.startswith("<|user|>hi")
