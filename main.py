@@ -54,6 +54,24 @@ def one_shot(args) -> int:
     return 0
 
 
+def get_model(name: str) -> int:
+    """--get-model NAME: fetch a catalogue model (progress on stderr), print its path."""
+    from core import catalog
+
+    if name == "list":
+        for n in catalog.names():
+            print(f"{n}: {catalog.find(n).summary()}")
+        return 0
+    m = catalog.find(name)  # a UserError listing the valid names
+    print(m.summary(), file=sys.stderr)
+    path = catalog.fetch(m, progress=catalog.console_progress())
+    terms = catalog.terms_path(m)
+    if terms is not None:
+        print(f"terms of use: {terms} ({m.license_url})", file=sys.stderr)
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from core.cli import parse_args
     from core.errors import UserError
@@ -68,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _limits = limit_threads(args.threads)  # noqa: F841 (kept alive for the process)
     try:
+        if args.get_model:
+            return get_model(args.get_model)
         if args.export_lora or args.export_merged or args.export_peft:
             from core.lora.export import run_exports
 

