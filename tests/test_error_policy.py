@@ -78,3 +78,35 @@ def test_main_prints_a_user_error_in_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(core.lora.export, "run_exports", refused)
     assert main.main(["--export-lora", str(tmp_path / "x.gguf"), "--lora", "a.gguf"]) == 1
     assert capsys.readouterr().err.strip() == "mixdesk: error: nothing to export"
+
+
+def test_an_internal_error_while_loading_an_adapter_is_a_500(smollm_path, ref_dir, monkeypatch):
+    """The runtime-load route caught ValueError as "the adapter's fault": an internal
+    ValueError during a load must be a 500, an AdapterError still a 400."""
+    eng = Engine(ctx_size=128, n_parallel=1)
+    eng.load_model(smollm_path)
+    eng.start()
+    settings = ServerSettings(
+        port=0,
+        on_log=lambda line: None,
+        allow_runtime_lora=True,
+        lora_dirs=[ref_dir / "adapters"],
+    )
+    srv = ServerThread(eng, settings).start()
+    try:
+        path = str(ref_dir / "adapters" / "lora_attn.gguf")
+        real = eng.add_adapter
+
+        def broken(*a, **kw):
+            raise ValueError("operands could not be broadcast together")
+
+        monkeypatch.setattr(eng, "add_adapter", broken)
+        status, body = asyncio.run(_post(srv.url + "/lora-adapters/load", {"path": path}))
+        assert status == 500 and body["error"]["type"] == "server_error"
+        monkeypatch.setattr(eng, "add_adapter", real)
+        bad = str(ref_dir / "adapters" / "qwen2_lora_qv.gguf")  # another model's adapter
+        status, body = asyncio.run(_post(srv.url + "/lora-adapters/load", {"path": bad}))
+        assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    finally:
+        srv.stop()
+        eng.stop()

@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from ..chat_template import build_prompt
+from ..errors import UserError
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
@@ -723,7 +724,7 @@ async def _load_adapter(request: web.Request, path: str, scale: float, name: str
             return await request.app[ADAPTER_POOL].run(_add_adapter, eng, target, scale, name)
         except HttpError:
             raise
-        except ValueError as e:  # AdapterError, GGUFError, ...
+        except UserError as e:  # AdapterError, GGUFError, ...: the file's fault
             raise HttpError(_no_file_bytes(str(e))) from None
         except OSError as e:
             raise HttpError(
