@@ -254,3 +254,34 @@ def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatc
     (done,) = run_jobs(engine, [job(engine, SHORT, greedy(4))])  # the global mix still runs
     assert done.stop_type == "limit"
     engine.set_mix({})
+
+
+def test_run_on_engine_runs_on_the_engine_thread_and_returns_or_raises(engine):
+    """Scoring and embeddings run their forward passes through run_on_engine: the
+    function runs on the engine thread (which owns the model), its result or its error
+    comes back through the Future, and the loop keeps serving after an error."""
+    import threading
+
+    seen = {}
+
+    def probe(model):
+        seen["thread"] = threading.current_thread().name
+        seen["model"] = model
+        return 42
+
+    assert engine.run_on_engine(probe).result(timeout=WAIT_S) == 42
+    assert seen["thread"] == "mixdesk-engine" and seen["model"] is engine.model
+
+    def boom(model):
+        raise RuntimeError("scoring failed")
+
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        engine.run_on_engine(boom).result(timeout=WAIT_S)
+    done = run_jobs(engine, [job(engine, "Hello", greedy(n=3))])
+    assert done[0].error is None and len(done[0].tokens) == 3
+
+
+def test_run_on_engine_without_a_model_is_a_503():
+    with pytest.raises(EngineError) as e:
+        Engine().run_on_engine(lambda model: None)
+    assert e.value.code == 503

@@ -13,6 +13,7 @@ thread (the worker bridge does this with queued signals).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -485,6 +486,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+
+    def run_on_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(model)`` on the engine thread, between scheduler steps, and return a
+        Future of its result: the way to run a forward pass that is not a generation
+        (scoring a text under a mix, embeddings) without racing the scheduler for the
+        model's buffers. Raises EngineError (503) with no model loaded."""
+        self.require_ready()
+        model = self.model
+        return self.scheduler.call(lambda: fn(model))
 
     def submit(
         self,

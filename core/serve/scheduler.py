@@ -12,6 +12,7 @@ queued signal).
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -209,6 +210,11 @@ class Scheduler:
         self.running = False  # True while run() serves (what Engine.health reports)
         self.step_failures = 0  # steps that raised unexpectedly and were survived
         self.last_failure = ""
+        # work that must run on the engine thread (it owns the model and the pool):
+        # (fn, future) pairs, run between steps by _run_calls
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
 
     # -- public -------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -236,6 +242,31 @@ class Scheduler:
         self._wake.set()
         return reqs
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between two steps and return a Future of
+        its result. The model (and its scratch buffers) belongs to that thread, so any
+        forward pass that is not a generation (scoring a text, embeddings) goes here.
+        If the loop stops before running it, the Future is cancelled."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _run_calls(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller gets the error; the loop goes on
+                fut.set_exception(e)
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -262,6 +293,12 @@ class Scheduler:
             self.active.clear()
         finally:
             self.running = False
+            while True:  # nobody will run what is left: do not leave callers waiting
+                try:
+                    _, fut = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                fut.cancel()
 
     def _survive(self, e: Exception) -> None:
         """After an unexpected error in a step: fail that step's sequences, keep going."""
@@ -272,12 +309,13 @@ class Scheduler:
 
     def step(self) -> bool:
         """Admit, run one batched forward, sample. False when there was nothing to do."""
+        ran_calls = self._run_calls()
         self._admit()
         for s in [s for s in self.active if s.req.cancelled.is_set()]:
             self._finish(s, "cancel")
         if not self.active:
             self.busy = False
-            return False
+            return ran_calls
         self.busy = True
         # Order by mix so equal mixes are adjacent and share their LoRA matmuls.
         seqs = sorted(self.active, key=lambda s: s.req.mix)
