@@ -11,11 +11,13 @@ the same shapes, so "ratio" says how close to numpy's physical limit we are.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import resource
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +163,23 @@ def tokenizer_lines(path: Path) -> list[str]:
             f"{ratio} (target <= 25 us/char, Gemma 3 about SmolLM2's)"
         )
     return lines
+
+
+# Further sections live in their own modules, each a ``run(ctx: BenchContext)`` that
+# prints its lines (speeds next to ratios measured in the same run). They run in this
+# order after the engine figures above, on the same loaded engine.
+SECTIONS: tuple[str, ...] = ()
+
+
+@dataclass
+class BenchContext:
+    eng: Engine  # loaded, started, draft_max 0, 8 slots of 2048
+    path: Path  # the model file
+    args: argparse.Namespace
+    ids: list[int]  # the reference adapters added to eng (empty if they do not fit)
+    prompt: list[int]  # n_prefill random tokens
+    n_decode: int
+    n_prefill: int
 
 
 def main() -> None:
@@ -369,6 +388,10 @@ def main() -> None:
             f"identical output: {outs[8] == outs[0]}"
         )
     eng.scheduler.draft_max = 0
+
+    ctx = BenchContext(eng, path, args, ids, prompt, n_decode, n_prefill)
+    for name in SECTIONS:
+        importlib.import_module(name).run(ctx)
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS: {rss:.0f} MB (target <= 1536 MB with three adapters)")
