@@ -268,15 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--embeddings",
         dest="embedding",
         action="store_true",
-        help="accepted for llama-server scripts; /embedding and /v1/embeddings answer 501 "
-        "(Mixdesk does not compute embeddings yet)",
+        help="serve /embedding, /embeddings and /v1/embeddings (without it they answer 501)",
     )
     s.add_argument(
         "--pooling",
-        choices=["none", "mean", "cls", "last"],
+        choices=["none", "mean", "cls", "last", "rank"],
         default=None,
-        help="llama-server's embedding pooling choices, accepted (no effect until "
-        "embeddings exist, see --embedding)",
+        help="how an embedding pools the tokens' final hidden states (default: the "
+        "model's pooling_type, else none: per-token vectors, /embedding only); rank "
+        "needs a reranker head and is refused",
     )
     s.add_argument(
         "-b",
@@ -284,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="accepted for llama-server scripts (no effect: the scheduler picks its own "
-        "prefill chunks)",
+        help="generation: no effect (the scheduler picks its own prefill chunks); "
+        "embeddings: caps an input's tokens with --ubatch-size",
     )
     s.add_argument(
         "-ub",
@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="accepted for llama-server scripts (no effect, as --batch-size)",
+        help="the most tokens of one embedding input (default 512), as llama-server's "
+        "physical batch; no effect on generation",
     )
     s.add_argument(
         "-kvu",
@@ -432,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         try:
             args.api_key += read_api_key_file(args.api_key_file)
-        except ValueError as e:
+        except UserError as e:
             parser.error(str(e))
     if args.lora_dir and not args.allow_runtime_lora:
         parser.error("--lora-dir needs --allow-runtime-lora")
@@ -461,7 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             args.chat_template = resolve_template_arg(args.chat_template)
             ChatTemplate(args.chat_template)  # an inline template must compile
-        except ValueError as e:
+        except UserError as e:
             parser.error(str(e))
     args.chat_template_kwargs = _template_kwargs(parser, args.chat_template_kwargs)
     if not args.jinja:
@@ -503,6 +504,11 @@ def _check_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
     for flag, value in (("--batch-size", args.batch_size), ("--ubatch-size", args.ubatch_size)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1")
+    if args.pooling == "rank":
+        parser.error(
+            "--pooling rank: needs a reranker model with a classification head; "
+            "the model families Mixdesk runs have none"
+        )
     if args.timeout is not None and args.timeout < 1:
         parser.error("--timeout must be at least 1 second")
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():

@@ -7,8 +7,9 @@ with a 4xx (``code``, ``type`` mirror llama-server's error types). Anything else
 that escapes (an ``IndexError`` from numpy, say) is a bug: a 500 with a logged
 traceback, never dressed up as the user's fault.
 
-``UserError`` still derives from ``ValueError`` so that older callers that caught
-``ValueError`` keep working; new code catches ``UserError``.
+``UserError`` is deliberately not a ``ValueError``: an ``except ValueError`` around a
+call would also swallow numpy's and the standard library's own ValueErrors (bugs) and
+report them as the user's fault. Catch ``UserError``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class MixdeskError(Exception):
     """Base of every error Mixdesk raises on purpose."""
 
 
-class UserError(MixdeskError, ValueError):
+class UserError(MixdeskError):
     """Something the user (or a client) did that Mixdesk refuses, with the reason."""
 
     code = 400

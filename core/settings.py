@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
 from .paths import config_dir, data_dir
 
 log = logging.getLogger(__name__)
@@ -428,18 +429,18 @@ class Presets:
     def save(self, name: str, preset: dict) -> None:
         name = name.strip()
         if not name:
-            raise ValueError("a preset needs a name")
+            raise UserError("a preset needs a name")
         self._data[name] = preset
         self._flush()
 
     def rename(self, old: str, new: str) -> None:
         new = new.strip()
         if old not in self._data:
-            raise KeyError(f"no preset named {old!r}")
+            raise UserError(f"no preset named {old!r}")
         if not new:
-            raise ValueError("a preset needs a name")
+            raise UserError("a preset needs a name")
         if new != old and new in self._data:
-            raise ValueError(f"a preset named {new!r} already exists")
+            raise UserError(f"a preset named {new!r} already exists")
         self._data = {(new if k == old else k): v for k, v in self._data.items()}
         self._flush()
 

@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from core.model.linear import CHUNK, SMALL_ROWS, Linear
 
 
@@ -177,9 +178,9 @@ def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch)
                 assert blas_thread_counts() == want
             assert blas_thread_counts() == outside
         monkeypatch.setenv("MIXDESK_SMALL_BATCH", "fast")
-        with pytest.raises(ValueError, match="gemv, gemm, blocked"):
+        with pytest.raises(UserError, match="gemv, gemm, blocked"):
             lin.calibrate([w])
-        with pytest.raises(ValueError):
+        with pytest.raises(UserError):
             Linear(1, small="turbo")
     finally:
         lin.close()

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.errors import UserError
 from core.settings import Conversations, Settings
 
 from .bridge import EngineBridge, Generation
@@ -348,7 +349,7 @@ class ChatPane(QWidget):
         ]
         try:
             params = self.sampling.params()
-        except ValueError as e:
+        except UserError as e:
             self.message.emit(str(e))
             return False
         gen = self.gen = self.bridge.chat(prompt_msgs, params)

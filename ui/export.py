@@ -118,7 +118,7 @@ class MixExporter(QObject):
             if scale != 0.0:
                 try:
                     out.append((self.engine.adapter(aid), scale))
-                except ValueError:  # removed since get_mix (e.g. over HTTP)
+                except UserError:  # removed since get_mix (e.g. over HTTP)
                     continue
         return out
 

@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.errors import UserError
 from core.lora.adapter import effective_scale
 from core.settings import Settings
 
@@ -555,6 +556,14 @@ class MixerPanel(QWidget):
             self.bridge.set_mix(desk)
         self._remember()
 
+    def use_mix(self, mix: dict[int, float]) -> None:
+        """Put an engine mix on the desk (the X/Y grid's "Use this mix") and apply it, as
+        one undo step: the faders move to it as for a mix set from outside."""
+        before = self.snapshot()
+        self._reconcile(mix)
+        self._last = before  # _reconcile takes a change from outside as no undo step
+        self._apply()
+
     def zero_all(self) -> None:
         self._syncing = True
         for s in self.strips.values():
@@ -682,7 +691,7 @@ class MixerPanel(QWidget):
         if ok and new.strip():
             try:
                 self.rename_preset(old, new)
-            except (KeyError, ValueError) as e:
+            except UserError as e:
                 self.message.emit(str(e))
 
     def _delete_clicked(self) -> None:

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..errors import UserError
+
 SMALL_ROWS = 32  # up to here a small-batch regime can beat packed gemm (bench/engine.py)
 CHUNK = 64  # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
 REGIMES = ("gemv", "gemm", "blocked")
@@ -299,7 +301,7 @@ class _Helper:
 
 def _check_regime(name: str) -> str:
     if name not in REGIMES:
-        raise ValueError(f"small-batch regime must be one of {', '.join(REGIMES)}, not {name!r}")
+        raise UserError(f"small-batch regime must be one of {', '.join(REGIMES)}, not {name!r}")
     return name
 
 

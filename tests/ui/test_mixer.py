@@ -81,6 +81,22 @@ def test_presets_save_load_rename_delete(loaded, make_window):
     assert [w.mixer.preset_box.itemText(i) for i in range(w.mixer.preset_box.count())] == ["cosy"]
 
 
+def test_renaming_a_preset_onto_another_name_is_refused_with_a_message(loaded, qtbot, monkeypatch):
+    """The refusal is a UserError the mixer shows; it is no longer a ValueError, so
+    the mixer must catch it by its real type (issue #16) instead of crashing."""
+    from PySide6.QtWidgets import QInputDialog
+
+    w = loaded
+    w.mixer.save_preset("one")
+    w.mixer.save_preset("two")
+    w.mixer.preset_box.setCurrentText("one")
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("two", True))
+    with qtbot.waitSignal(w.mixer.message, timeout=5000) as said:
+        w.mixer._rename_clicked()
+    assert "already exists" in said.args[0]
+    assert w.settings.presets.names() == ["one", "two"]
+
+
 def test_bad_adapter_shows_inline_error_and_the_rest_keep_working(loaded, qtbot, tmp_path):
     w, ids = loaded, loaded.ids
     bad = tmp_path / "broken.gguf"
