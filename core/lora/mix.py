@@ -10,21 +10,78 @@ weights are never touched, so switching mixes costs nothing model-sized.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from ..model import layout
 from ..model.config import ModelConfig
-from .adapter import Adapter
+from . import merge as M
+from .adapter import Adapter, LoraPair
+from .merge import MergeSpec
 
 MixKey = tuple[tuple[int, float], ...]
+Progress = Callable[[float, str], None]
 
 
-def mix_key(scales: Mapping[int, float] | Iterable[tuple[int, float]]) -> MixKey:
+class Mix(dict):
+    """A mix as the engine takes and reports it: adapter id -> scale (a plain dict to
+    every caller that only reads scales), plus ``merge``, how the adapters combine
+    (None: not said; the engine then keeps its method for the global mix, and a
+    request's own mix is a weighted sum). ``dict(mix)`` drops the method: pass the
+    Mix itself where the method must follow (A/B compare, exports)."""
+
+    def __init__(self, scales=(), merge: MergeSpec | None = None):
+        super().__init__(scales)
+        self.merge = merge
+
+    def __repr__(self) -> str:
+        return f"Mix({dict.__repr__(self)}, merge={self.merge!r})"
+
+
+class MergedKey(tuple):
+    """The key of a mix whose method builds a merged adapter (svd, ties, dare_*, ...):
+    the same (id, scale) pairs as a linear key, so everything that reads a key's pairs
+    still works, but equal only to a key with the same pairs *and* the same MergeSpec,
+    so its built weights and prefix-cache entries are never shared with another method."""
+
+    merge: MergeSpec
+
+    def __new__(cls, pairs: Iterable[tuple[int, float]], merge: MergeSpec) -> MergedKey:
+        self = super().__new__(cls, pairs)
+        self.merge = merge
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, MergedKey) and self.merge == other.merge and tuple.__eq__(self, other)
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), self.merge))
+
+    def __repr__(self) -> str:
+        return f"MergedKey({tuple.__repr__(self)}, {self.merge.label()})"
+
+
+def mix_key(
+    scales: Mapping[int, float] | Iterable[tuple[int, float]], merge: MergeSpec | None = None
+) -> MixKey:
+    """Sorted non-zero (id, scale) pairs; a MergedKey when the method builds a merged
+    adapter (``merge`` or, if None, the Mix's own). Linear and cat keys stay plain
+    tuples, so every linear key, cache entry and test is what it always was."""
+    if merge is None:
+        merge = getattr(scales, "merge", None)
     items = scales.items() if isinstance(scales, Mapping) else scales
-    return tuple(sorted((int(i), float(s)) for i, s in items if float(s) != 0.0))
+    pairs = tuple(sorted((int(i), float(s)) for i, s in items if float(s) != 0.0))
+    if merge is not None and merge.builds and pairs:
+        return MergedKey(pairs, merge)
+    return pairs
 
 
 @dataclass
@@ -119,8 +176,75 @@ def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[i
     return fused
 
 
-def build_mix(cfg: ModelConfig, key: MixKey, adapters: Mapping[int, Adapter]) -> MixWeights:
-    """Stack the adapters of one mix into per-layer (A, B) pairs with scales in B."""
+def _standard(name: str, pair: LoraPair) -> tuple[np.ndarray, np.ndarray]:
+    """(A (r, in), B (out, r)) with ΔW = B A in (out, in); token_embd's pair is stored
+    flipped (a (vocab, r), b (dim, r), ΔW (vocab, dim) = a bᵀ), so B = a and A = bᵀ."""
+    return (pair.b.T, pair.a) if name == "token_embd.weight" else (pair.a, pair.b)
+
+
+def merged_adapter(
+    sources: Iterable[tuple[Adapter, float]],
+    spec: MergeSpec,
+    progress: Progress | None = None,
+) -> Adapter:
+    """The adapters of a mix merged by ``spec`` into one low-rank adapter (to be applied at
+    scale 1): per base tensor, the task tensors ΔW_i = effective_scale_i(1)·B_i A_i of the
+    adapters that have it, combined with the user's scales as weights
+    (core/lora/merge.py), then reduced to the spec's rank by a truncated SVD."""
+    sources = [(ad, float(s)) for ad, s in sources]
+    names = sorted({n for ad, _ in sources for n in ad.tensors})
+    tensors: dict[str, LoraPair] = {}
+    for i, name in enumerate(names):
+        if progress is not None:
+            progress(i / len(names), f"merging {name} ({spec.label()})")
+        present = [(ad.tensors[name], s) for ad, s in sources if name in ad.tensors]
+        rank = spec.rank or M.default_rank([p.rank for p, _ in present])
+        if spec.method in M.STACKED_METHODS or spec.method == "svd":
+            # a weighted sum is already low rank: SVD of the stacked factors, no dense ΔW
+            a = np.concatenate([_standard(name, p)[0] for p, _ in present], axis=0)  # (ΣR, in)
+            b = np.concatenate(
+                [_standard(name, p)[1] * np.float32(p.scale_for(s)) for p, s in present], axis=1
+            )  # (out, ΣR)
+            new_a, new_b = M.low_rank_svd(a, b, rank)
+        else:
+            tasks = np.stack(
+                [
+                    np.float32(p.scale_for(1.0)) * (_standard(name, p)[1] @ _standard(name, p)[0])
+                    for p, _ in present
+                ]
+            )  # (n, out, in)
+            weights = np.array([s for _, s in present], dtype=np.float32)  # (n,)
+            new_a, new_b = M.truncated_svd(M.combine(spec, tasks, weights, name), rank)
+        if name == "token_embd.weight":
+            tensors[name] = LoraPair(
+                np.ascontiguousarray(new_b), np.ascontiguousarray(new_a.T), None
+            )
+        else:
+            tensors[name] = LoraPair(new_a, new_b, None)  # alpha None: the scale as is
+    if progress is not None:
+        progress(1.0, f"merged ({spec.label()})")
+    label = " + ".join(ad.name for ad, _ in sources)
+    return Adapter(
+        path=Path(f"<{spec.method} merge>"),
+        name=f"{spec.method}: {label}",
+        format="merged",
+        tensors=tensors,
+    )
+
+
+def build_mix(
+    cfg: ModelConfig,
+    key: MixKey,
+    adapters: Mapping[int, Adapter],
+    progress: Progress | None = None,
+) -> MixWeights:
+    """Stack the adapters of one mix into per-layer (A, B) pairs with scales in B; a
+    MergedKey's adapters are first merged into one adapter by its method."""
+    if isinstance(key, MergedKey):
+        merged = merged_adapter(((adapters[aid], s) for aid, s in key), key.merge, progress)
+        mw = build_mix(cfg, ((-1, 1.0),), {-1: merged})
+        mw.key, mw.adapter_ids = key, frozenset(i for i, _ in key)
+        return mw
     parts: dict[tuple[int, str], list] = {}  # (layer, target) -> [(row0, rows, a, b*s)]
     embd, outp = [], []
     for aid, scale in key:

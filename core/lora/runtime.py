@@ -19,7 +19,7 @@ import numpy as np
 from ..model.config import ModelConfig
 from ..model.linear import SMALL_ROWS, Linear
 from .adapter import Adapter
-from .mix import AdapterStack, MixKey, MixWeights, build_mix, stack_adapters
+from .mix import AdapterStack, MixKey, MixWeights, Progress, build_mix, stack_adapters
 
 STACKS_KEPT = 2  # adapter sets whose stacked LoRA weights stay built
 
@@ -188,7 +188,11 @@ class MixCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, key: MixKey, adapters: Mapping[int, Adapter]) -> MixWeights | None:
+    def get(
+        self, key: MixKey, adapters: Mapping[int, Adapter], progress: Progress | None = None
+    ) -> MixWeights | None:
+        """The built mix of ``key``, built on first use (a merge method's build reports
+        to ``progress``; a linear mix's takes milliseconds and reports nothing)."""
         if not key:
             return None
         with self._lock:
@@ -196,7 +200,7 @@ class MixCache:
             if mw is not None:
                 self._cache.move_to_end(key)
                 return mw
-        mw = build_mix(self.cfg, key, adapters)
+        mw = build_mix(self.cfg, key, adapters, progress)
         with self._lock:
             old = self._cache.pop(key, None)  # built twice by two threads: keep one
             self._bytes -= old.nbytes if old is not None else 0
