@@ -92,23 +92,24 @@ class EngineOptions:
         naming a value out of range."""
         from .serve.sampling import SamplingParams, validate
 
+        d = SamplingParams()  # the one home of the defaults (llama-server's)
         get = lambda name, default: (
             default if getattr(args, name, None) is None else getattr(args, name)
         )
         seed = get("seed", -1)
         return validate(
             SamplingParams(
-                temperature=get("temp", 0.8),
-                top_k=get("top_k", 40),
-                top_p=get("top_p", 0.95),
-                min_p=get("min_p", 0.05),
-                repeat_penalty=get("repeat_penalty", 1.0),
-                repeat_last_n=get("repeat_last_n", 64),
-                presence_penalty=get("presence_penalty", 0.0),
-                frequency_penalty=get("frequency_penalty", 0.0),
+                temperature=get("temp", d.temperature),
+                top_k=get("top_k", d.top_k),
+                top_p=get("top_p", d.top_p),
+                min_p=get("min_p", d.min_p),
+                repeat_penalty=get("repeat_penalty", d.repeat_penalty),
+                repeat_last_n=get("repeat_last_n", d.repeat_last_n),
+                presence_penalty=get("presence_penalty", d.presence_penalty),
+                frequency_penalty=get("frequency_penalty", d.frequency_penalty),
                 seed=None if seed < 0 else seed,
-                n_predict=get("n_predict", -1),
-                ignore_eos=bool(get("ignore_eos", False)),
+                n_predict=get("n_predict", d.n_predict),
+                ignore_eos=bool(get("ignore_eos", d.ignore_eos)),
             )
         )
 

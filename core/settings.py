@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .options import DEFAULT_HOST, DEFAULT_PORT
 from .paths import config_dir, data_dir
+from .serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +181,21 @@ def _desk_adapters(value: Any) -> list[dict]:
 
 
 SERVER_FIELDS = {
-    "host": Field("127.0.0.1", lambda v: _str(v, empty=False, max_len=255).strip()),
-    "port": Field(8080, _int(1, 65535)),
+    "host": Field(DEFAULT_HOST, lambda v: _str(v, empty=False, max_len=255).strip()),
+    "port": Field(DEFAULT_PORT, _int(1, 65535)),
     "api_key": Field("", lambda v: _str(v, max_len=4096)),
     "enabled": Field(False, _bool),
     "allow_runtime_lora": Field(False, _bool),
 }
-# ranges are those of the sampling form's spin boxes
+# ranges are those of the sampling form's spin boxes. The window's chat defaults differ
+# from the engine's (llama-server's) on purpose where a chat reads better: a little
+# cooler, a repeat penalty, a bounded reply; the filters are the engine's own.
+_ENGINE = SamplingParams()
 SAMPLING_FIELDS = {
     "temperature": Field(0.7, _float(0.0, 5.0)),
-    "top_k": Field(40, _int(0, 1000)),
-    "top_p": Field(0.95, _float(0.0, 1.0)),
-    "min_p": Field(0.05, _float(0.0, 1.0)),
+    "top_k": Field(_ENGINE.top_k, _int(0, 1000)),
+    "top_p": Field(_ENGINE.top_p, _float(0.0, 1.0)),
+    "min_p": Field(_ENGINE.min_p, _float(0.0, 1.0)),
     "n_predict": Field(256, _int(1, 32768)),
     "repeat_penalty": Field(1.1, _float(0.5, 3.0)),
     "seed": Field(-1, _int(-1, 2**31 - 1)),

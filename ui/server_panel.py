@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.options import DEFAULT_HOST, DEFAULT_PORT
 from core.paths import data_dir
 from core.settings import Settings
 
@@ -64,8 +65,8 @@ class ServerPanel(QWidget):
         self.toggle.toggled.connect(self._toggled)
         self.state = QLabel("Stopped")
         self.state.setObjectName("serverState")
-        self.host = QLineEdit(cfg.get("host", "127.0.0.1"))
-        self.port = QSpinBox(minimum=1, maximum=65535, value=int(cfg.get("port", 8080)))
+        self.host = QLineEdit(cfg.get("host", DEFAULT_HOST))
+        self.port = QSpinBox(minimum=1, maximum=65535, value=int(cfg.get("port", DEFAULT_PORT)))
         self.api_key = QLineEdit(cfg.get("api_key", ""))
         self.api_key.setPlaceholderText("optional: clients must send Authorization: Bearer KEY")
         self.api_key.setEchoMode(QLineEdit.PasswordEchoOnEdit)
@@ -132,7 +133,7 @@ class ServerPanel(QWidget):
     def _save(self) -> None:
         self.settings.update(
             "server",
-            host=self.host.text().strip() or "127.0.0.1",
+            host=self.host.text().strip() or DEFAULT_HOST,
             port=self.port.value(),
             api_key=self.api_key.text(),
             allow_runtime_lora=self.allow_lora.isChecked(),
@@ -140,8 +141,8 @@ class ServerPanel(QWidget):
         self._update_texts()
 
     def base_url(self) -> str:
-        host = self.host.text().strip() or "127.0.0.1"
-        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        host = self.host.text().strip() or DEFAULT_HOST
+        shown = DEFAULT_HOST if host in ("0.0.0.0", "") else host
         if ":" in shown and not shown.startswith("["):
             shown = f"[{shown}]"
         return f"http://{shown}:{self.bound_port or self.port.value()}"
@@ -216,7 +217,7 @@ class ServerPanel(QWidget):
         if self.runner is not None:
             return True
         self._save()
-        host, port = self.host.text().strip() or "127.0.0.1", self.port.value()
+        host, port = self.host.text().strip() or DEFAULT_HOST, self.port.value()
         try:
             from core.http.app import ServerSettings, create_app
             from core.http.server import exposure_warnings, start_site

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from ..chat_template import build_prompt
 from ..errors import UserError
+from ..options import DEFAULT_HOST, DEFAULT_PORT
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
@@ -53,8 +54,8 @@ log = logging.getLogger("mixdesk.http")
 
 @dataclass
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     api_keys: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)
     alias: str | None = None
@@ -254,6 +255,9 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     for path in ("/embedding", "/embeddings", "/v1/embeddings"):
         r.add_post(path, embeddings)
     r.add_post("/infill", infill)
+    from .grid import grid  # imported here: core/http/grid.py builds on this module
+
+    r.add_post("/mixdesk/grid", grid)  # the X/Y grid of mixes (#21)
     for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         r.add_post(path, rerank)
     return app

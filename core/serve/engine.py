@@ -49,6 +49,7 @@ from .events import (
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, shown, validate
 from .scheduler import DoneEvent, Event, PromptProgressEvent, Request, Scheduler, TokenEvent
+from .score import ScoreError, ScoreJob, TokenScore, check_job, score_many
 
 log = logging.getLogger(__name__)
 
@@ -496,6 +497,44 @@ class Engine:
         model = self.model
         return self.scheduler.call(lambda: fn(model))
 
+    def score(
+        self, tokens: list[int], mix: Mapping[int, float] | None, start: int, top_k: int = 5
+    ) -> list[TokenScore]:
+        """Teacher-force ``tokens`` (prompt + reply, the reply from index ``start``)
+        under ``mix`` (None: the global mix): per reply token, the mix's top_k and the
+        logprob of the token that is there. Blocks until the engine thread ran it."""
+        return self.score_many([(tokens, mix, start)], top_k)[0]
+
+    def score_many(
+        self, jobs: list[tuple[list[int], Mapping[int, float] | None, int]], top_k: int = 5
+    ) -> list[list[TokenScore]]:
+        """``score`` for several (tokens, mix, start) at once, run as one batch (the A/B
+        diff view scores both replies under both mixes). Bad input is an EngineError."""
+        self.require_ready()
+        built = []
+        for tokens, mix, start in jobs:
+            job = ScoreJob(list(tokens), self._built_mix(mix)[1], int(start))
+            try:
+                check_job(job, self.config.vocab_size, self.ctx_size)
+            except ScoreError as e:
+                raise EngineError(str(e)) from None
+            built.append(job)
+        tokenizer = self.tokenizer
+        return self.run_on_engine(lambda model: score_many(model, tokenizer, built, top_k)).result()
+
+    def _built_mix(self, mix: Mapping[int, float] | None) -> tuple[MixKey, Any]:
+        """A mix (None: the global mix, snapshotted now) as its key and built weights."""
+        with self._lock:
+            scales = dict(self._scales) if mix is None else dict(mix)
+            for aid in scales:
+                if aid not in self._adapters:
+                    raise EngineError(f"no adapter with id {aid}")
+            adapters = dict(self._adapters)
+        key = mix_key(scales)
+        # built outside the lock: a first build takes tens of ms, and set_mix (the GUI
+        # thread) must never wait for it
+        return key, self.mixes.get(key, adapters)
+
     def submit(
         self,
         prompt: list[int],
@@ -578,16 +617,7 @@ class Engine:
                 f"prompt contains invalid token id {bad[0]} "
                 f"(vocabulary has {self.config.vocab_size})"
             )
-        with self._lock:
-            scales = dict(self._scales) if mix is None else dict(mix)
-            for aid in scales:
-                if aid not in self._adapters:
-                    raise EngineError(f"no adapter with id {aid}")
-            adapters = dict(self._adapters)
-        key = mix_key(scales)
-        # built outside the lock: a first build takes tens of ms, and set_mix (the GUI
-        # thread) must never wait for it
-        weights = self.mixes.get(key, adapters)
+        key, weights = self._built_mix(mix)
         ids: list[int] = []
 
         def relay(ev: Event) -> None:
