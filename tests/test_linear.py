@@ -163,6 +163,30 @@ def test_calibrate_times_every_regime_on_real_matrices(smollm_path, monkeypatch)
         lin.close()
 
 
+def test_calibration_matrices_are_a_budget_not_a_model_size(smollm_path):
+    """Load-time calibration passes over at most CALIBRATE_BYTES of weights: SmolLM2's
+    first whole layers; for a layer larger than the budget (a 1B's is 243 MB), the
+    leading rows of each of its matrices, contiguous views of the weights."""
+    from core.model.linear import CALIBRATE_BYTES, calibration_matrices
+    from core.model.weights import load_weights, open_model_file
+
+    gf, cfg = open_model_file(smollm_path)
+    layers = [lw.projections for lw in load_weights(gf, cfg).layers]
+    mats = calibration_matrices(layers)
+    per_layer = sum(m.nbytes for m in layers[0])
+    n_whole = CALIBRATE_BYTES // per_layer  # 4 for SmolLM2
+    assert n_whole >= 1 and len(mats) == 4 * n_whole
+    assert all(m is w for m, w in zip(mats, [w for ws in layers[:n_whole] for w in ws]))
+
+    budget = per_layer // 3  # one layer is too big: a share of each of its matrices
+    part = calibration_matrices(layers, budget=budget)
+    assert len(part) == 4 and sum(m.nbytes for m in part) <= budget
+    for m, w in zip(part, layers[0]):
+        assert m.shape[1] == w.shape[1] and 0 < m.shape[0] < w.shape[0]
+        assert m.shape[0] % CHUNK == 0 and m.flags.c_contiguous
+        assert np.shares_memory(m, w) and (m == w[: m.shape[0]]).all()
+
+
 def test_small_batch_regime_can_be_forced_and_rejects_unknown_names(monkeypatch):
     lin = Linear(2)
     try:

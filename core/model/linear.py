@@ -45,6 +45,8 @@ REGIMES = ("gemv", "gemm", "blocked")
 CALIBRATE_ROWS = (2, 3, 4, 8)  # row counts timed at load; 5..SMALL_ROWS follow 8's choice
 GEMV_ROWS = 4  # per-row gemv is timed (and used) only up to this many rows
 BLOCKED_MARGIN = 1.3  # calibrate() picks the blocked products only when this much faster
+# weights calibrate() passes over at load: more than an L3, SmolLM2's first 4 layers (56 MB)
+CALIBRATE_BYTES = 64 << 20
 
 
 def blas_threads() -> int:
@@ -56,6 +58,31 @@ def blas_threads() -> int:
         return max(n) if n else (os.cpu_count() or 1)
     except Exception:  # pragma: no cover - threadpoolctl is a pinned dependency
         return os.cpu_count() or 1
+
+
+def calibration_matrices(
+    layers: list[tuple[np.ndarray, ...]], budget: int = CALIBRATE_BYTES
+) -> list[np.ndarray]:
+    """The matrices ``Linear.calibrate`` times, from the model's layers in order:
+    whole layers while they fit ``budget`` bytes; when even the first does not (a
+    1B's layer is 243 MB), the first rows of each of its matrices, the same share
+    of each, in whole CHUNK-row blocks. Calibration makes 22 passes over what it is
+    given, so it must cost a budget, not a model size: 4 whole layers of a 1B model
+    (970 MB) made it 23 s of a 25 s warm load on 2 busy cores. Leading rows of a
+    C-contiguous (out, in) matrix are one contiguous block: the products see the
+    same in-dimension and memory layout as on the whole matrix."""
+    out: list[np.ndarray] = []
+    used = 0
+    for mats in layers:
+        size = sum(m.nbytes for m in mats)
+        if used + size > budget:
+            break
+        out += mats
+        used += size
+    if out or not layers:
+        return out
+    share = budget / sum(m.nbytes for m in layers[0])
+    return [m[: max(CHUNK, int(len(m) * share) // CHUNK * CHUNK)] for m in layers[0]]
 
 
 class Linear:

@@ -21,11 +21,9 @@ from . import layout
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
-from .linear import Linear
+from .linear import Linear, calibration_matrices
 from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
-
-CALIBRATE_LAYERS = 4  # layers whose matrices time the small-batch regimes at load
 
 
 @dataclass
@@ -51,9 +49,10 @@ class LlamaModel:
         self.w = weights
         self.lin = Linear(threads)  # every x @ W.T goes through here
         # pick the fastest small-batch products on this CPU: passes over the first
-        # layers' matrices (~60 MB for SmolLM2, more than an L3) in each regime;
-        # calibrate_step(fraction) reports progress and may raise to cancel the load
-        mats = [m for lw in weights.layers[:CALIBRATE_LAYERS] for m in lw.projections]
+        # layers' matrices (CALIBRATE_BYTES, more than an L3, whatever the model size)
+        # in each regime; calibrate_step(fraction) reports progress and may raise to
+        # cancel the load
+        mats = calibration_matrices([lw.projections for lw in weights.layers])
         try:
             self.lin.calibrate(mats, step=calibrate_step)
         except BaseException:
