@@ -30,6 +30,7 @@ from .bridge import EngineBridge
 from .chat import ChatPane
 from .compare import ComparePane
 from .export import MixExporter
+from .grid import GridPane
 from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
@@ -128,6 +129,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.sampling = SamplingForm(self.settings)
         self.chat = ChatPane(self.bridge, self.settings, self.sampling, conversations)
         self.compare = ComparePane(self.bridge, self.mixer, self.sampling)
+        self.grid = GridPane(self.bridge, self.mixer, self.sampling)
         self.server = ServerPanel(self.bridge, self.settings, cors_origins)
         self.banner = ErrorBanner()
         self.exporter = MixExporter(self.bridge, self.settings, self)
@@ -154,6 +156,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(chat_split, "Chat")
         self.tabs.addTab(_padded(self.compare), "A/B compare")
+        self.tabs.addTab(_padded(self.grid), "X/Y grid")
         self.tabs.addTab(_padded(self.server), "Server")
         self.splitter = QSplitter(Qt.Horizontal)
         self.splitter.addWidget(left)
@@ -173,7 +176,15 @@ class MainWindow(FileDropMixin, QMainWindow):
         central.installEventFilter(self)
         self._menus()
 
-        for w in (self.model_bar, self.mixer, self.adapters, self.chat, self.server, self.exporter):
+        for w in (
+            self.model_bar,
+            self.mixer,
+            self.adapters,
+            self.chat,
+            self.server,
+            self.exporter,
+            self.grid,
+        ):
             w.message.connect(self.status)
         self.exporter.error.connect(self.show_error)
         self.chat.problem.connect(self.show_error)
@@ -345,6 +356,7 @@ class MainWindow(FileDropMixin, QMainWindow):
             self.server.runner = self.server.site = None
         self.chat.stop()
         self.compare.stop()
+        self.grid.stop()
         self.exporter.shutdown()
         self.bridge.shutdown()
 
