@@ -202,6 +202,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         )
         self.server.state_changed.connect(lambda on: on and self.banner.success())
         self.server.message.connect(self.show_error)
+        act = QAction("&Get a model…", self)
+        act.triggered.connect(self.model_bar.get_model)
+        m.addAction(act)
         self.theme.changed.connect(self._theme_changed)
         self._restore()
         self._report_unreadable_files()
@@ -345,6 +348,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.shutdown()
         super().closeEvent(event)
 
+        self.model_bar.stop_fetch()
     async def _stop_server_then_close(self) -> None:
         try:
             await self.server.stop(remember=False)

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 from core.settings import Settings
 
 from .bridge import EngineBridge
+from .get_model import GetModelDialog
 from .util import ElidedLabel, FileDropMixin, human_bytes, human_count
 
 
@@ -42,6 +43,11 @@ class ModelBar(FileDropMixin, QWidget):
         self.recent_menu = QMenu(self)
         self.recent_btn.setMenu(self.recent_menu)
         self.recent_menu.aboutToShow.connect(self._fill_recent)
+        # the built-in catalogue (ui/get_model.py): fetch a real model and open it
+        self.get_btn = QPushButton("Get a model…")
+        self.get_btn.setToolTip("Download a model from Mixdesk's small catalogue and open it")
+        self.get_btn.clicked.connect(self.get_model)
+        self.get_dialog: GetModelDialog | None = None
 
         self.name = ElidedLabel("No model")
         self.name.setObjectName("modelName")
@@ -63,6 +69,7 @@ class ModelBar(FileDropMixin, QWidget):
         lay.setContentsMargins(10, 6, 10, 6)
         lay.addWidget(self.open_btn)
         lay.addWidget(self.recent_btn)
+        lay.addWidget(self.get_btn)
         lay.addSpacing(12)
         lay.addWidget(self.name)
         lay.addWidget(self.info, 1)
@@ -84,6 +91,26 @@ class ModelBar(FileDropMixin, QWidget):
         )
         if path:
             self.open_requested.emit(path)
+
+    def get_model(self) -> GetModelDialog:
+        """Show the catalogue; a model it fetches (or finds already fetched) opens the
+        way a file chosen with Open model… does. One dialog, reused: a fetch in
+        progress keeps its progress when the dialog is shown again."""
+        if self.get_dialog is None:
+            self.get_dialog = GetModelDialog(self.bridge.engine.requested_ctx, self)
+            self.get_dialog.open_requested.connect(self.open_requested)
+        self.get_dialog.show()
+        self.get_dialog.raise_()
+        self.get_dialog.activateWindow()
+        return self.get_dialog
+
+    def stop_fetch(self, timeout_s: float = 15.0) -> None:
+        """At quit: cancel a catalogue download and let it remove its files (and stop
+        pip) before the process ends."""
+        worker = self.get_dialog.worker if self.get_dialog is not None else None
+        if worker is not None:
+            worker.abort()
+            worker.wait(timeout_s)
 
     def _fill_recent(self) -> None:
         self.recent_menu.clear()

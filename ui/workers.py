@@ -148,6 +148,7 @@ def _is_user_error(e: BaseException) -> bool:
 
 def _is_cancel(e: BaseException) -> bool:
     """core's own "cancelled" exceptions, raised because the abort event was passed in."""
+    from core.catalog import FetchCancelled
     from core.model.weights import LoadCancelled
 
-    return isinstance(e, LoadCancelled)
+    return isinstance(e, (LoadCancelled, FetchCancelled))
