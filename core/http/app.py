@@ -33,9 +33,11 @@ from aiohttp import web
 from ..chat_template import build_prompt
 from ..errors import UserError
 from ..options import DEFAULT_HOST, DEFAULT_PORT
+from ..serve.embeddings import check_pooling
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
+from . import embeddings as EMB
 from . import endpoints as E
 from . import responses as R
 from .build_info import build_info
@@ -80,8 +82,6 @@ class ServerSettings:
     slots: bool = True  # GET /slots (--no-slots: 501)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore
     metrics: bool = False  # GET /metrics (--metrics)
-    embedding: bool = False  # /embedding, /v1/embeddings (--embedding)
-    pooling: str | None = None  # --pooling; None: mean
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -115,8 +115,6 @@ class ServerSettings:
             slots=bool(getattr(args, "slots", True)),
             slot_save_path=Path(save) if save else None,
             metrics=bool(getattr(args, "metrics", False)),
-            embedding=bool(getattr(args, "embedding", False)),
-            pooling=getattr(args, "pooling", None),
         )
 
     @property
@@ -596,11 +594,36 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    if not _settings(request).embedding:
+    """/embedding, /embeddings (llama-server's form) and /v1/embeddings (OpenAI's):
+    the final hidden states under the request's ``lora`` or the global mix, pooled by
+    --pooling (core/serve/embeddings.py). 501 without --embedding."""
+    eng = _engine(request)
+    opts = eng.embeddings
+    if not opts.enabled:
         raise E.not_supported(
             "This server does not support embeddings. Start it with `--embeddings`"
         )
-    raise E.not_supported("embeddings are not supported by Mixdesk yet (--embedding is accepted)")
+    pooling = check_pooling(opts.pooling_for(eng.config))
+    oai = request.path.startswith("/v1/")
+    if oai and pooling == "none":
+        raise HttpError(EMB.NOT_OAI_POOLING)
+    body = await _body(request)
+    if (request.content_length or 0) > TOKENIZE_INLINE_CHARS:  # long texts: off the loop
+        inputs, content = await request.app[TEXT_POOL].run(EMB.parse_inputs, body, eng.tokenizer)
+    else:
+        inputs, content = EMB.parse_inputs(body, eng.tokenizer)
+    b64 = EMB.parse_encoding(body)
+    norm = EMB.parse_normalize_field(body)
+    mix = eng.parse_mix(body["lora"], "lora") if body.get("lora") is not None else None
+    hidden = await asyncio.wrap_future(eng.embed(inputs, mix))  # (n_i, d) per input
+    vectors = EMB.pooled(hidden, pooling, norm)
+    if oai and not content:
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        counts = [len(ids) for ids in inputs]
+        return web.json_response(
+            EMB.oai_body(vectors, counts, model or _model_id(request, eng), b64)
+        )
+    return web.json_response(EMB.native_body(vectors))
 
 
 async def infill(request: web.Request) -> web.Response:

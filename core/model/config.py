@@ -25,6 +25,8 @@ GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: set_swa_pattern(6), layers 5, 11, ... see 
 GEMMA2_GLOBAL_EVERY = 2  # llama.cpp: set_swa_pattern(2), odd layers see all keys
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B by block_count
 GEMMA2_DEFAULT_WINDOW = 4096  # llama.cpp's n_swa for gemma2 files without the key
+# llama.cpp's enum llama_pooling_type, by value ({arch}.pooling_type, --pooling)
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 
 class ModelConfigError(UserError):
@@ -58,6 +60,10 @@ class ModelConfig:
     final_softcap: float = 0.0  # gemma2: logits -> c*tanh(logits/c) (0: off)
     rope_attn_factor: float = 1.0  # phi3 LongRoPE: cos/sin scaled by it (llama.cpp attn_factor)
     rope_ctx_orig: int = 0  # phi3: contexts past it use the long rope factors (0: ctx_len)
+    # how an embedding pools the hidden states when --pooling does not say: the file's
+    # {arch}.pooling_type (an embedding model's, e.g. Qwen3-Embedding: last), else
+    # llama.cpp's default for a model without the key, none
+    pooling: str = "none"
 
     @property
     def q_dim(self) -> int:
@@ -152,6 +158,9 @@ class ModelConfig:
             rope_dim=rope_dim,
             rope_scale=rope_scale,
             file_type=ft_name.removeprefix("MOSTLY_"),
+            pooling=POOLING_TYPES[
+                m.integer(a + "pooling_type", 0, lo=0, hi=len(POOLING_TYPES) - 1)
+            ],
             **extra,
         )
 

@@ -108,7 +108,7 @@ class Gemma3Model(LlamaModel):
         out = super()._logits(items, spans, x, lora)
         c = self.cfg.final_softcap
         if c:  # gemma2: after the output LoRA, as llama.cpp does
-            for lg in out:
+            for lg in (lg for it, lg in zip(items, out) if not it.hidden):
                 lg *= np.float32(1.0 / c)
                 np.tanh(lg, out=lg)
                 lg *= np.float32(c)

@@ -32,6 +32,9 @@ class BatchItem:
     cache: KVCache  # positions [cache.length, cache.length+n) get written
     mix: MixWeights | None = None  # None: base model only
     all_logits: bool = False  # False: logits of the last token only
+    # True: instead of logits, every token's final hidden state after the output norm
+    # (n, d): what llama.cpp pools into an embedding (t_embd)
+    hidden: bool = False
 
 
 # ---- the model ---------------------------------------------------------------
@@ -114,21 +117,23 @@ class LlamaModel:
         return self._logits(items, spans, x, lora)
 
     def _logits(self, items, spans, x, lora: LoraDeltas) -> list[np.ndarray]:
-        """Final norm and output matrix on the rows each item wants logits for."""
+        """Final norm and output matrix on the rows each item wants logits for; an
+        item with ``hidden`` gets its normed rows themselves (no output matrix)."""
         cfg = self.cfg
         rows = [
-            np.arange(s, e) if it.all_logits else np.array([e - 1])
+            np.arange(s, e) if it.all_logits or it.hidden else np.array([e - 1])
             for it, (s, e) in zip(items, spans)
         ]
         sel = np.concatenate(rows)
         h = rms_norm(x[sel], self.w.output_norm, cfg.norm_eps)  # (R, d)
+        starts = np.cumsum([0] + [len(r) for r in rows])  # (B+1,) item i: h[starts[i]:starts[i+1]]
+        if all(it.hidden for it in items):  # an embedding batch: no vocab-sized product
+            return [h[a:b] for a, b in zip(starts[:-1], starts[1:])]
         logits = self.lin(h, self.w.output)  # (R, vocab)
         lora.logits(logits, h, [len(r) for r in rows])
-        out, k = [], 0
-        for r in rows:
-            out.append(logits[k : k + len(r)])
-            k += len(r)
-        return out
+        return [
+            h[a:b] if it.hidden else logits[a:b] for it, a, b in zip(items, starts[:-1], starts[1:])
+        ]
 
     def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks, pooled):
         cfg = self.cfg

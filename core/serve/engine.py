@@ -34,6 +34,7 @@ from ..model.llama import LlamaModel
 from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
 from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL, is_finite_number
 from ..tokenizer import Tokenizer
+from .embeddings import EmbeddingOptions, check_inputs, hidden_states
 from .events import (
     AdaptersChanged,
     AdaptersDropped,
@@ -88,9 +89,11 @@ class Engine:
         threads: int | None = None,
         chat_template: str | None = None,
         chat_defaults: ChatDefaults = DEFAULT_CHAT,
+        embeddings: EmbeddingOptions | None = None,
     ):
         """Options as core.options.EngineOptions builds them; ``chat_template`` is a
         template source that replaces every loaded model's own (--chat-template-file)."""
+        self.embeddings = embeddings or EmbeddingOptions()  # --embedding, --pooling, -ub
         self.requested_ctx = ctx_size  # 0: the model's training context
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
@@ -534,6 +537,20 @@ class Engine:
         # built outside the lock: a first build takes tens of ms, and set_mix (the GUI
         # thread) must never wait for it
         return key, self.mixes.get(key, adapters)
+
+    def embed(
+        self, inputs: list[list[int]], mix: Mapping[int, float] | None = None
+    ) -> concurrent.futures.Future:
+        """The final hidden states (n_i, d) of every input under ``mix`` (None: the
+        global mix, snapshotted now), as a Future: the forward runs on the engine
+        thread. Bad input (empty, too long, a token outside the vocabulary) raises
+        EmbeddingError here, before anything is queued."""
+        self.require_ready()
+        ubatch = self.embeddings.ubatch
+        check_inputs(inputs, self.config.vocab_size, self.ctx_size, ubatch)
+        weights = self._built_mix(mix)[1]
+        batch = [list(ids) for ids in inputs]
+        return self.run_on_engine(lambda model: hidden_states(model, batch, weights, ubatch))
 
     def submit(
         self,
