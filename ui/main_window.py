@@ -202,9 +202,6 @@ class MainWindow(FileDropMixin, QMainWindow):
         )
         self.server.state_changed.connect(lambda on: on and self.banner.success())
         self.server.message.connect(self.show_error)
-        act = QAction("&Get a model…", self)
-        act.triggered.connect(self.model_bar.get_model)
-        m.addAction(act)
         self.theme.changed.connect(self._theme_changed)
         self._restore()
         self._report_unreadable_files()
@@ -215,6 +212,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         m = self.menuBar().addMenu("&File")
         act = QAction("&Open model…", self, shortcut=QKeySequence.Open)
         act.triggered.connect(self.model_bar.choose_file)
+        m.addAction(act)
+        act = QAction("&Get a model…", self)
+        act.triggered.connect(self.model_bar.get_model)
         m.addAction(act)
         act = QAction("&Add adapter…", self, shortcut=QKeySequence("Ctrl+Shift+O"))
         act.triggered.connect(self.adapters._add_files)
@@ -348,7 +348,6 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.shutdown()
         super().closeEvent(event)
 
-        self.model_bar.stop_fetch()
     async def _stop_server_then_close(self) -> None:
         try:
             await self.server.stop(remember=False)
@@ -360,6 +359,7 @@ class MainWindow(FileDropMixin, QMainWindow):
             self.server.runner = self.server.site = None
         self.chat.stop()
         self.compare.stop()
+        self.model_bar.stop_fetch()
         self.grid.stop()
         self.exporter.shutdown()
         self.bridge.shutdown()
