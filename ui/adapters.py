@@ -234,9 +234,6 @@ class AdapterPanel(FileDropMixin, QWidget):
                 item.setToolTip(c, f"{path}\n{reason}")
             self.tree.addTopLevelItem(item)
 
-    def error_rows(self) -> list[str]:
-        return list(self.errors.values())
-
     # -- drag and drop ----------------------------------------------------------------------
     def files_dropped(self, paths: list[str]) -> None:
         self.add_paths(paths)
