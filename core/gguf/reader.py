@@ -331,15 +331,25 @@ class GGUFFile:
         t = self.tensors[name]
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 in its numpy shape. A quant type gguf-py cannot
-        dequantize (some K-quants, say) raises UnsupportedQuant naming file, tensor, type."""
+    def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor ``name`` as float32 in its numpy shape, or only its rows [a, b) with
+        ``rows=(a, b)`` (a quantized row is whole blocks, so a run of rows is one run
+        of bytes; a big tensor then dequantizes in pieces, for progress and memory).
+        A quant type gguf-py cannot dequantize (some K-quants, say) raises
+        UnsupportedQuant naming file, tensor, type."""
         t = self.tensors[name]
+        raw, shape = self.raw(name), t.shape
+        if rows is not None:
+            a, b = rows
+            if not (len(shape) >= 2 and 0 <= a <= b <= shape[0]):
+                raise ValueError(f"rows {rows} out of range for {name} {shape}")
+            row_bytes = t.nbytes // shape[0]
+            raw, shape = raw[a * row_bytes : b * row_bytes], (b - a, *shape[1:])
         try:
-            data = quants.dequantize(self.raw(name), t.qtype)
+            data = quants.dequantize(raw, t.qtype)
         except NotImplementedError:
             raise UnsupportedQuant(self.path.name, name, t.qtype) from None
-        return data.reshape(t.shape)
+        return data.reshape(shape)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

@@ -2,8 +2,12 @@
 
 Cold load dequantizes every tensor (any type ``gguf.quants`` supports) straight
 into one float32 file in the platformdirs cache dir, already in the fused layout
-the forward pass wants (Q|K|V stacked, gate|up stacked). Warm load maps that file
-read-only, which costs a few milliseconds: the OS pages weights in on first use.
+the forward pass wants (Q|K|V stacked, gate|up stacked), in pieces of at most
+DEQUANT_PIECE weights: progress moves per piece (a 1B's token_embd alone is 263 M
+weights) and the temporaries stay small. Before it writes, it says how much disk
+the cache takes and refuses when the disk cannot hold it (4 bytes per weight: 4.9
+GB for a 1B). Warm load maps that file read-only, which costs a few milliseconds:
+the OS pages weights in on first use, shared with the page cache, never copied.
 The cache key is the file's identity (resolved path, size, mtime), so an edited
 or replaced model file gets a fresh cache.
 """
@@ -14,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +36,9 @@ from .config import ModelConfig
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 4  # bump when the fused layout changes
+# weights per dequantize job: 16 MB of float32, ~0.1 s of one core for Q6_K (gguf-py
+# does ~50 M weights/s), so progress moves several times a second on a busy machine
+DEQUANT_PIECE = 4 << 20
 Progress = Callable[[float, str], None]
 
 
@@ -185,22 +193,31 @@ def load_weights(
 
     # Cold path: dequantize into a memory-mapped file (or RAM if the cache is not writable).
     tmp = None
+    size = f"{total * 4 / 1e9:.2f} GB" if total * 4 >= 1e8 else f"{total * 4 / 1e6:.0f} MB"
     try:
         if not use_cache:
             raise OSError("cache disabled")
         cdir.mkdir(parents=True, exist_ok=True)
+        check_disk(gf.path, cdir, total * 4)
+        log.info("writing the float32 weight cache of %s: %s in %s", gf.path.name, size, cdir)
+        progress(0.0, f"writing a {size} float32 weight cache to {cdir}")
         tmp = cdir / f".{key}.{os.getpid()}.partial"
         buf = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(total,))
     except OSError:
         tmp, buf = None, np.empty(total, dtype=np.float32)
     views = _views(buf, offsets)
 
-    jobs = []  # (destination view, source tensor, row offset); shapes checked above
+    # (destination view, source tensor, its rows [a, b), destination row of a): shapes
+    # checked above; a tensor larger than DEQUANT_PIECE is cut into runs of rows
+    jobs = []
     for name, _, sources in plan:
         row = 0
         for src in sources:
             info = gf.tensors[src]
-            jobs.append((views[name], info, row))
+            n_rows = info.shape[0] if len(info.shape) >= 2 else 1
+            step = max(1, DEQUANT_PIECE * n_rows // max(info.n_elements, 1))
+            for a in range(0, n_rows, step):
+                jobs.append((views[name], info, a, min(a + step, n_rows), row + a))
             row += info.shape[0]
 
     done_elems = 0
@@ -210,15 +227,18 @@ def load_weights(
         nonlocal done_elems
         if cancel is not None and cancel.is_set():
             raise LoadCancelled()
-        dest, info, row = job
+        dest, info, a, b, row = job
         try:
-            data = gf.dequantize(info.name)  # info.shape
+            if len(info.shape) >= 2:
+                data = gf.dequantize(info.name, rows=(a, b))  # (b - a, cols)
+            else:
+                data = gf.dequantize(info.name)  # a norm: all of it; a bias: its rows
         except UnsupportedQuant as e:
             raise ModelLoadError(str(e)) from None
-        dest[row : row + info.shape[0]] = data  # a norm: all of it; a bias: its rows
+        dest[row : row + len(data)] = data
         with lock:
-            done_elems += info.n_elements
-            progress(min(done_elems / total, 0.999), f"dequantizing {info.name}")
+            done_elems += data.size
+            progress(min(done_elems / total, 0.999), f"dequantizing {info.name} ({size} cache)")
 
     try:
         # gguf.quants releases the GIL inside numpy, so two threads ~halve cold load.
@@ -239,6 +259,18 @@ def load_weights(
             tmp.unlink()
     progress(1.0, "loaded")
     return _assemble(cfg, views)
+
+
+def check_disk(model: Path, cdir: Path, need: int) -> None:
+    """Refuse, before writing a byte, a cache the disk cannot hold: a disk filled
+    halfway through a 4.9 GB write would fail late and leave the user's disk full."""
+    free = shutil.disk_usage(cdir).free
+    if free < need:
+        raise ModelLoadError(
+            f"{model.name}: its float32 weight cache takes {need / 1e9:.2f} GB "
+            f"(4 bytes per weight) but {cdir} has {free / 1e9:.2f} GB free; free some "
+            "disk space, or set MIXDESK_CACHE to a folder on a disk with room"
+        )
 
 
 def _write_index(idx_path: Path, model: Path, total: int) -> None:
