@@ -59,7 +59,8 @@ def test_slots_list_every_slot(server):
     assert st == 200 and [s["id"] for s in slots] == [0, 1]
     s = slots[0]
     assert s["n_ctx"] == 256 and s["is_processing"] is False
-    assert "params" not in s and "next_token" in s  # llama-server's current shape
+    # llama-server's shape: no "params"; a slot that has run nothing has no task fields
+    assert "params" not in s and "next_token" not in s
     st, _ = req(server, "GET", "/slots?fail_on_no_slot=1", headers=AUTH)
     assert st == 200  # idle slots: no failure
 
@@ -94,7 +95,7 @@ def test_slot_actions(server):
     st, out = req(server, "POST", "/slots/0?action=erase", headers=AUTH)
     assert st == 200 and out["id_slot"] == 0 and out["n_erased"] >= 1
     st, out = req(server, "POST", "/slots/0?action=save", {"filename": "x"}, headers=AUTH)
-    assert st == 501 and out["error"]["type"] == "not_supported_error"
+    assert st == 200 and out["filename"] == "x"  # round trips: tests/test_slots.py
     for path in ("/slots/9?action=erase", "/slots/x?action=erase", "/slots/0?action=zap"):
         st, out = req(server, "POST", path, headers=AUTH)
         assert st == 400, path

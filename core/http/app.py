@@ -392,6 +392,8 @@ class _Generation:
         mix,
         cache_prompt: bool,
         submit: bool = True,
+        id_slot: int = -1,
+        progress: bool = False,
     ):
         loop = asyncio.get_running_loop()
         self.request = request
@@ -411,7 +413,14 @@ class _Generation:
             return  # many() submits the whole batch at once
         try:
             self.req = eng.submit(
-                prompt, params, on_event, mix=mix, cache_prompt=cache_prompt, source="http"
+                prompt,
+                params,
+                self.on_event,
+                mix=mix,
+                cache_prompt=cache_prompt,
+                source="http",
+                id_slot=id_slot,
+                progress=progress,
             )
         except Exception as e:
             raise _refused(e, prompt, eng) from None
@@ -572,9 +581,9 @@ async def slots(request: web.Request) -> web.Response:
 
 async def slots_action(request: web.Request) -> web.Response:
     eng = _engine(request)
-    out = E.slot_action(
-        eng, _settings(request), request.match_info["id_slot"], request.query.get("action")
-    )
+    action = request.query.get("action")
+    body = await _body(request) if action in ("save", "restore") else {}
+    out = await E.slot_action(eng, _settings(request), request.match_info["id_slot"], action, body)
     return web.json_response(out)
 
 
@@ -863,7 +872,16 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
         _verbose(request, "prompt", lambda: eng.tokenizer.decode(prompt))
     if opts.extra["n"] > 1:
         return eng, opts, [prompt], _start_many(request, eng, opts, [prompt], mix)
-    gen = _Generation(request, eng, prompt, opts.params, mix, opts.cache_prompt)
+    gen = _Generation(
+        request,
+        eng,
+        prompt,
+        opts.params,
+        mix,
+        opts.cache_prompt,
+        id_slot=opts.id_slot,
+        progress=opts.return_progress and opts.stream,
+    )
     return eng, opts, prompt, gen
 
 

@@ -8,9 +8,11 @@ Host and body-size middlewares guard them too.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
+from ..serve import slots
 from ..serve.scheduler import DoneEvent
 from . import responses as R
 from .responses import HttpError
@@ -90,38 +92,46 @@ class Metrics:
 
 
 def slots_list(eng) -> list[dict]:
-    """GET /slots: one entry per slot, llama-server's fields (no "params": llama-server
-    left them out to keep /slots cheap). Mixdesk's scheduler does not pin requests to
-    numbered slots, so the first ``active`` slots show as busy."""
-    stats = eng.stats()
-    return [
-        {
-            "id": i,
-            "id_task": -1,
+    """GET /slots: one entry per KV pool slot with llama-server's fields ("params" left
+    out: llama-server drops them to keep /slots cheap). A request runs in the slot its
+    ``id_slot`` names when that one is free, else in any free slot."""
+    sched = eng.scheduler
+    states = sched.slot_states() if sched is not None else []
+    out = []
+    for st in states:
+        entry = {
+            "id": st["id"],
             "n_ctx": eng.ctx_size,
             "speculative": eng.draft_max > 0,
-            "is_processing": i < stats["active"],
-            "next_token": {
-                "has_next_token": i < stats["active"],
-                "has_new_line": False,
-                "n_remain": -1,
-                "n_decoded": 0,
-                "stopping_word": "",
-            },
+            "is_processing": st["is_processing"],
         }
-        for i in range(eng.n_parallel)
-    ]
+        if "id_task" in st:  # the slot has run a request (llama-server: task or task_prev)
+            entry.update(
+                id_task=st["id_task"],
+                n_prompt_tokens=st["n_prompt_tokens"],
+                n_prompt_tokens_processed=st["n_prompt_tokens_processed"],
+                n_prompt_tokens_cache=st["n_prompt_tokens_cache"],
+                next_token=[
+                    {
+                        "has_next_token": st["is_processing"],
+                        "has_new_line": False,
+                        "n_remain": st["n_remain"],
+                        "n_decoded": st["n_decoded"],
+                    }
+                ],
+            )
+        out.append(entry)
+    return out
 
 
 def idle_slots(eng) -> int:
     return max(eng.n_parallel - eng.stats()["active"], 0)
 
 
-def slot_action(eng, settings, id_slot: str, action: str | None) -> dict:
+async def slot_action(eng, settings, id_slot: str, action: str | None, body: dict) -> dict:
     """POST /slots/{id}?action=save|restore|erase, behind --slot-save-path as in
-    llama-server. erase drops the cached prompts (the prefix cache is shared by all
-    slots: every slot's cache goes); save/restore of a KV cache to a file is not
-    supported and says so."""
+    llama-server (core/serve/slots.py). The pool copies run on the engine thread, the
+    file I/O on a worker thread; a bad slot, filename or file is a 400, a busy slot 409."""
     if settings.slot_save_path is None:
         raise not_supported(
             "This server does not support slots action. Start it with `--slot-save-path`"
@@ -129,16 +139,49 @@ def slot_action(eng, settings, id_slot: str, action: str | None) -> dict:
     try:
         sid = int(id_slot)
     except ValueError:
-        raise HttpError(f"invalid slot id {printable(id_slot, 40)!r}") from None
+        raise HttpError(f"Invalid slot ID {printable(id_slot, 40)!r}") from None
     if not 0 <= sid < eng.n_parallel:
-        raise HttpError(f"invalid slot id {sid}: the server has {eng.n_parallel} slots")
-    if action == "erase":
-        n = eng.prefix.n_entries
-        eng.prefix.clear()
-        return {"id_slot": sid, "n_erased": n}
-    if action in ("save", "restore"):
-        raise not_supported(f"slot {action} is not supported by Mixdesk (no KV cache files)")
-    raise HttpError("action must be one of save, restore, erase")
+        raise HttpError(f"Invalid slot ID {sid}: the server has {eng.n_parallel} slots")
+    if action not in ("save", "restore", "erase"):
+        raise HttpError("Invalid action: it must be one of save, restore, erase")
+    t0 = time.perf_counter()
+    sched = eng.scheduler
+    try:
+        if action == "erase":
+            n = await _on_engine(eng, lambda model: slots.erase(sched, sid))
+            return {"id_slot": sid, "n_erased": n}
+        name = body.get("filename") if isinstance(body, dict) else None
+        path = slots.slot_path(settings.slot_save_path, name)
+        identity = await asyncio.to_thread(slots.model_identity, eng.path, eng.config)
+        if action == "save":
+            img = await _on_engine(eng, lambda model: slots.take_image(sched, sid))
+            mix = slots.mix_to_file(img.mix, eng.adapters())
+            n_bytes = await asyncio.to_thread(slots.write_file, path, identity, mix, img)
+            return {
+                "id_slot": sid,
+                "filename": name,
+                "n_saved": len(img.tokens),
+                "n_written": n_bytes,
+                "timings": {"save_ms": slots.elapsed_ms(t0)},
+            }
+        meta, tokens, k, v, n_bytes = await asyncio.to_thread(
+            slots.read_file, path, identity, eng.ctx_size
+        )
+        img = slots.SlotImage(tokens, k, v, slots.mix_from_file(meta.get("mix"), eng.adapters()))
+        await _on_engine(eng, lambda model: slots.put_image(sched, model, sid, img))
+    except slots.SlotError as e:
+        raise HttpError(str(e), e.code, e.type) from None
+    return {
+        "id_slot": sid,
+        "filename": name,
+        "n_restored": len(tokens),
+        "n_read": n_bytes,
+        "timings": {"restore_ms": slots.elapsed_ms(t0)},
+    }
+
+
+async def _on_engine(eng, fn):
+    return await asyncio.wrap_future(eng.run_on_engine(fn))
 
 
 FIM_NEEDED = ("fim_pre", "fim_suf", "fim_mid")

@@ -185,6 +185,8 @@ class GenOptions:
     return_tokens: bool = False
     lora: Any = None  # the raw "lora" field; None if absent
     model: str | None = None
+    id_slot: int = -1  # llama-server's id_slot: the KV slot to run in (-1: any)
+    return_progress: bool = False  # stream prompt_progress chunks during prefill
     extra: dict = field(default_factory=dict)
 
 
@@ -244,6 +246,8 @@ def parse_generation(
         return_tokens=get_bool(body, "return_tokens", False),
         lora=body.get("lora"),
         model=get_str(body, "model"),
+        id_slot=get_int(body, "id_slot", -1, lo=-1),
+        return_progress=get_bool(body, "return_progress", False),
     )
     if "lora" in body and body["lora"] is None:
         raise HttpError('lora must be a list of {"id", "scale"} objects, got null')
@@ -641,7 +645,7 @@ def completion_final(
         "index": 0,
         "content": "" if streaming else done.content,
         "tokens": [] if streaming or not return_tokens else list(done.tokens),
-        "id_slot": -1,
+        "id_slot": done.id_slot,
         "stop": True,
         "model": model,
         "tokens_predicted": len(done.tokens),

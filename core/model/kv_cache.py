@@ -127,15 +127,29 @@ class KVPool:
         # first keeps a just-finished sequence's KV in place for as long as possible.
         self._free = list(range(n_slots))
         self._gen = [0] * n_slots  # bumped on every acquire of the slot
+        # per free slot, the tokens whose keys/values its rows still hold (what the
+        # sequence that released it left): what /slots shows and a slot save writes
+        self._resident: list[list[int]] = [[] for _ in range(n_slots)]
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._caches)
 
     @property
     def n_free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> KVCache:
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
+    def acquire(self, prefer: int = -1) -> KVCache:
+        """A free slot: ``prefer`` when it is free (a request's ``id_slot``), else the
+        one released longest ago."""
         if not self._free:
             raise RuntimeError("no free KV slot")  # the scheduler admits at most n_slots
-        return self._take(self._free.pop(0))
+        slot = prefer if prefer in self._free else self._free[0]
+        self._free.remove(slot)
+        return self._take(slot)
 
     def reclaim(self, slot: int, gen: int, tokens: list[int]) -> KVCache | None:
         """The slot back with its KV as a finished sequence (generation ``gen``) left
@@ -153,9 +167,35 @@ class KVPool:
 
     def _take(self, slot: int) -> KVCache:
         self._gen[slot] += 1
+        self._resident[slot] = []
         cache = self._caches[slot]
         cache.tokens = []
         return cache
+
+    def resident(self, slot: int) -> list[int]:
+        """The tokens a free slot's rows still hold ([] for a busy or erased slot)."""
+        return list(self._resident[slot]) if slot in self._free else []
+
+    def forget(self, slot: int) -> int:
+        """Erase a free slot's content (its rows are overwritten later); how many
+        tokens it held. Bumps its generation: no prefix-cache copy reclaims it."""
+        n = len(self._resident[slot])
+        self._resident[slot] = []
+        self._gen[slot] += 1
+        return n
+
+    def load(self, slot: int, tokens: list[int], k: np.ndarray, v: np.ndarray) -> int:
+        """Put keys/values (L, n_kv, n, hd) of ``tokens`` into a free slot's first rows
+        (a slot restore); returns the slot's new generation."""
+        assert slot in self._free
+        n = len(tokens)
+        cache = self._caches[slot]
+        cache.k[:, :, :n] = k  # (L, n_kv, n, hd)
+        cache.v[:, :, :n] = v
+        cache.written = max(cache.written, n)
+        self._gen[slot] += 1
+        self._resident[slot] = list(tokens)
+        return self._gen[slot]
 
     def holds(self, cache: KVCache) -> bool:
         """True while ``cache`` is a slot of this pool handed out and not yet released."""
@@ -169,6 +209,7 @@ class KVPool:
         assert self.holds(cache)
         if scrub:
             self.scrub(cache)
+        self._resident[cache.slot] = [] if scrub else list(cache.tokens)
         cache.tokens = []
         self._free.append(cache.slot)
 

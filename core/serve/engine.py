@@ -561,10 +561,12 @@ class Engine:
         cache_prompt: bool = True,
         source: str = "",
         progress: bool = False,
+        id_slot: int = -1,
     ) -> Request:
         """Queue a generation. ``mix`` None means the global mix, snapshotted now:
         later mix changes do not alter this request (llama.cpp #10374). With
-        ``progress``, on_event also gets a PromptProgressEvent per prompt chunk."""
+        ``progress``, on_event also gets a PromptProgressEvent per prompt chunk.
+        ``id_slot``: run in that KV slot when it is free (llama-server's id_slot)."""
         got = self.submit_many(
             [
                 dict(
@@ -575,6 +577,7 @@ class Engine:
                     cache_prompt=cache_prompt,
                     source=source,
                     progress=progress,
+                    id_slot=id_slot,
                 )
             ]
         )[0]
@@ -623,9 +626,12 @@ class Engine:
         cache_prompt: bool = True,
         source: str = "",
         progress: bool = False,
+        id_slot: int = -1,
     ) -> Request:
         self.require_ready()
         validate(params)
+        if not -1 <= id_slot < self.n_parallel:
+            raise EngineError(f"invalid id_slot {id_slot}: the server has {self.n_parallel} slots")
         if not prompt:
             raise EngineError("the prompt is empty")
         bad = [t for t in prompt if not (0 <= t < self.config.vocab_size)]
@@ -663,6 +669,7 @@ class Engine:
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
         req.progress = True  # relay() turns each chunk into a PromptProgress for listeners
+        req.id_slot = id_slot
         ids.append(req.id)
         return req
 

@@ -80,6 +80,12 @@ class PrefixCache:
             for eid in [i for i, e in self._entries.items() if any(a == aid for a, _ in e.key)]:
                 del self._entries[eid]
 
+    def forget_slot(self, slot: int) -> None:
+        """Drop the entries copied from one pool slot (a slot erase)."""
+        with self._lock:
+            for eid in [i for i, e in self._entries.items() if e.cache.origin[0] == slot]:
+                del self._entries[eid]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -97,7 +97,21 @@ class DoneEvent:
     stopping_word: str = ""
     error: str | None = None
     error_type: str = ""  # e.g. "exceed_context_size_error"
+    id_slot: int = -1  # the KV pool slot the request ran in
     kind: str = "done"
+
+
+@dataclass
+class SlotTask:
+    """The last request a KV pool slot ran (what /slots shows of an idle slot and
+    the mix a slot save records: its keys/values were computed under that mix)."""
+
+    id_task: int
+    mix: MixKey
+    n_prompt: int
+    processed: int
+    cached: int
+    n_decoded: int
 
 
 @dataclass
@@ -128,6 +142,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted_step: int = -1  # the scheduler step that first ran it
     progress: bool = False  # also send a PromptProgressEvent per prompt chunk
+    id_slot: int = -1  # the KV pool slot asked for (llama-server's id_slot), -1: any
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -202,6 +217,8 @@ class Scheduler:
         # running sequences' KV: one slot each (zero pages until used)
         self.pool = model.new_pool(self.n_parallel, ctx_size)
         self.active: list[_Seq] = []
+        # per pool slot, the last request that ran in it (GET /slots, slot save)
+        self.slot_last: list[SlotTask | None] = [None] * self.n_parallel
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._admit_lock = threading.Lock()  # a submit_many batch is admitted as a whole
@@ -266,6 +283,28 @@ class Scheduler:
                 fut.set_result(fn())
             except BaseException as e:  # the caller gets the error; the loop goes on
                 fut.set_exception(e)
+
+    def slot_states(self) -> list[dict]:
+        """Each pool slot's state for GET /slots: the request running in it, else the
+        last one that did (read from another thread: a snapshot, not a lock)."""
+        running = {s.cache.slot: s for s in list(self.active)}
+        out = []
+        for i, last in enumerate(list(self.slot_last)):
+            s = running.get(i)
+            st: dict = {"id": i, "is_processing": s is not None}
+            if s is not None:
+                p = s.req.params
+                n_remain = p.n_predict - len(s.generated) if p.n_predict >= 0 else -1
+                st.update(id_task=s.req.id, n_prompt_tokens=len(s.req.prompt),
+                          n_prompt_tokens_processed=s.timings.prompt_n,
+                          n_prompt_tokens_cache=s.timings.cache_n,
+                          n_decoded=len(s.generated), n_remain=n_remain)  # fmt: skip
+            elif last is not None:
+                st.update(id_task=last.id_task, n_prompt_tokens=last.n_prompt,
+                          n_prompt_tokens_processed=last.processed,
+                          n_prompt_tokens_cache=last.cached, n_decoded=0, n_remain=-1)  # fmt: skip
+            out.append(st)
+        return out
 
     def stop(self) -> None:
         self._stop.set()
@@ -446,13 +485,15 @@ class Scheduler:
                 entry, n_cached = self.prefix.take(req.mix, req.prompt)
                 if entry is not None:
                     # the slot it was copied from may still hold it: then no copy back
+                    # (unless the request asked for another slot by id_slot)
                     slot, gen = entry.origin
-                    cache = self.pool.reclaim(slot, gen, entry.tokens[:n_cached])
+                    if req.id_slot < 0 or req.id_slot == slot:
+                        cache = self.pool.reclaim(slot, gen, entry.tokens[:n_cached])
                     if cache is None:
-                        cache = self.pool.acquire()
+                        cache = self.pool.acquire(req.id_slot)
                         cache.copy_prefix_from(entry, n_cached)
             if cache is None:
-                cache = self.pool.acquire()
+                cache = self.pool.acquire(req.id_slot)
             req.admitted_step = self.steps
             self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
         except BaseException:
@@ -545,6 +586,10 @@ class Scheduler:
             entry.origin = (s.cache.slot, self.pool.generation(s.cache))
             self.prefix.put(s.req.mix, entry)
         if self.pool.holds(s.cache):
+            t = s.timings
+            self.slot_last[s.cache.slot] = SlotTask(
+                s.req.id, s.req.mix, len(s.req.prompt), t.prompt_n, t.cache_n, len(s.generated)
+            )
             # a failed sequence's keys/values may be NaN/inf: none may linger in the pool
             self.pool.release(s.cache, scrub=stop_type == "error")
         done = DoneEvent(
@@ -556,6 +601,7 @@ class Scheduler:
             stopping_word=stopping_word,
             error=error,
             error_type=SERVER_ERROR if stop_type == "error" else "",
+            id_slot=s.cache.slot,
         )
         self._emit_done(s.req, done)
 
