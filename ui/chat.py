@@ -31,7 +31,7 @@ from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
-from .util import format_mix
+from .util import ElidedLabel, format_mix
 
 RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
@@ -160,7 +160,9 @@ class ChatPane(QWidget):
         self.regen_btn.clicked.connect(self.regenerate)
         self.clear_btn = QPushButton("Clear")
         self.clear_btn.clicked.connect(self.clear)
-        self.status = QLabel()
+        # elided to the room it has: a long "First token after … tok/s" must not
+        # widen the chat column (the splitter took that width from the desk)
+        self.status = ElidedLabel()
         self.status.setObjectName("hint")
         # "Reading prompt… N / M tokens" while a long prompt (several chunks) is read
         self.prompt_bar = QProgressBar()

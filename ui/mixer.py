@@ -138,7 +138,7 @@ class Strip:
         self.spin.setFixedWidth(78)
         self.eff = QLabel()
         self.eff.setObjectName("effLabel")
-        self.eff.setMinimumWidth(84)
+        self.eff.setMinimumWidth(56)  # "+1.500" to "-12.000" without the column jumping
         self._on_change = on_change
         self.slider.valueChanged.connect(lambda v: self._set(v / TICKS, from_slider=True))
         self.spin.valueChanged.connect(lambda v: self._set(v, from_slider=False))
@@ -200,15 +200,16 @@ class Strip:
     def show_effective(self, engine_scale: float) -> None:
         a, r = self.info.get("alpha"), self.info.get("rank") or 1
         eff = effective_scale(engine_scale, a, r)
-        ratio = f"α{a:g}/r{r}" if a else f"r{r}"
-        self.eff.setText(f"{eff:+.3f} {ratio}")
+        # the number only: with "α16/r8" beside it the column pushed the desk past a
+        # 1280 px window's left pane; the ratio is in the tooltip (and the adapter list)
+        self.eff.setText(f"{eff:+.3f}")
         self.eff.setProperty("active", engine_scale != 0.0)
         self.eff.style().unpolish(self.eff)
         self.eff.style().polish(self.eff)
         self.eff.setToolTip(
-            "effective scale = scale × alpha / rank"
+            f"effective scale = scale × alpha / rank = {engine_scale:+.3f} × α{a:g}/r{r}"
             if a
-            else "no alpha in the adapter: effective scale = scale"
+            else f"no alpha in the adapter (rank {r}): effective scale = scale"
         )
 
 
