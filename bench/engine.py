@@ -243,7 +243,9 @@ def rss_split() -> str:
 # Further sections live in their own modules, each a ``run(ctx: BenchContext)`` that
 # prints its lines (speeds next to ratios measured in the same run). They run in this
 # order after the engine figures above, on the same loaded engine.
-SECTIONS: tuple[str, ...] = ()
+SECTIONS: tuple[str, ...] = (
+    "bench.merge",
+)
 
 
 @dataclass
