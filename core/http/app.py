@@ -35,6 +35,7 @@ from ..errors import UserError
 from ..options import DEFAULT_HOST, DEFAULT_PORT
 from ..serve.embeddings import check_pooling
 from ..serve.grammar import request_constraint, wants_constraint
+from ..serve.relay import LoopRelay
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
 from . import embeddings as EMB
@@ -196,6 +197,7 @@ LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
 METRICS = web.AppKey("metrics", E.Metrics)
+RELAY = web.AppKey("relay", LoopRelay)  # engine events to this app's loop, once per step
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TOKENIZE_INLINE_CHARS = 16384
@@ -224,6 +226,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     # chat templates stop themselves (RenderLimits); the timeout is a backstop
     app[TEXT_POOL] = BlockingPool("text", workers=2, queue=64, timeout=60.0)
     app[METRICS] = E.Metrics()
+    app[RELAY] = LoopRelay()  # bound to the serving loop by the first generation
     app.on_response_prepare.append(add_cors_on_prepare)
     r = app.router
     r.add_get("/health", health)
@@ -399,15 +402,15 @@ class _Generation:
         self.request = request
         self.queue: asyncio.Queue = asyncio.Queue()
 
-        def on_event(ev) -> None:  # scheduler thread
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-            except RuntimeError:  # the loop is gone: stop generating
-                r = getattr(self, "req", None)
-                if r is not None:
-                    r.cancel()
+        def lost() -> None:  # scheduler thread: the loop is gone, stop generating
+            r = getattr(self, "req", None)
+            if r is not None:
+                r.cancel()
 
-        self.on_event = on_event
+        # one wake-up of this loop per scheduler step for all requests (core/serve/relay.py)
+        relay = request.app[RELAY]
+        relay.bind(loop)
+        self.on_event = relay.sender(self.queue.put_nowait, lost)
         self.done: DoneEvent | None = None
         if not submit:
             return  # many() submits the whole batch at once
@@ -462,11 +465,14 @@ class _Generation:
         """The next event; cancels the request if the client disconnected meanwhile."""
         while True:
             try:
-                ev = (
-                    await asyncio.wait_for(self.queue.get(), POLL_S)
-                    if watch_client
-                    else await self.queue.get()
-                )
+                if not self.queue.empty():
+                    # a step's events arrive together: take what is there without a
+                    # wait_for (a task and a timer) per event
+                    ev = self.queue.get_nowait()
+                elif watch_client:
+                    ev = await asyncio.wait_for(self.queue.get(), POLL_S)
+                else:
+                    ev = await self.queue.get()
             except TimeoutError:
                 if self._client_gone():
                     self.cancel()

@@ -28,6 +28,7 @@ from ..model.kv_cache import ContextOverflow, KVCache
 from ..model.llama import BatchItem, LlamaModel
 from .grammar import Constraint, ConstraintError
 from .prefix_cache import PrefixCache
+from .relay import step_events
 from .sampling import (
     NonFiniteLogits,
     SamplingParams,
@@ -44,6 +45,10 @@ SPEC_NGRAM = (4, 3)  # n-gram sizes tried for prompt lookup, longest first
 SPEC_COOLDOWN = 4  # plain steps after a draft that paid off poorly, doubled per
 SPEC_BACKOFF_MAX = 4  # further poor draft in a row, up to 4 << 4 = 64 steps
 SPEC_MIN_GAIN = 3  # accepted tokens a draft must yield to keep drafting
+# An idle engine admits a request only when no other arrives within ADMIT_GAP_S of the
+# last one (ADMIT_WINDOW_S at most): requests sent together start in one step (#22)
+ADMIT_GAP_S = 0.002
+ADMIT_WINDOW_S = 0.010
 CAPACITY_ROUND = 64  # prefix-cache entries are sized in steps of this many positions
 SERVER_ERROR = "server_error"  # DoneEvent.error_type of a request the engine failed (HTTP 500)
 NON_FINITE = (
@@ -320,7 +325,8 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 try:
-                    did = self.step()
+                    with step_events():  # one hand-over per consumer loop per step (#22)
+                        did = self.step()
                 except Exception as e:
                     self._survive(e)
                     continue
@@ -458,8 +464,30 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------
     def _admit(self) -> None:
+        if not self.active and not self.queue.empty():
+            self._gather_arrivals()
         with self._admit_lock:
             self._admit_queued()
+
+    def _gather_arrivals(self) -> None:
+        """The engine was idle and a request just came: wait while more keep arriving
+        (each within ADMIT_GAP_S of the last, ADMIT_WINDOW_S at most), so that requests
+        sent together start in the same step and prefill as one batch. Over HTTP, 8
+        clients' requests reach the queue a few ms apart (each handler parses, encodes
+        and submits in turn); without this the first ran its prefill alone and the
+        others joined one or more steps later (#22). A lone request waits ADMIT_GAP_S."""
+        deadline = time.perf_counter() + ADMIT_WINDOW_S
+        n = self.queue.qsize()
+        while n < self.n_parallel and not self._stop.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wake.clear()
+            self._wake.wait(min(ADMIT_GAP_S, left))
+            m = self.queue.qsize()
+            if m == n:
+                return  # none arrived within the gap: start now
+            n = m
 
     def _admit_queued(self) -> None:
         while len(self.active) < self.n_parallel:
