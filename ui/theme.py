@@ -59,6 +59,7 @@ class Theme:
     edit_bg: str
     edit_text: str
     edit_border: str
+    diff_bg: str  # a token where the two mixes of A/B compare disagree (under text)
 
 
 LIGHT = Theme(
@@ -96,6 +97,7 @@ LIGHT = Theme(
     edit_bg="#fff6e0",
     edit_text="#7a5500",
     edit_border="#f2d58b",
+    diff_bg="#ffc23d",
 )
 
 DARK = Theme(
@@ -133,6 +135,7 @@ DARK = Theme(
     edit_bg="#382f1c",
     edit_text="#f2d58b",
     edit_border="#6b5a2a",
+    diff_bg="#6e4e0e",
 )
 
 _current = LIGHT
