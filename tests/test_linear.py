@@ -239,3 +239,56 @@ def test_calibrate_keeps_the_fastest_regime_per_row_count(monkeypatch, cost, wan
                 assert s == pytest.approx(cost[r] * (t / 2 if r == "gemv" else 1) / 1e3)
     finally:
         lin.close()
+
+
+def test_a_stored_calibration_is_used_without_timing(tmp_path, monkeypatch):
+    """The choice is the machine's: a second load with the same CPU, BLAS, threads and
+    shapes reuses it (a 1B's warm load was mostly this timing); other shapes, an entry
+    past CALIBRATION_MAX_AGE_S, or an unreadable store time again."""
+    import json
+
+    from core.model import linear
+
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    store = tmp_path / "calibration.json"
+    clock, passes = [0.0], [0]
+    cost = dict(gemv=4, gemm=8, blocked=4)  # "2 rows gemv, 3-32 rows blocked"
+
+    def calibrate(mats):
+        lin = Linear(2)
+
+        def fake_product(regime, x, w, side=None):
+            passes[0] += 1
+            clock[0] += cost[regime] * (len(x) / 2 if regime == "gemv" else 1) / 1e3
+
+        monkeypatch.setattr(lin, "small_product", fake_product)
+        try:
+            times = lin.calibrate(mats, timer=lambda: clock[0], store=store)
+            return times, lin.describe()
+        finally:
+            lin.close()
+
+    mats = [np.ones((CHUNK, 8), dtype=np.float32)]
+    times, first = calibrate(mats)
+    assert times and passes[0] > 0 and first == "2 rows gemv, 3-32 rows blocked"
+    passes[0] = 0
+    cost.update(gemv=9, blocked=20)  # the machine would now choose gemm: not asked
+    assert calibrate(mats) == ({}, first) and passes[0] == 0
+    # other shapes are another key: timed, and stored beside the first
+    times, other = calibrate([np.ones((CHUNK, 16), dtype=np.float32)])
+    assert times and passes[0] > 0 and other == "2-32 rows gemm"
+    assert len(json.loads(store.read_text())) == 2
+    # too old: timed again, and the new choice replaces the old
+    data = json.loads(store.read_text())
+    for entry in data.values():
+        entry["when"] -= linear.CALIBRATION_MAX_AGE_S + 1
+    store.write_text(json.dumps(data))
+    passes[0] = 0
+    times, again = calibrate(mats)
+    assert times and passes[0] > 0 and again == "2-32 rows gemm"
+    # a store that is not JSON (or an entry naming no known regime): timed
+    for text in ("{not json", json.dumps({k: {"when": 9e99, "rows": {"2": "fast"}} for k in data})):
+        store.write_text(text)
+        passes[0] = 0
+        times, _ = calibrate(mats)
+        assert times and passes[0] > 0

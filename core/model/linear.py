@@ -28,12 +28,16 @@ rooflines and the choice.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import platform
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -47,6 +51,8 @@ GEMV_ROWS = 4  # per-row gemv is timed (and used) only up to this many rows
 BLOCKED_MARGIN = 1.3  # calibrate() picks the blocked products only when this much faster
 # weights calibrate() passes over at load: more than an L3, SmolLM2's first 4 layers (56 MB)
 CALIBRATE_BYTES = 64 << 20
+# a stored calibration (calibrate(store=...)) is trusted this long, then timed again
+CALIBRATION_MAX_AGE_S = 7 * 24 * 3600
 
 
 def blas_threads() -> int:
@@ -136,6 +142,7 @@ class Linear:
         rounds: int = 2,
         timer: Callable[[], float] = time.perf_counter,
         step: Callable[[float], None] | None = None,
+        store: Path | None = None,
     ) -> dict[int, dict[str, float]]:
         """Time one pass over ``mats`` in each regime for each of CALIBRATE_ROWS row
         counts (best of ``rounds``, alternating, so all see the same minute of a
@@ -147,13 +154,22 @@ class Linear:
         fake clock that the products advance, so the choice is checked without time.
         ``MIXDESK_SMALL_BATCH=gemv|gemm|blocked`` skips the timing and forces one.
         ``step(fraction_done)`` is called after each pass (a model load's progress; it
-        may raise to cancel: calibration takes seconds, ~10 s on a busy laptop)."""
+        may raise to cancel: calibration takes seconds, ~10 s on a busy laptop).
+
+        ``store``: a JSON file of earlier choices (the model load passes one in the
+        cache dir). A choice stored for the same CPU, BLAS build, thread count and
+        matrix shapes, less than CALIBRATION_MAX_AGE_S old, is used without timing
+        (returns {}): the choice is the machine's, not the model file's, and timing
+        it was most of a warm load (1.2-2.4 s of CPU of a 1B's ~3 s)."""
         forced = os.environ.get("MIXDESK_SMALL_BATCH")
         if forced:
             self.force(forced)
             return {}
         mats = [m for m in mats if m.flags.c_contiguous]
         if not mats:
+            return {}
+        key = self._calibration_key(mats) if store is not None else ""
+        if key and self._use_stored(store, key):
             return {}
         rng = np.random.default_rng(0)
         best: dict[int, dict[str, float]] = {
@@ -177,9 +193,53 @@ class Linear:
                     if step is not None:
                         step(done / n_passes)
         choice = {t: _fastest(times) for t, times in best.items()}
+        self._use_choice(choice)
+        if key:
+            _store_choice(store, key, choice)
+        return best
+
+    def _use_choice(self, choice: dict[int, str]) -> None:
         for t in range(2, SMALL_ROWS + 1):
             self._by_rows[t] = choice[t if t in choice else CALIBRATE_ROWS[-1]]
-        return best
+
+    def _calibration_key(self, mats: list[np.ndarray]) -> str:
+        """What a calibration's choice depends on: the CPU, the BLAS build and its
+        threads, our thread count, the matrix shapes, and the rule that chose."""
+        try:
+            from threadpoolctl import threadpool_info
+
+            blas = [
+                [i.get(k) for k in ("internal_api", "version", "architecture", "num_threads")]
+                for i in threadpool_info()
+                if i["user_api"] == "blas"
+            ]
+        except Exception:  # pragma: no cover - threadpoolctl is a pinned dependency
+            blas = []
+        ident = [
+            _cpu_name(),
+            os.cpu_count(),
+            self.threads,
+            blas,
+            sorted({m.shape for m in mats}),
+            CALIBRATE_ROWS,
+            GEMV_ROWS,
+            BLOCKED_MARGIN,
+            CHUNK,
+        ]
+        return hashlib.sha1(json.dumps(ident, default=str).encode()).hexdigest()[:20]
+
+    def _use_stored(self, store: Path, key: str) -> bool:
+        entry = _read_store(store).get(key)
+        try:
+            if time.time() - float(entry["when"]) > CALIBRATION_MAX_AGE_S:
+                return False
+            choice = {int(t): _check_regime(r) for t, r in entry["rows"].items()}
+            if sorted(choice) != sorted(CALIBRATE_ROWS):
+                return False
+        except Exception:  # no entry, or one written by hand or by another version
+            return False
+        self._use_choice(choice)
+        return True
 
     def small_batch(self, regime: str):
         """The context products of this regime run in: BLAS held at one thread for
@@ -344,6 +404,38 @@ def _fastest(times: dict[str, float]) -> str:
     if "blocked" in times and times["blocked"] * BLOCKED_MARGIN < times[plain]:
         return "blocked"
     return plain
+
+
+def _cpu_name() -> str:
+    """The CPU model, for the calibration key (/proc/cpuinfo on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_store(store: Path) -> dict:
+    try:
+        data = json.loads(store.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_choice(store: Path, key: str, choice: dict[int, str]) -> None:
+    """Add one choice to the store, atomically; a store that cannot be written only
+    means the next load times again."""
+    data = _read_store(store)
+    data[key] = {"when": time.time(), "rows": {str(t): r for t, r in choice.items()}}
+    part = store.with_name(f".{store.name}.{os.getpid()}.partial")
+    try:
+        part.write_text(json.dumps(data, indent=1))
+        os.replace(part, store)
+    except OSError:
+        part.unlink(missing_ok=True)
 
 
 def _close_all(helpers: list[_Helper]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..lora.mix import MixWeights
 from ..lora.runtime import AdapterStacks, LoraDeltas
+from ..paths import cache_dir
 from . import layout
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
@@ -57,7 +58,8 @@ class LlamaModel:
         # cancel the load
         mats = calibration_matrices([lw.projections for lw in weights.layers])
         try:
-            self.lin.calibrate(mats, step=calibrate_step)
+            # a choice stored for this machine and these shapes skips the timing
+            self.lin.calibrate(mats, step=calibrate_step, store=cache_dir() / "calibration.json")
         except BaseException:
             self.lin.close()  # its helper threads would outlive a cancelled load
             raise
