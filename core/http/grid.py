@@ -29,6 +29,7 @@ from . import responses as R
 from .app import (
     METRICS,
     POLL_S,
+    RELAY,
     _body,
     _encode_prompt,
     _engine,
@@ -70,12 +71,17 @@ async def grid(request: web.Request) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
+    def lost() -> None:  # the loop is gone (server stopped): stop generating
+        if run is not None:
+            run.cancel()
+
+    # every cell's events of one step reach this loop in one wake-up (#22)
+    relay = request.app[RELAY]
+    relay.bind(loop)
+    send = relay.sender(events.put_nowait, lost)
+
     def on_event(i: int, ev) -> None:  # the engine thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-        except RuntimeError:  # the loop is gone (server stopped): stop generating
-            if run is not None:
-                run.cancel()
+        send((i, ev))
 
     run = None
     try:
