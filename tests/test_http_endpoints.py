@@ -176,7 +176,8 @@ def test_infill_builds_the_fim_prompt(fim_server):
     assert st == 200 and out["tokens_predicted"] == 2
     tok = fim_server.engine.tokenizer
     enc = lambda t: tok.encode(t, add_special=False, parse_special=False)  # noqa: E731
-    want = [tok.bos_id, 296, *enc("ab"), 297, *enc("cd"), 298, *enc("e")]
+    # llama-server's format_prompt_infill: the prompt ends the prefix, FIM_MID comes last
+    want = [tok.bos_id, 296, *enc("ab"), *enc("e"), 297, *enc("cd"), 298]
     assert out["tokens_evaluated"] == len(want)
     assert out["prompt"] == tok.decode(want, strip_prefix_space=False)
     st, out = req(fim_server, "POST", "/infill", {"input_extra": "x"})

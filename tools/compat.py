@@ -10,7 +10,11 @@ for one adapter of ours, the ``utils.py`` they import. It wraps upstream's
   an honest answer, not a skip);
 * every model preset is SmolLM2 (the embedded default model): no download, and
   ``--hf-repo/--hf-file/--offline`` are dropped; a LoRA file the tests download is
-  replaced by the reference adapter lora_attn.gguf;
+  replaced by the reference adapter lora_attn.gguf; two presets need what SmolLM2
+  lacks: the infill preset (a story model with FIM tokens) runs Qwen2.5-Coder-0.5B
+  (the catalogue's model with FIM tokens), and the embedding preset (bert-bge-small,
+  whose file says pooling_type cls) gets ``--pooling cls`` unless the test sets one,
+  since SmolLM2's file has no pooling_type (llama.cpp's default is then none);
 * ``match_regex`` (the tests' check of the generated text against what their
   tiny story models write) only asks for a string: that text is model-specific.
   Nothing about the API (status codes, fields, counts of a request's own tokens)
@@ -54,6 +58,7 @@ from _upstream_utils import *  # noqa: F401,F403
 
 MIXDESK = os.environ["MIXDESK_REPO"]
 MODEL = os.environ["MIXDESK_MODEL"]
+FIM_MODEL = os.environ.get("MIXDESK_FIM_MODEL") or MODEL
 LORA = os.environ["MIXDESK_LORA"]
 PYTHON = os.environ["MIXDESK_PYTHON"]
 DROP_WITH_VALUE = {"--hf-repo", "--hf-file", "-hf", "-hff"}
@@ -62,10 +67,11 @@ DROP = {"--offline"}
 
 def _translate(args):
     """llama-server's command line -> main.py --headless's."""
-    out, i, has_model = [], 1, False
+    out, i, has_model, hf = [], 1, False, ""
     while i < len(args):
         a = args[i]
         if a in DROP_WITH_VALUE:
+            hf += " " + str(args[i + 1]) if i + 1 < len(args) else ""
             i += 2
             continue
         if a in DROP:
@@ -86,7 +92,9 @@ def _translate(args):
         out.append(a)
         i += 1
     if not has_model:
-        out += ["--model", MODEL]
+        out += ["--model", FIM_MODEL if "infill" in hf else MODEL]
+    if "bert-bge" in hf and "--pooling" not in out:
+        out += ["--pooling", "cls"]  # what the preset's own file says (pooling_type 2)
     return [PYTHON, os.path.join(MIXDESK, "main.py"), "--headless", *out]
 
 
@@ -169,16 +177,33 @@ def ensure_deps() -> Path:
     return site
 
 
+def fim_model() -> Path | None:
+    """Qwen2.5-Coder-0.5B for the infill tests, fetched once (``--get-model``'s
+    catalogue); None (SmolLM2 then, and /infill answers 501) if it cannot be fetched."""
+    from core import catalog
+
+    name = "qwen2.5-coder-0.5b"
+    if not catalog.is_fetched(name):
+        try:
+            catalog.fetch(name, progress=catalog.console_progress())
+        except Exception as e:  # offline: the infill tests run on SmolLM2 and say 501
+            print(f"compat: cannot fetch {name} ({e}); test_infill.py runs on SmolLM2")
+            return None
+    return catalog.model_path(name)
+
+
 def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Path:
     from core.default_model import ensure_default_model
 
     model = ensure_default_model(log=print)
+    fim = fim_model()
     report = WORK / "report.xml"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(WORK / "site"), str(tests)]),
         "MIXDESK_REPO": str(REPO),
         "MIXDESK_MODEL": str(model),
+        "MIXDESK_FIM_MODEL": str(fim) if fim else "",
         "MIXDESK_LORA": str(REPO / "tests/data/llamacpp/adapters/lora_attn.gguf"),
         "MIXDESK_PYTHON": sys.executable,
         "PORT": os.environ.get("PORT", "18080"),

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from ..chat_template import build_prompt
 from ..errors import UserError
-from ..options import DEFAULT_HOST, DEFAULT_PORT
+from ..options import DEFAULT_BATCH, DEFAULT_HOST, DEFAULT_PORT
 from ..serve.embeddings import check_pooling
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.relay import LoopRelay
@@ -63,6 +63,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)
     alias: str | None = None
     n_predict_default: int = -1
+    n_batch: int = DEFAULT_BATCH  # -b: /infill fits its prefix and suffix in one batch
     verbose: bool = False
     max_body: int = 8 << 20
     lora_init_without_apply: bool = False
@@ -105,6 +106,7 @@ class ServerSettings:
             cors_origins=list(args.cors_origins or []),
             alias=args.alias,
             n_predict_default=args.n_predict,
+            n_batch=getattr(args, "batch_size", None) or DEFAULT_BATCH,
             verbose=bool(args.verbose),
             lora_init_without_apply=bool(getattr(args, "lora_init_without_apply", False)),
             allow_runtime_lora=allow,
@@ -646,7 +648,9 @@ async def infill(request: web.Request) -> web.Response:
     missing = E.missing_fim_tokens(_engine(request).tokenizer)
     if missing:  # before the body is read: the answer does not depend on it
         raise E.not_supported(f"Infill is not supported by this model: {missing}")
-    return await completion(request, prompt_field=E.infill_prompt)
+    s = _settings(request)
+    layout = partial(E.infill_prompt, n_batch=s.n_batch, n_predict=s.n_predict_default)
+    return await completion(request, prompt_field=layout)
 
 
 async def rerank(request: web.Request) -> web.Response:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ..serve import slots
 from ..serve.scheduler import DoneEvent
-from . import responses as R
 from .responses import HttpError
 from .security import printable
 
@@ -201,40 +200,78 @@ def missing_fim_tokens(tokenizer) -> str:
 def _infill_extra(body) -> list[tuple[str, str]]:
     extra = body.get("input_extra", [])
     if not isinstance(extra, list):
-        raise HttpError('input_extra must be a list of {"filename", "text"} objects')
+        raise HttpError('"input_extra" must be an array of {"filename": string, "text": string}')
     out = []
-    for i, chunk in enumerate(extra):
+    for chunk in extra:
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
-            raise HttpError(f'input_extra[{i}] must be an object with a string "text"')
-        name = chunk.get("filename", "")
+            raise HttpError('extra_context chunk must contain a "text" field with a string value')
+        name = chunk.get("filename", "tmp")
         if not isinstance(name, str):
-            raise HttpError(f"input_extra[{i}].filename must be a string")
+            raise HttpError('extra_context chunk\'s "filename" field must be a string')
         out.append((name, chunk["text"]))
     return out
 
 
-def infill_prompt(eng, body) -> list[int]:
-    """llama-server's /infill prompt: the extra files (each after FIM_SEP, when the
-    vocabulary has it), then FIM_PRE prefix FIM_SUF suffix FIM_MID prompt."""
+def _infill_part(tok, body, key: str) -> list[int]:
+    """input_prefix / input_suffix: required; a string, or tokens mixed with strings
+    (llama-server's tokenize_mixed, without special tokens)."""
+    if key not in body:
+        raise HttpError(f'"{key}" is required')
+    v = body[key]
+    bad = HttpError(f'"{key}" must be a string or a list of token ids and strings')
+    if not isinstance(v, str | list):
+        raise bad
+    ids: list[int] = []
+    for p in v if isinstance(v, list) else [v]:
+        if isinstance(p, str):
+            ids += tok.encode(p, add_special=False, parse_special=False)
+        elif isinstance(p, int) and not isinstance(p, bool):
+            ids.append(p)
+        else:
+            raise bad
+    return ids
+
+
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks without a FIM_SEP token
+
+
+def infill_prompt(eng, body, n_batch: int, n_predict: int) -> list[int]:
+    """llama-server's /infill prompt (format_prompt_infill, the repo-level FIM layout):
+
+        [FIM_REP]myproject\n [FIM_SEP]name\n text ... [FIM_SEP]filename\n
+        [BOS] FIM_PRE prefix prompt FIM_SUF suffix FIM_MID
+
+    The prefix keeps its last 3/4 of a batch of tokens, the suffix its first
+    batch/4 - 2 - len(prompt); the extra chunks keep their last
+    n_ctx - n_batch - 2 * n_predict tokens (none when that is not positive), as there."""
     tok = eng.tokenizer
     missing = missing_fim_tokens(tok)
     if missing:
         raise not_supported(f"Infill is not supported by this model: {missing}")
-    prefix = R.get_str(body, "input_prefix", "")
-    suffix = R.get_str(body, "input_suffix", "")
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
-        raise HttpError("prompt must be a string on /infill")
+        raise HttpError('"prompt" must be a string')
+    chunks = _infill_extra(body)
+    prefix = _infill_part(tok, body, "input_prefix")
+    suffix = _infill_part(tok, body, "input_suffix")
     enc = lambda text: tok.encode(text, add_special=False, parse_special=False)  # noqa: E731
-    ids: list[int] = []
-    sep = _fim_id(tok, "fim_sep")
-    for name, text in _infill_extra(body):
-        if sep is not None:
-            ids += [sep] + enc(f"{name}\n")
-        ids += enc(text)
-    ids += [_fim_id(tok, "fim_pre")] + enc(prefix)
-    ids += [_fim_id(tok, "fim_suf")] + enc(suffix)
-    ids += [_fim_id(tok, "fim_mid")] + enc(prompt)
+    prompt_ids = tok.encode(prompt, add_special=False, parse_special=True)
+
+    extra: list[int] = []
+    rep, sep = _fim_id(tok, "fim_rep"), _fim_id(tok, "fim_sep")
+    if rep is not None:
+        extra += [rep] + enc("myproject\n")
+    for name, text in chunks:
+        extra += [sep] + enc(f"{name}\n") if sep is not None else enc(SNIPPET_SEPARATOR)
+        extra += enc(text)
+    if sep is not None:
+        extra += [sep] + enc("filename\n")
+
+    n_prefix = min(len(prefix), 3 * (n_batch // 4))
+    n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt_ids))))
+    n_extra = min(max(0, eng.ctx_size - n_batch - 2 * n_predict), len(extra))
+    head = [_fim_id(tok, "fim_pre")] + prefix[len(prefix) - n_prefix :] + prompt_ids
     if tok.add_bos and tok.bos_id is not None:
-        ids.insert(0, tok.bos_id)
-    return ids
+        head.insert(0, tok.bos_id)
+    tail = [_fim_id(tok, "fim_suf")] + suffix[:n_suffix]
+    return extra[len(extra) - n_extra :] + head + tail + [_fim_id(tok, "fim_mid")]
