@@ -39,16 +39,7 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = np.float32(math.sqrt(cfg.dim))
 
     def forward(self, items):
-        spans, start = [], 0
-        for it in items:
-            n = len(it.tokens)
-            it.cache.reserve(n)
-            spans.append((start, start + n))
-            start += n
-        tokens = np.concatenate([np.asarray(it.tokens, dtype=np.int64) for it in items])  # (T,)
-        positions = np.concatenate(
-            [np.arange(it.cache.length, it.cache.length + len(it.tokens)) for it in items]
-        )  # (T,)
+        spans, tokens, positions = self.pack(items)
         glob = self.rope.get(positions)  # (T, 1, hd/2)
         local = glob if self.rope_local is self.rope else self.rope_local.get(positions)
         cis = (glob, local)

@@ -85,9 +85,10 @@ class LlamaModel:
     def __call__(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         return self.forward(items)
 
-    def forward(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
-        """Run new tokens of every item; return logits per item:
-        (n, vocab) when ``all_logits`` else (1, vocab) for its last token."""
+    @staticmethod
+    def pack(items: Sequence[BatchItem]) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+        """Reserve each item's cache for its new tokens and lay the batch out as one:
+        (spans: item i's rows [s, e), tokens (T,), positions (T,) in its own sequence)."""
         spans, start = [], 0
         for it in items:
             n = len(it.tokens)
@@ -98,6 +99,12 @@ class LlamaModel:
         positions = np.concatenate(
             [np.arange(it.cache.length, it.cache.length + len(it.tokens)) for it in items]
         )  # (T,)
+        return spans, tokens, positions
+
+    def forward(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Run new tokens of every item; return logits per item:
+        (n, vocab) when ``all_logits`` else (1, vocab) for its last token."""
+        spans, tokens, positions = self.pack(items)
         cis = self.rope.get(positions)
         # the regime calibrated for this many rows (blocked products on our threads
         # hold BLAS at one thread for the whole forward)
