@@ -303,7 +303,8 @@ class ComparePane(QWidget):
         the engine thread; the GUI never waits for them)."""
         engine, messages = self.bridge.engine, self._messages
         replies = [s.done.tokens for s in (self.a, self.b)]
-        mixes = [dict(s.done.mix) for s in (self.a, self.b)]  # what each side ran with
+        # the mix keys the sides ran with (a merge method's key carries its method)
+        mixes = [s.done.mix for s in (self.a, self.b)]
 
         def work():
             prompt = engine.chat_prompt(messages)

@@ -150,3 +150,18 @@ def test_identical_mixes_mark_nothing(two_mixes, qtbot):
 def test_the_diff_mark_reads_in_both_themes(scheme):
     assert T.contrast(scheme.text, scheme.diff_bg) >= 4.5
     assert T.contrast(scheme.surface, scheme.diff_bg) >= 1.5  # visible against the page
+
+
+def test_a_diff_that_cannot_run_says_why_and_the_pane_goes_on(two_mixes, qtbot, greedy):
+    """An adapter of side A is unloaded (say over HTTP) between the run and Diff: the
+    hint says why, Diff is off again, and Run and Diff stay usable."""
+    w = two_mixes
+    greedy(w, n_predict=3)
+    run_compare(w, qtbot, "mixed", BASE)
+    w.engine.remove_adapter(w.ids["lora_attn"])
+    w.compare.diff_btn.click()
+    qtbot.waitUntil(lambda: w.compare.diff_worker is None, timeout=WAIT_MS)
+    assert w.compare.diff_hint.text() == f"Diff failed: no adapter with id {w.ids['lora_attn']}"
+    assert not w.compare.diff_btn.isChecked() and w.compare.a.own is None
+    assert w.compare.run_btn.isEnabled() and w.compare.diff_btn.isEnabled()
+    assert w.compare.a.view.toPlainText().strip() == w.compare.a.done.content.strip()
