@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,13 +163,23 @@ def run(ctx) -> None:
     eng = ctx.eng
     srv = ServerThread(eng, ServerSettings(port=0)).start()
     try:
-        _run(ctx, srv.url)
+        _run(ctx, srv)
     finally:
         srv.stop()
 
 
-def _run(ctx, url: str) -> None:
-    eng, n, prompt = ctx.eng, ctx.n_decode, ctx.prompt
+def loop_wakeups(srv) -> int | None:
+    """Hand-overs of engine events to the server's loop so far (None: a server
+    without the per-step relay, i.e. one wake-up per event)."""
+    try:
+        from core.http.app import RELAY
+    except ImportError:
+        return None
+    return srv.app[RELAY].wakeups
+
+
+def _run(ctx, srv) -> None:
+    eng, n, prompt, url = ctx.eng, ctx.n_decode, ctx.prompt, srv.url
     short = [int(t) for t in prompt[:16]]
     prompts = [[int(t) for t in prompt[k : k + 16]] for k in range(8)]
     mixes = mixes_of(ctx.ids)
@@ -186,14 +199,19 @@ def _run(ctx, url: str) -> None:
     # -- 8 streams x 8 mixes ----------------------------------------------------------------
     agg_in = agg_sse = agg_json = 0.0
     late = {}  # label -> extra steps: 0 when all 8 started in one step
+    wake = {}  # label -> loop wake-ups per step
     for _ in range(REPS):
         v, st = extra_steps(eng, lambda: inproc_many(eng, prompts, n, mixes))
-        agg_in, late["in process"] = max(agg_in, v), st - n
+        agg_in, late["in process"] = max(agg_in, v), max(late.get("in process", 0), st - n)
         for label, stream in (("streaming", True), ("non-streaming", False)):
+            w0 = loop_wakeups(srv)
             (v, _), st = extra_steps(
                 eng, lambda s=stream: asyncio.run(http_many(url, prompts, n, mixes, stream=s))
             )
-            late[label] = st - n
+            late[label] = max(late.get(label, 0), st - n)
+            w1 = loop_wakeups(srv)
+            # without the relay every event woke the loop: 8 tokens a step, + 8 done
+            wake[label] = (w1 - w0) / st if w0 is not None else (8 * n + 8) / st
             if label == "streaming":
                 agg_sse = max(agg_sse, v)
             else:
@@ -204,7 +222,8 @@ def _run(ctx, url: str) -> None:
             f"{v / agg_in:.2f} of in process ({agg_in:.1f} tok/s alongside; target >= 0.9) "
             f"= {v / one_http:.1f}x one http stream (target >= 2.4x); "
             f"{late[label]} step(s) more than {n} (0: all 8 started in one step; "
-            f"in process {late['in process']})"
+            f"in process {late['in process']}); {wake[label]:.2f} loop wake-ups per step"
+            + (" (one per event)" if loop_wakeups(srv) is None else "")
         )
 
     # -- A -> B -> A switch-back -------------------------------------------------------------
@@ -224,34 +243,10 @@ def _run(ctx, url: str) -> None:
     )
 
 
-def fitting_adapters(eng, model: Path) -> list[int]:
-    """The reference adapters that fit this model (SmolLM2's three, else Qwen2's two)."""
-    from core.lora.adapter import AdapterError
-    from tests.reference import reference_dir
-
-    folder = reference_dir() / "adapters"
-    for names in (
-        ("lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf"),
-        ("qwen2_lora_qv.gguf", "qwen2_lora_mlp.gguf"),
-        ("gemma3_lora_qkv.gguf", "gemma3_lora_all.gguf"),
-    ):
-        ids = []
-        for name in names:
-            try:
-                ids.append(eng.add_adapter(folder / name))
-            except AdapterError:
-                break
-        else:
-            return ids
-        for aid in ids:
-            eng.remove_adapter(aid)
-    return []
-
-
 def main() -> None:
     import numpy as np
 
-    from bench.engine import BenchContext, blas_header
+    from bench.engine import BenchContext, bench_adapters, blas_header
     from core.default_model import ensure_default_model
     from core.serve.engine import Engine
 
@@ -266,8 +261,10 @@ def main() -> None:
     eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
     eng.load_model(path)
     eng.start()
-    ids = fitting_adapters(eng, path)
-    print(f"model: {path.name}   adapters: {[a['name'] for a in eng.adapters()]}")
+    tmp = Path(tempfile.mkdtemp(prefix="mixdesk-bench-http-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    ids, labels = bench_adapters(eng, tmp)  # bench.engine's: the model's reference ones
+    print(f"model: {path.name}   adapters: {', '.join(labels) or 'none'}")
     rng = np.random.default_rng(0)
     prompt = [1] + [
         int(t) for t in rng.integers(100, min(40000, eng.config.vocab_size), n_prefill - 1)
