@@ -33,10 +33,6 @@ GPU_ONLY_FLAGS = {
 # llama-server flags Mixdesk does not have: refused by name, with the reason.
 # names -> (takes a value?, why)
 REFUSED_FLAGS = {
-    ("--context-shift",): (
-        False,
-        "context shift is not supported: a request that does not fit the slot's context is refused",
-    ),
     ("-hf", "-hfr", "--hf-repo"): (
         True,
         "downloading from Hugging Face is not supported; pass a local -m FILE.gguf",
@@ -303,11 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="every slot may use the whole -c context (instead of -c divided by -np)",
     )
     s.add_argument(
+        "--context-shift",
+        dest="context_shift",
+        action="store_true",
+        default=False,
+        help="when a generation fills its slot's context, drop the oldest half of the "
+        "tokens after the request's n_keep and go on (llama-server's rule); off by default: "
+        "the generation ends there (truncated)",
+    )
+    s.add_argument(
         "--no-context-shift",
         dest="context_shift",
         action="store_false",
-        default=False,
-        help="an overflowing request is refused (the default; --context-shift is not supported)",
+        help="a generation ends when its slot's context is full (the default)",
     )
     s.add_argument(
         "-ctk",

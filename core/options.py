@@ -57,6 +57,7 @@ class EngineOptions:
     embedding: bool = False  # --embedding: serve /embedding and /v1/embeddings
     pooling: str | None = None  # --pooling; None: the model's own (else none)
     ubatch_size: int = DEFAULT_UBATCH  # tokens of one embedding input, at most
+    context_shift: bool = False  # --context-shift: a full context drops old tokens
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -91,6 +92,7 @@ class EngineOptions:
             pooling=get("pooling", None),
             # llama.cpp's physical batch is min(-b, -ub); an embedding input runs in one
             ubatch_size=min(get("batch_size", DEFAULT_BATCH), get("ubatch_size", DEFAULT_UBATCH)),
+            context_shift=bool(get("context_shift", False)),
         )
 
     @staticmethod
@@ -136,4 +138,5 @@ class EngineOptions:
             chat_template=self.chat_template,
             chat_defaults=self.chat_defaults or DEFAULT_CHAT,
             embeddings=EmbeddingOptions(self.embedding, self.pooling, self.ubatch_size),
+            context_shift=self.context_shift,
         )

@@ -53,7 +53,6 @@ def test_ctx_too_small_for_the_slots_is_refused(capsys):
         (["-hf", "org/model"], "-hf/-hfr/--hf-repo"),
         (["-hff", "x.gguf"], "-hff/--hf-file"),
         (["-md", "draft.gguf"], "-md/--model-draft"),
-        (["--context-shift"], "--context-shift"),
         (["--mmproj", "p.gguf"], "--mmproj"),
         (["-xyz"], "unknown flag -xyz"),
         (["-c512"], "unknown flag -c512"),
@@ -89,6 +88,7 @@ def test_negative_numbers_are_values_not_flags():
         ["--slots", "--metrics", "--embedding", "--pooling", "cls"],
         ["--jinja"],
         ["--no-context-shift"],
+        ["--context-shift"],
         ["-to", "30"],
         ["-rea", "off"],
         ["--predict", "12"],
@@ -250,3 +250,9 @@ def test_overflow_uses_llama_servers_error(flagged):
     assert e["type"] == "exceed_context_size_error"
     assert "exceeds the available context size" in e["message"]
     assert e["n_ctx"] == 256 and e["n_prompt_tokens"] > 256
+
+
+def test_context_shift_is_off_unless_asked():
+    assert parse_args([]).context_shift is False
+    assert parse_args(["--context-shift"]).context_shift is True
+    assert parse_args(["--context-shift", "--no-context-shift"]).context_shift is False

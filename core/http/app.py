@@ -953,16 +953,27 @@ def _oai_final(
 
 
 async def _stream(
-    request: web.Request, gen, token_chunk, final_chunks, first: dict | None = None
+    request: web.Request,
+    gen,
+    token_chunk,
+    final_chunks,
+    first: dict | None = None,
+    progress: dict | None = None,
 ) -> web.StreamResponse:
     """Write one SSE chunk per event until the request is done. A client that goes
-    away cancels the request, which frees its slot in the batch."""
+    away cancels the request, which frees its slot in the batch. ``progress``: the
+    chunk that carries a ``prompt_progress`` object per prompt chunk evaluated
+    (``return_progress``)."""
     resp = await _open_sse(request)
     try:
         if first is not None:
             await resp.write(R.sse(first))
         while True:
             ev = await gen.next()
+            if ev.kind == "progress":
+                if progress is not None:
+                    await resp.write(R.sse({**progress, "prompt_progress": R.prompt_progress(ev)}))
+                continue
             if isinstance(ev, DoneEvent):
                 if ev.stop_type in ("error", "cancel"):
                     await resp.write(R.sse(_stream_error(ev)))
@@ -1066,7 +1077,12 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
             )
         ]
 
-    return await _stream(request, gen, token_chunk, final_chunks)
+    progress = {
+        **R.completion_chunk("", [], None),
+        "tokens_predicted": 0,
+        "tokens_evaluated": len(prompt),
+    }
+    return await _stream(request, gen, token_chunk, final_chunks, progress=progress)
 
 
 async def oai_completions(request: web.Request) -> web.StreamResponse:
@@ -1117,7 +1133,8 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
         )
         return _oai_final(last, len(prompt), ev, all_ids, usage_chunk)
 
-    return await _stream(request, gen, token_chunk, final_chunks)
+    progress = R.oai_completion_chunk("", cid=cid, created=created, model=mid)
+    return await _stream(request, gen, token_chunk, final_chunks, progress=progress)
 
 
 def _verbose_body(eng, opts, prompt: list[int], done: DoneEvent, mid: str, all_ids) -> dict:
@@ -1204,7 +1221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     first = R.oai_chat_chunk(
         {"role": "assistant", "content": None}, cid=cid, created=created, model=mid
     )
-    return await _stream(request, gen, token_chunk, final_chunks, first=first)
+    return await _stream(request, gen, token_chunk, final_chunks, first=first, progress=first)
 
 
 # ---- several completions in one request (n > 1, several prompts) ------------------------

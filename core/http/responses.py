@@ -224,6 +224,8 @@ def parse_sampling(
         stop=get_stop(body),
         ignore_eos=get_bool(body, "ignore_eos", d.ignore_eos),
         n_probs=get_int(body, "n_probs", 0, lo=0, hi=100),
+        n_keep=get_int(body, "n_keep", 0, lo=-1),
+        n_discard=get_int(body, "n_discard", 0, lo=0),
     )
     try:
         return validate(p)  # the engine's range rules, reported as a 400
@@ -653,7 +655,7 @@ def completion_final(
         "generation_settings": settings,
         "prompt": prompt_text,
         "has_new_line": "\n" in done.content,
-        "truncated": done.stop_type == "limit" and full,
+        "truncated": done.truncated or (done.stop_type == "limit" and full),
         "stop_type": done.stop_type if done.stop_type in ("eos", "limit", "word") else "none",
         "stopping_word": done.stopping_word,
         "tokens_cached": done.timings.cache_n,
@@ -671,6 +673,12 @@ def completion_chunk(text: str, tokens: list[int], probs: list[dict] | None) -> 
     if probs is not None:
         out["completion_probabilities"] = probs
     return out
+
+
+def prompt_progress(ev) -> dict:
+    """llama-server's ``prompt_progress`` object (``return_progress``): prompt tokens in
+    all, of which came from the cache, in the cache so far, and the time spent."""
+    return {"total": ev.total, "cache": ev.cache_n, "processed": ev.done, "time_ms": ev.time_ms}
 
 
 # generation_settings fields of llama-server's samplers Mixdesk does not have, at the
@@ -734,6 +742,8 @@ def generation_settings(
         "ignore_eos": p.ignore_eos,
         "stream": stream,
         "n_probs": p.n_probs,
+        "n_keep": p.n_keep,
+        "n_discard": p.n_discard,
         "logit_bias": logit_bias_settings(p.logit_bias),
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
         "lora": lora,

@@ -90,11 +90,13 @@ class Engine:
         chat_template: str | None = None,
         chat_defaults: ChatDefaults = DEFAULT_CHAT,
         embeddings: EmbeddingOptions | None = None,
+        context_shift: bool = False,
     ):
         """Options as core.options.EngineOptions builds them; ``chat_template`` is a
         template source that replaces every loaded model's own (--chat-template-file)."""
         self.embeddings = embeddings or EmbeddingOptions()  # --embedding, --pooling, -ub
         self.requested_ctx = ctx_size  # 0: the model's training context
+        self.context_shift = context_shift  # a full context drops old tokens (--context-shift)
         self.ctx_size = ctx_size
         self.n_parallel = n_parallel
         self.draft_max = draft_max  # prompt-lookup speculative decoding (0: off)
@@ -258,7 +260,13 @@ class Engine:
         try:
             # the KV pool reserves address space for every slot's whole context
             return Scheduler(
-                model, tok, self.prefix, ctx, self.n_parallel, draft_max=self.draft_max
+                model,
+                tok,
+                self.prefix,
+                ctx,
+                self.n_parallel,
+                draft_max=self.draft_max,
+                context_shift=self.context_shift,
             )
         except (MemoryError, OSError) as e:
             gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9

@@ -50,6 +50,10 @@ class SamplingParams:
     # token id -> added to its logit before anything else; -inf bans it
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # llguidance grammar text (core.serve.grammar), or None
+    # context shift (--context-shift): prompt tokens always kept (-1: the whole prompt)
+    # and tokens dropped per shift (0: half of the others), llama-server's n_keep/n_discard
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 class SamplingError(UserError):

@@ -103,6 +103,7 @@ class DoneEvent:
     error: str | None = None
     error_type: str = ""  # e.g. "exceed_context_size_error"
     id_slot: int = -1  # the KV pool slot the request ran in
+    truncated: bool = False  # the context filled up (and was shifted, or ended it)
     kind: str = "done"
 
 
@@ -190,6 +191,8 @@ class _Seq:
         self.draft: list[int] = []  # speculative tokens after next_token
         self.spec_cooldown = 0  # steps to wait after a rejected draft
         self.spec_misses = 0  # poor drafts in a row
+        self.recompute = 0  # pending tokens re-evaluated by a context shift (not prompt)
+        self.truncated = False  # the context filled up
 
     def inputs(self) -> np.ndarray:
         if self.pending:
@@ -210,8 +213,10 @@ class Scheduler:
         ctx_size: int,
         n_parallel: int,
         draft_max: int = 0,
+        context_shift: bool = False,
     ):
         self.model = model
+        self.context_shift = context_shift  # --context-shift: a full context drops old tokens
         self.tokenizer = tokenizer
         self.prefix = prefix_cache
         self.ctx_size = ctx_size
@@ -399,10 +404,14 @@ class Scheduler:
             return
         if s.pending:
             del s.pending[:n]
-            s.timings.prompt_n += n
-            s.timings.prompt_ms += dt
-            if s.req.progress:
-                self._emit_progress(s)
+            if s.recompute:  # a context shift re-evaluating kept tokens: generation time
+                s.recompute = max(0, s.recompute - n)
+                s.timings.predicted_ms += dt
+            else:
+                s.timings.prompt_n += n
+                s.timings.prompt_ms += dt
+                if s.req.progress:
+                    self._emit_progress(s)
             if s.pending:
                 return  # more prompt to run before we can sample
             if s.req.params.n_predict == 0:
@@ -523,7 +532,10 @@ class Scheduler:
             if cache is None:
                 cache = self.pool.acquire(req.id_slot)
             req.admitted_step = self.steps
-            self.active.append(_Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids))
+            seq = _Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids)
+            self.active.append(seq)
+            if req.progress:  # llama-server's first report: nothing evaluated yet
+                self._emit_progress(seq)
         except BaseException:
             if cache is not None and self.pool.holds(cache):
                 self.pool.release(cache, scrub=True)
@@ -563,11 +575,36 @@ class Scheduler:
         elif p.n_predict >= 0 and len(s.generated) >= p.n_predict:
             self._finish(s, "limit")
         elif s.cache.length + 1 >= s.cache.capacity:
+            s.truncated = True
+            if self.context_shift and self._shift(s, tok):
+                return True
             self._finish(s, "limit")
         else:
             s.next_token = tok
             return True
         return False
+
+    def _shift(self, s: _Seq, tok: int) -> bool:
+        """llama-server's context shift: keep the first n_keep tokens, drop n_discard of
+        the others (default half), and go on generating; False when nothing can be
+        dropped. The remaining tokens' keys are recomputed from the token ids (they
+        move to new positions) rather than re-rotated in place as llama.cpp does: one
+        re-evaluation of at most half the context per shift, exact for every RoPE
+        variant (llama3 factors, LongRoPE) and for sliding-window layers."""
+        p, toks = s.req.params, s.cache.tokens
+        n_keep = len(s.req.prompt) if p.n_keep < 0 else p.n_keep
+        if self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
+            n_keep += 1  # llama-server's n_keep does not count the BOS
+        n_keep = max(0, min(s.cache.capacity - 4, n_keep))
+        n_left = len(toks) - n_keep
+        n_discard = max(0, min(p.n_discard or n_left // 2, n_left - 1))
+        if n_discard < 1:
+            return False
+        s.pending = toks[:n_keep] + toks[n_keep + n_discard :] + [tok]
+        s.recompute = len(s.pending)
+        s.cache.truncate(0)
+        s.next_token = None
+        return True
 
     def _emit_progress(self, s: _Seq) -> None:
         t = s.timings
@@ -630,6 +667,7 @@ class Scheduler:
             error=error,
             error_type=SERVER_ERROR if stop_type == "error" else "",
             id_slot=s.cache.slot,
+            truncated=s.truncated,
         )
         self._emit_done(s.req, done)
 
