@@ -154,19 +154,22 @@ class Card(QFrame):
         self.reply.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Expanding)
         self.meta = QLabel("queued")
         self.meta.setObjectName("hint")
+        self.meta.setWordWrap(True)
         self.use = QPushButton("Use this mix")
         self.use.setToolTip("Put this cell's mix on the desk")
         self.use.clicked.connect(lambda: self.use_mix.emit(dict(self.cell.mix)))
+        # the numbers on a line of their own: in a narrow card they would squeeze the button
         bottom = QHBoxLayout()
-        bottom.addWidget(self.meta, 1)
+        bottom.addStretch(1)
         bottom.addWidget(self.use)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 8, 10, 8)
         lay.addWidget(self.title)
         lay.addWidget(self.mix)
         lay.addWidget(self.reply, 1)
+        lay.addWidget(self.meta)
         lay.addLayout(bottom)
-        self.setMinimumWidth(220)
+        self.setMinimumWidth(170)  # three columns fit the tab at 1280 px
 
     def token(self, text: str) -> None:
         if not self.text:
@@ -348,7 +351,7 @@ class GridPane(QWidget):
                 h = QLabel(spec.y.label(j, self.names))
                 h.setObjectName("gridHeader")
                 h.setWordWrap(True)
-                h.setMaximumWidth(90)
+                h.setMaximumWidth(70)
                 self.grid.addWidget(h, j + 1, 0)
         for c in cells:
             card = Card(c, G.mix_text(c.mix, self.names))
