@@ -170,7 +170,7 @@ class ChatPane(QWidget):
         self.prompt_bar.setFormat("Reading prompt… %v / %m tokens")
         self.prompt_bar.hide()
         buttons = QHBoxLayout()
-        buttons.addWidget(self.status, 1)
+        buttons.addStretch(1)
         for b in (self.clear_btn, self.regen_btn, self.stop_btn, self.send_btn):
             buttons.addWidget(b)
 
@@ -179,6 +179,8 @@ class ChatPane(QWidget):
         lay.addLayout(head)
         lay.addWidget(self.view, 1)
         lay.addWidget(self.prompt_bar)
+        # its own line: beside the four buttons a 1280 px window left it ~80 px
+        lay.addWidget(self.status)
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.input)
         lay.addLayout(buttons)

@@ -151,7 +151,8 @@ class MainWindow(FileDropMixin, QMainWindow):
         chat_split.setStretchFactor(1, 1)
         chat_split.setStretchFactor(2, 0)
         chat_split.setCollapsible(1, False)
-        chat_split.setSizes([170, 600, 240])
+        # at 1280 px the chat column gets ~380 px; wider sidebars would take it from there
+        chat_split.setSizes([140, 600, 190])
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(chat_split, "Chat")
