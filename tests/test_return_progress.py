@@ -79,3 +79,24 @@ def test_chat_and_openai_completions_carry_it_in_their_chunks(server):
 def test_without_return_progress_nothing_is_sent(server):
     body = {"prompt": PROMPT, "n_predict": 2, "stream": True}
     assert not any("prompt_progress" in e for e in sse_events(server, "/completion", body))
+
+
+def test_timings_per_token_puts_the_timings_so_far_in_each_report(server):
+    body = {
+        "prompt": PROMPT,
+        "n_predict": 2,
+        "stream": True,
+        "return_progress": True,
+        "timings_per_token": True,
+        "cache_prompt": False,
+    }
+    events = sse_events(server, "/completion", body)
+    progress, rest = progress_of(events)
+    first, last = events[0]["timings"], events[len(progress) - 1]["timings"]
+    # before anything is evaluated every figure is 0, as llama-server's first report
+    assert first["prompt_n"] == 0 and first["prompt_ms"] == 0.0
+    assert first["predicted_n"] == 0 and first["predicted_ms"] == 0.0
+    assert last["prompt_n"] == rest[-1]["timings"]["prompt_n"] and last["prompt_ms"] > 0
+    assert all(
+        v is not None and v >= 0 for e in events[: len(progress)] for v in e["timings"].values()
+    )

@@ -863,6 +863,7 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
     opts.extra["post_sampling"] = R.get_bool(body, "post_sampling_probs", False)
     opts.extra["response_fields"] = R.parse_response_fields(body)
     opts.extra["verbose"] = R.get_bool(body, "verbose", False) or s.verbose
+    opts.extra["timings_per_token"] = R.get_bool(body, "timings_per_token", False)
     if oai:
         n_top = R.parse_oai_logprobs(body, chat)
         if n_top:
@@ -958,12 +959,11 @@ async def _stream(
     token_chunk,
     final_chunks,
     first: dict | None = None,
-    progress: dict | None = None,
+    progress: Callable[[Any], dict] | None = None,
 ) -> web.StreamResponse:
     """Write one SSE chunk per event until the request is done. A client that goes
-    away cancels the request, which frees its slot in the batch. ``progress``: the
-    chunk that carries a ``prompt_progress`` object per prompt chunk evaluated
-    (``return_progress``)."""
+    away cancels the request, which frees its slot in the batch. ``progress`` makes
+    the chunk sent per prompt chunk evaluated (``return_progress``, R.progress_chunk)."""
     resp = await _open_sse(request)
     try:
         if first is not None:
@@ -972,7 +972,7 @@ async def _stream(
             ev = await gen.next()
             if ev.kind == "progress":
                 if progress is not None:
-                    await resp.write(R.sse({**progress, "prompt_progress": R.prompt_progress(ev)}))
+                    await resp.write(R.sse(progress(ev)))
                 continue
             if isinstance(ev, DoneEvent):
                 if ev.stop_type in ("error", "cancel"):
@@ -1077,11 +1077,12 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
             )
         ]
 
-    progress = {
+    base = {
         **R.completion_chunk("", [], None),
         "tokens_predicted": 0,
         "tokens_evaluated": len(prompt),
     }
+    progress = R.progress_chunk(base, opts.extra["timings_per_token"])
     return await _stream(request, gen, token_chunk, final_chunks, progress=progress)
 
 
@@ -1133,7 +1134,8 @@ async def oai_completions(request: web.Request) -> web.StreamResponse:
         )
         return _oai_final(last, len(prompt), ev, all_ids, usage_chunk)
 
-    progress = R.oai_completion_chunk("", cid=cid, created=created, model=mid)
+    base = R.oai_completion_chunk("", cid=cid, created=created, model=mid)
+    progress = R.progress_chunk(base, opts.extra["timings_per_token"])
     return await _stream(request, gen, token_chunk, final_chunks, progress=progress)
 
 
@@ -1221,7 +1223,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     first = R.oai_chat_chunk(
         {"role": "assistant", "content": None}, cid=cid, created=created, model=mid
     )
-    return await _stream(request, gen, token_chunk, final_chunks, first=first, progress=first)
+    progress = R.progress_chunk(first, opts.extra["timings_per_token"])
+    return await _stream(request, gen, token_chunk, final_chunks, first=first, progress=progress)
 
 
 # ---- several completions in one request (n > 1, several prompts) ------------------------

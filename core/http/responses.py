@@ -681,6 +681,22 @@ def prompt_progress(ev) -> dict:
     return {"total": ev.total, "cache": ev.cache_n, "processed": ev.done, "time_ms": ev.time_ms}
 
 
+def progress_chunk(base: dict, with_timings: bool):
+    """The function making one endpoint's prompt_progress chunk: ``base`` (its chunk
+    shape) plus the progress, and with ``timings_per_token`` the timings so far (the
+    first report: nothing evaluated, all zero), as llama-server sends them."""
+    from ..serve.scheduler import Timings
+
+    def make(ev) -> dict:
+        out = {**base, "prompt_progress": prompt_progress(ev)}
+        if with_timings:
+            t = Timings(prompt_n=ev.done - ev.cache_n, prompt_ms=ev.time_ms, cache_n=ev.cache_n)
+            out["timings"] = timings(t)
+        return out
+
+    return make
+
+
 # generation_settings fields of llama-server's samplers Mixdesk does not have, at the
 # values that switch them off (what llama-server shows for a request not using them):
 # a script reading any of them finds it, with the value that means "not applied"
