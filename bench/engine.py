@@ -245,6 +245,7 @@ def rss_split() -> str:
 # order after the engine figures above, on the same loaded engine.
 SECTIONS: tuple[str, ...] = (
     "bench.merge",
+    "bench.grid",
     "bench.http",
 )
 

@@ -373,9 +373,11 @@ def run_grid(
     prompt: list[int] | None = None,
     on_event: Callable[[int, Event], None] | None = None,
     timeout: float | None = None,
+    cache_prompt: bool = True,
 ) -> tuple[GridRun, list[CellResult]]:
     """Run a grid to the end on ``eng`` (scripts, bench, tests): its requests and one
-    result per cell. ``prompt`` defaults to the spec's (chat template or raw text)."""
+    result per cell. ``prompt`` defaults to the spec's (chat template or raw text);
+    ``cache_prompt`` False keeps the prefix cache out of it (the bench's timings)."""
     adapters = {a["id"]: a["name"] for a in eng.adapters()}
     check_spec(spec, adapters)
     tokens = prompt if prompt is not None else encode(eng, spec)
@@ -387,7 +389,9 @@ def run_grid(
         if isinstance(ev, DoneEvent):
             q.put((i, ev))
 
-    run = submit_grid(eng, cells(spec, eng.get_mix(), adapters), tokens, relay)
+    run = submit_grid(
+        eng, cells(spec, eng.get_mix(), adapters), tokens, relay, cache_prompt=cache_prompt
+    )
     dones: dict[int, DoneEvent] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

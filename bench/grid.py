@@ -1,0 +1,76 @@
+"""X/Y grid (#21): a 5 × 2 grid of mixes on one prompt, run as one batch, against the
+same ten runs one after another and against one run alone.
+
+The grid is the scale of one reference adapter over 0, 0.25, 0.5, 0.75, 1 times a
+second adapter off/on: ten distinct mixes. It runs on an engine of its own with ten
+slots, so the whole grid is one batch (the bench engine has eight: it would run in
+two waves). Greedy, prompt cache off, so every run pays its prefill; best of two,
+interleaved, so a busy neighbour hits all three figures alike (--quick: one go).
+"""
+
+from __future__ import annotations
+
+import time
+
+from core import grid as G
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
+
+SCALES = (0.0, 0.25, 0.5, 0.75, 1.0)
+PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+REPEATS = 2  # best of two (--quick: one)
+
+
+def run(ctx) -> None:
+    ids = ctx.ids
+    if len(ids) < 2:
+        print("grid: skipped (needs two reference adapters that fit this model)")
+        return
+    n = 16 if ctx.args.quick else 48
+    eng = Engine(ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0)
+    eng.load_model(ctx.path)
+    grid_ids = [eng.add_adapter(ctx.eng.adapter(i).path) for i in ids[:2]]
+    eng.start()
+    try:
+        _measure(eng, grid_ids, n, ctx.args.quick)
+    finally:
+        eng.stop()
+
+
+def _measure(eng: Engine, ids: list[int], n: int, quick: bool) -> None:
+    params = SamplingParams(temperature=0.0, n_predict=n, ignore_eos=True)
+    spec = G.GridSpec(
+        G.Axis("scale", SCALES, adapter=ids[0]),
+        G.Axis("scale", (0.0, 1.0), adapter=ids[1]),
+        params,
+        messages=PROMPT,
+    )
+    prompt = G.encode(eng, spec)
+    cells = G.cells(spec, eng.get_mix())
+    G.run_grid(eng, spec, prompt, cache_prompt=False)  # builds the ten mixes once
+    best = {"grid": float("inf"), "sequential": float("inf"), "one": float("inf")}
+    steps = 0
+    for _ in range(1 if quick else REPEATS):
+        # one run alone before the grid and again after it: the best of the two
+        t = time.perf_counter()
+        eng.complete(prompt, params, mix=cells[-1].mix, cache_prompt=False)
+        best["one"] = min(best["one"], time.perf_counter() - t)
+        t = time.perf_counter()
+        run, results = G.run_grid(eng, spec, prompt, cache_prompt=False)
+        best["grid"] = min(best["grid"], time.perf_counter() - t)
+        steps = len({r.admitted_step for r in run.requests})
+        assert all(r.tokens == n for r in results)
+        t = time.perf_counter()
+        for c in cells:
+            eng.complete(prompt, c.params, mix=c.mix, cache_prompt=False)
+        best["sequential"] = min(best["sequential"], time.perf_counter() - t)
+        t = time.perf_counter()
+        eng.complete(prompt, params, mix=cells[-1].mix, cache_prompt=False)
+        best["one"] = min(best["one"], time.perf_counter() - t)
+    g, s, one = best["grid"], best["sequential"], best["one"]
+    print(
+        f"grid 5x2 ({len(cells)} mixes, {len(prompt)}-token prompt, {n} tokens each, "
+        f"{eng.n_parallel} slots, admitted in {steps} step{'s' if steps > 1 else ''}): "
+        f"{g:.2f} s as one batch vs {s:.2f} s one after another ({s / g:.2f}x faster) "
+        f"vs {one:.2f} s for one run alone (the grid costs {g / one:.2f}x one run)"
+    )
