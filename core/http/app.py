@@ -1007,7 +1007,12 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
 
     def settings_for(done):
         out = R.generation_settings(
-            opts.params, eng.ctx_size, mid, opts.stream, R.mix_to_lora(done.mix, all_ids)
+            opts.params,
+            eng.ctx_size,
+            mid,
+            opts.stream,
+            R.mix_to_lora(done.mix, all_ids),
+            eog=eng.tokenizer.eog_ids,
         )
         out["post_sampling_probs"] = post
         return out
@@ -1150,7 +1155,12 @@ def _verbose_body(eng, opts, prompt: list[int], done: DoneEvent, mid: str, all_i
         return_tokens=False,
         probs=None,
         settings=R.generation_settings(
-            opts.params, eng.ctx_size, mid, False, R.mix_to_lora(done.mix, all_ids)
+            opts.params,
+            eng.ctx_size,
+            mid,
+            False,
+            R.mix_to_lora(done.mix, all_ids),
+            eog=eng.tokenizer.eog_ids,
         ),
         prompt_text=eng.tokenizer.decode(prompt, strip_prefix_space=False),
         n_ctx=eng.ctx_size,
@@ -1264,7 +1274,12 @@ async def _completion_many(request, eng, opts, prompts, gens) -> web.StreamRespo
             return_tokens=opts.return_tokens,
             probs=probs,
             settings=R.generation_settings(
-                gens[i].req.params, eng.ctx_size, mid, opts.stream, R.mix_to_lora(done.mix, all_ids)
+                gens[i].req.params,
+                eng.ctx_size,
+                mid,
+                opts.stream,
+                R.mix_to_lora(done.mix, all_ids),
+                eog=eng.tokenizer.eog_ids,
             ),
             streaming=streaming,
         )

@@ -737,8 +737,18 @@ LLAMA_ONLY_SETTINGS = {
 
 
 def generation_settings(
-    p: SamplingParams, n_ctx: int, model: str, stream: bool, lora: list[dict]
+    p: SamplingParams,
+    n_ctx: int,
+    model: str,
+    stream: bool,
+    lora: list[dict],
+    eog: Iterable[int] = (),
 ) -> dict:
+    """llama-server's generation_settings. ``eog``: the end-of-generation tokens, which
+    ``ignore_eos`` bans and llama-server then lists in logit_bias (bias null = -inf)."""
+    bias = dict(p.logit_bias)
+    if p.ignore_eos and not p.grammar:  # a finished grammar may still end (scheduler)
+        bias.update((t, -math.inf) for t in eog)
     return {
         **LLAMA_ONLY_SETTINGS,
         "n_ctx": n_ctx,
@@ -760,7 +770,7 @@ def generation_settings(
         "n_probs": p.n_probs,
         "n_keep": p.n_keep,
         "n_discard": p.n_discard,
-        "logit_bias": logit_bias_settings(p.logit_bias),
+        "logit_bias": logit_bias_settings(bias),
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
         "lora": lora,
     }

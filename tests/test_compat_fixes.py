@@ -1,0 +1,45 @@
+"""Fields llama.cpp's own server tests read (issue #20, make compat), each checked on a
+real server over real SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+from test_http_api import req
+
+from core.http import ServerSettings, ServerThread
+from core.serve.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def eng(smollm_path):
+    e = Engine(ctx_size=256, n_parallel=1)
+    e.load_model(smollm_path)
+    e.start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def server(eng):
+    srv = ServerThread(eng, ServerSettings(port=0)).start()
+    yield srv
+    srv.stop()
+
+
+def complete(server, **body):
+    st, out = req(server, "POST", "/completion", {"prompt": "Once upon a time", **body})
+    assert st == 200, out
+    return out
+
+
+def test_ignore_eos_echoes_the_end_of_generation_ban_in_logit_bias(server, eng):
+    out = complete(server, n_predict=2, ignore_eos=True, temperature=0)
+    bias = out["generation_settings"]["logit_bias"]
+    # every end-of-generation token, banned (null = -inf), as llama-server lists them
+    assert sorted(b["token"] for b in bias) == sorted(eng.tokenizer.eog_ids)
+    assert all(b["bias"] is None for b in bias)
+    plain = complete(server, n_predict=2, temperature=0)
+    assert plain["generation_settings"]["logit_bias"] == []
+    # a request's own bias stays next to the ban
+    own = complete(server, n_predict=2, ignore_eos=True, logit_bias=[[42, 1.5]])
+    assert {"bias": 1.5, "token": 42} in own["generation_settings"]["logit_bias"]
