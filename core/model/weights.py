@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ CACHE_FORMAT = 4  # bump when the fused layout changes
 # weights per dequantize job: 8 MB of float32, ~0.05 s of one core for Q6_K (gguf-py
 # does ~50 M weights/s), so progress moves several times a second on a busy machine
 DEQUANT_PIECE = 2 << 20
+# 4 KB pages of the cache whose crc32 the index keeps: a warm load reads only these
+# (~1 ms), which catches a cache zeroed or overwritten in places (a crash before the
+# data reached the disk, a copy cut short and padded) without reading 4.9 GB
+SAMPLE_PAGES = 64
 Progress = Callable[[float, str], None]
 
 
@@ -186,8 +191,11 @@ def load_weights(
             idx = json.loads(idx_path.read_text())
             if idx.get("total") == total and bin_path.stat().st_size == total * 4:
                 buf = np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,))
-                progress(1.0, FROM_CACHE)
-                return _assemble(cfg, _views(buf, offsets))
+                if idx.get("sample_crc") == _sample_crc(buf):
+                    progress(1.0, FROM_CACHE)
+                    return _assemble(cfg, _views(buf, offsets))
+                log.warning("weight cache %s does not match its index; rebuilding it", bin_path)
+                del buf
         except (OSError, ValueError) as e:
             log.warning("ignoring unreadable weight cache %s: %s", bin_path, e)
 
@@ -247,9 +255,10 @@ def load_weights(
                 pass
         if tmp is not None:
             buf.flush()
+            crc = _sample_crc(buf)
             del views, buf
             os.replace(tmp, bin_path)
-            _write_index(idx_path, gf.path, total)
+            _write_index(idx_path, gf.path, total, crc)
             _drop_stale(cdir, gf.path, key)
             tmp = None
             # serve from a read-only map, exactly as a warm load would
@@ -273,11 +282,27 @@ def check_disk(model: Path, cdir: Path, need: int) -> None:
         )
 
 
-def _write_index(idx_path: Path, model: Path, total: int) -> None:
+def _sample_crc(buf: np.ndarray) -> int:
+    """crc32 of SAMPLE_PAGES 4 KB pages spread evenly over the cache, first and last
+    included (all of a small cache)."""
+    data = np.asarray(buf).view(np.uint8)  # (bytes,)
+    page = 4096
+    last = max(data.size - 1, 0) // page
+    crc = 0
+    for p in sorted({round(i * last / max(SAMPLE_PAGES - 1, 1)) for i in range(SAMPLE_PAGES)}):
+        crc = zlib.crc32(data[p * page : (p + 1) * page], crc)
+    return crc
+
+
+def _write_index(idx_path: Path, model: Path, total: int, sample_crc: int) -> None:
     part = idx_path.with_suffix(".json.partial")
-    part.write_text(
-        json.dumps({"model": str(model.resolve()), "total": total, "format": CACHE_FORMAT})
-    )
+    index = {
+        "model": str(model.resolve()),
+        "total": total,
+        "format": CACHE_FORMAT,
+        "sample_crc": sample_crc,
+    }
+    part.write_text(json.dumps(index))
     os.replace(part, idx_path)
 
 
