@@ -306,3 +306,57 @@ def test_pooling_rank_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--embedding", "--pooling", "rank"])
     assert "--pooling rank" in capsys.readouterr().err
+
+
+# ---- every family; the file's pooling_type ---------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+def test_hidden_rows_in_a_mixed_batch_on_every_family(tmp_path, arch):
+    """A batch mixing an embedding item with a generating one: the embedding item gets
+    the normed hidden rows (Gemma 2's final soft-capping is for logits only), the other
+    its logits, equal to the output matrix (then the cap) over those same rows."""
+    from gguf import GGUFValueType
+
+    from core.model.families import model_class
+    from core.model.weights import load_weights, open_model_file
+    from tests.tiny_gguf import write_tiny_llama
+
+    kw = {"arch": arch}
+    if arch == "gemma2":
+        cap = {"gemma2.final_logit_softcapping": (2.0, GGUFValueType.FLOAT32)}
+        kw.update(dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn=80, kv=cap)
+    gf, cfg = open_model_file(write_tiny_llama(tmp_path / "t.gguf", **kw))
+    model = model_class(cfg)(cfg, load_weights(gf, cfg, use_cache=False))
+    toks = np.array([5, 17, 42, 99, 7])
+    h, lg = model(
+        [
+            BatchItem(toks, model.new_cache(8), hidden=True),
+            BatchItem(toks, model.new_cache(8), all_logits=True),
+        ]
+    )
+    assert h.shape == (5, cfg.dim) and lg.shape == (5, cfg.vocab_size)
+    want = h @ model.w.output.T  # (5, vocab)
+    if cfg.final_softcap:
+        want = cfg.final_softcap * np.tanh(want / cfg.final_softcap)
+        assert np.abs(lg).max() <= cfg.final_softcap
+    np.testing.assert_allclose(lg, want, rtol=1e-4, atol=1e-4)
+    (alone,) = model([BatchItem(toks, model.new_cache(8), hidden=True)])
+    np.testing.assert_allclose(alone, h, rtol=1e-5, atol=1e-5)
+
+
+def test_the_files_pooling_type_is_the_default(tmp_path):
+    from gguf import GGUFValueType
+
+    from core.errors import UserError
+    from core.model.weights import open_model_file
+    from tests.tiny_gguf import write_tiny_llama
+
+    last = {"llama.pooling_type": (3, GGUFValueType.UINT32)}
+    _, cfg = open_model_file(write_tiny_llama(tmp_path / "last.gguf", kv=last))
+    assert cfg.pooling == "last"
+    assert EmbeddingOptions(True).pooling_for(cfg) == "last"
+    assert EmbeddingOptions(True, "mean").pooling_for(cfg) == "mean"  # --pooling wins
+    bad = {"llama.pooling_type": (9, GGUFValueType.UINT32)}
+    with pytest.raises(UserError, match="pooling_type must be an integer from 0 to 4"):
+        open_model_file(write_tiny_llama(tmp_path / "bad.gguf", kv=bad))
