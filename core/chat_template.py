@@ -610,7 +610,9 @@ def resolve_template_arg(value: str) -> str:
     name = value.strip()
     if name in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[name]
-    if "{{" in value or "{%" in value:
+    # text with a space is never a name: llama-server (--jinja) takes it as a template
+    # too, and plain text renders as itself; a lone unknown word is a mistyped name
+    if "{{" in value or "{%" in value or any(c.isspace() for c in name):
         return value
     known = ", ".join(sorted(BUILTIN_TEMPLATES))
     raise ChatTemplateError(

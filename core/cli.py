@@ -26,6 +26,8 @@ GPU_ONLY_FLAGS = {
     ("-fa", "--flash-attn"): True,
     ("-dev", "--device"): True,
     ("--mlock",): False,
+    # sampling on the GPU backend; Mixdesk samples in numpy, with the same probabilities
+    ("-bs", "--backend-sampling", "--backend_sampling"): False,
     ("--no-mmap",): False,
     ("-nkvo", "--no-kv-offload"): False,
 }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from test_http_api import req
 
+from core.chat_template import ChatTemplate, ChatTemplateError, build_prompt, resolve_template_arg
+from core.cli import parse_args
 from core.http import ServerSettings, ServerThread
 from core.serve.engine import Engine
 
@@ -43,3 +45,21 @@ def test_ignore_eos_echoes_the_end_of_generation_ban_in_logit_bias(server, eng):
     # a request's own bias stays next to the ban
     own = complete(server, n_predict=2, ignore_eos=True, logit_bias=[[42, 1.5]])
     assert {"bias": 1.5, "token": 42} in own["generation_settings"]["logit_bias"]
+
+
+def test_a_plain_text_chat_template_renders_as_itself():
+    # llama-server --jinja takes any --chat-template text as a template (its test passes
+    # "This is not a chat template, it is"); a lone unknown word stays a typo'd name
+    text = "This is not a chat template, it is"
+    assert resolve_template_arg(text) == text
+    msgs = [{"role": "user", "content": "What is the best book"}]
+    assert build_prompt(ChatTemplate(resolve_template_arg(text)), msgs) == text
+    with pytest.raises(ChatTemplateError, match="built-in"):
+        resolve_template_arg("chatmll")
+    assert parse_args(["--chat-template", text]).chat_template == text
+
+
+def test_backend_sampling_is_accepted_with_a_note(capsys):
+    for flag in ("-bs", "--backend-sampling", "--backend_sampling"):
+        parse_args([flag])
+        assert "ignored" in capsys.readouterr().err
