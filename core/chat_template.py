@@ -330,8 +330,10 @@ def _make_environment() -> jinja2.Environment:
     return env
 
 
-def _flatten_content(message: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI-style content parts -> one string; templates expect plain text."""
+def _flatten_content(message: Mapping[str, Any], sep: str = "\n") -> dict[str, Any]:
+    """OpenAI-style content parts -> one string; templates expect plain text. Parts are
+    joined by ``sep``: a newline, as llama.cpp's concat_content_parts (a continued final
+    message: a blank line, its render_content)."""
     content = message.get("content")
     if isinstance(content, list):
         texts = [
@@ -339,7 +341,7 @@ def _flatten_content(message: Mapping[str, Any]) -> dict[str, Any]:
             for part in content
             if isinstance(part, Mapping) and part.get("type") == "text"
         ]
-        return {**message, "content": "\n".join(texts)}
+        return {**message, "content": sep.join(texts)}
     return dict(message)
 
 
@@ -747,7 +749,7 @@ def build_prompt(
         n = 0
         while n < min(len(before), len(opened)) and before[n] == opened[n]:
             n += 1
-        text = before + opened[n:] + (_flatten_content(last).get("content") or "")
+        text = before + opened[n:] + (_flatten_content(last, "\n\n").get("content") or "")
     if template.add_bos and template.bos_token and text.startswith(template.bos_token):
         text = text[len(template.bos_token) :]
     if template.add_eos and template.eos_token and text.endswith(template.eos_token):

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from test_http_api import req
 
-from core.chat_template import ChatTemplate, ChatTemplateError, build_prompt, resolve_template_arg
+from core.chat_template import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    ChatTemplateError,
+    build_prompt,
+    resolve_template_arg,
+)
 from core.cli import parse_args
 from core.http import ServerSettings, ServerThread
 from core.serve.engine import Engine
@@ -63,3 +69,14 @@ def test_backend_sampling_is_accepted_with_a_note(capsys):
     for flag in ("-bs", "--backend-sampling", "--backend_sampling"):
         parse_args([flag])
         assert "ignored" in capsys.readouterr().err
+
+
+def test_a_continued_message_joins_its_text_parts_with_a_blank_line():
+    # llama.cpp's render_content of the continued message (test_chat_template_assistant
+    # _prefill); the other messages' parts stay joined by one newline
+    t = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    msgs = [{"role": "user", "content": parts}, {"role": "assistant", "content": parts}]
+    text = build_prompt(t, msgs)
+    assert text.endswith("<|im_start|>assistant\nWh\n\nill")
+    assert "<|im_start|>user\nWh\nill<|im_end|>" in text
