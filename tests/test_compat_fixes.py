@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from test_http_api import req
+from test_logit_bias_and_n import sse_events
 
 from core.chat_template import (
     BUILTIN_TEMPLATES,
@@ -80,3 +81,30 @@ def test_a_continued_message_joins_its_text_parts_with_a_blank_line():
     text = build_prompt(t, msgs)
     assert text.endswith("<|im_start|>assistant\nWh\n\nill")
     assert "<|im_start|>user\nWh\nill<|im_end|>" in text
+
+
+def test_several_completions_carry_the_fields_of_one(server):
+    base = {
+        "prompt": "Once upon a time",
+        "n_predict": 3,
+        "temperature": 0,
+        "n_probs": 2,
+        "post_sampling_probs": True,
+    }
+    one = complete(server, **base)
+    fields = ["content", "completion_probabilities", "prompt"]
+    st, many = req(server, "POST", "/completion", {**base, "n_cmpl": 2, "response_fields": fields})
+    assert st == 200 and len(many) == 2
+    for r in many:
+        assert set(r) == set(fields)  # response_fields applies to each result
+        assert r["content"] == one["content"] and r["prompt"] == one["prompt"]
+        got, want = r["completion_probabilities"], one["completion_probabilities"]
+        assert [p["id"] for p in got] == [p["id"] for p in want]
+        assert all("prob" in p and "top_probs" in p and "logprob" not in p for p in got)
+    # streamed: each choice's token chunks carry their probabilities too
+    events = sse_events(server, "/completion", {**base, "n_cmpl": 2, "stream": True})
+    for i in (0, 1):
+        probs = [p for e in events if e.get("index") == i and not e["stop"]
+                 for p in e.get("completion_probabilities", [])]  # fmt: skip
+        assert [p["id"] for p in probs] == [p["id"] for p in one["completion_probabilities"]]
+        assert all("prob" in p for p in probs)

@@ -1264,11 +1264,15 @@ async def _completion_many(request, eng, opts, prompts, gens) -> web.StreamRespo
     tok = eng.tokenizer
     all_ids = [a["id"] for a in eng.adapters()]
     n = opts.extra["n"]
+    post = opts.extra["post_sampling"]
 
     def final(i: int, done: DoneEvent, probs=None, streaming=False) -> dict:
+        prompt = _choice_prompt(prompts, n, i)
         out = R.completion_final(
             done,
-            prompt_n=len(_choice_prompt(prompts, n, i)),
+            prompt_n=len(prompt),
+            prompt_text=tok.decode(prompt, strip_prefix_space=False),
+            n_ctx=eng.ctx_size,
             model=mid,
             all_ids=all_ids,
             return_tokens=opts.return_tokens,
@@ -1283,8 +1287,13 @@ async def _completion_many(request, eng, opts, prompts, gens) -> web.StreamRespo
             ),
             streaming=streaming,
         )
+        out["generation_settings"]["post_sampling_probs"] = post
         out["index"] = i
         return out
+
+    def probability(token, logprob, top, merged):
+        e = R.completion_probability(tok, token, logprob, top, merged)
+        return R.as_post_sampling(e) if post else e
 
     def probs_of(toks) -> list[dict] | None:
         if not opts.params.n_probs:
@@ -1293,17 +1302,31 @@ async def _completion_many(request, eng, opts, prompts, gens) -> web.StreamRespo
         for t in toks:
             merged = merger.push(t.token)
             if merged is not None:  # None: ends inside a UTF-8 character
-                probs.append(R.completion_probability(tok, t.token, t.logprob, t.top, merged))
+                probs.append(probability(t.token, t.logprob, t.top, merged))
         return probs
+
+    def body(out: dict) -> dict:  # response_fields and verbose, as for one result
+        shown = dict(R.select_fields(out, opts.extra["response_fields"]))
+        if opts.extra["verbose"]:
+            shown["__verbose"] = out
+        return shown
 
     if not opts.stream:
         got = await _collect_all(gens)
-        return web.json_response([final(i, d, probs_of(t)) for i, (d, t) in enumerate(got)])
+        return web.json_response([body(final(i, d, probs_of(t))) for i, (d, t) in enumerate(got)])
+
+    mergers = [tok.probs_merger() for _ in gens]  # one per choice: its own UTF-8 state
 
     def token_chunk(i: int, ev) -> dict | None:
         if not ev.text and ev.kind != "token":
             return None
-        out = R.completion_chunk(ev.text, [ev.token] if ev.kind == "token" else [], None)
+        probs = None
+        if opts.params.n_probs:  # as the one-result stream (see completion)
+            merged = mergers[i].push(ev.token) if ev.kind == "token" else None
+            probs = (
+                [probability(ev.token, ev.logprob, ev.top, merged)] if merged is not None else []
+            )
+        out = R.completion_chunk(ev.text, [ev.token] if ev.kind == "token" else [], probs)
         out["index"] = i
         return out
 
