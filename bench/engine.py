@@ -247,6 +247,7 @@ SECTIONS: tuple[str, ...] = (
     "bench.merge",
     "bench.grid",
     "bench.http",
+    "bench.embeddings",
 )
 
 

@@ -120,6 +120,18 @@ def _match_regex(regex, text):  # the tests' story-model text is model-specific
 
 
 _up.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download
+_start = _up.ServerProcess.start
+
+
+def _start_in_time(self, timeout_seconds=_up.DEFAULT_HTTP_TIMEOUT):
+    # the infill preset's 260K-parameter story model becomes Qwen2.5-Coder-0.5B, which
+    # loads in tens of seconds on a busy box: as upstream's own Qwen test, allow more
+    if "infill" in f"{self.model_hf_repo} {self.model_hf_file}" and FIM_MODEL != MODEL:
+        timeout_seconds = max(timeout_seconds, 300)
+    return _start(self, timeout_seconds)
+
+
+_up.ServerProcess.start = _start_in_time
 download_file = _download_file
 match_regex = _match_regex
 '''
