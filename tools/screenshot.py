@@ -7,8 +7,8 @@ changes where the PNG goes (to look at it before replacing docs/screenshot.png);
 SHOT_THEME=dark takes it in the dark theme (docs/screenshot-dark.png).
 
 Loads the default model and the demo adapters, sets a mix, saves two presets,
-chats at temperature 0 (a code block), regenerates the reply (versions ‹ 2/2 ›),
-asks again and grabs the window while that reply streams.
+chats at temperature 0 (a code block), regenerates the reply twice and shows the
+second version (‹ 2/3 ›), asks again and grabs the window while that reply streams.
 """
 
 import argparse
@@ -83,10 +83,15 @@ def main() -> None:
     def after_first(_):
         win.chat.reply_finished.disconnect(after_first)
         win.chat.reply_finished.connect(after_regenerate)
-        win.chat.regenerate()  # the reply shows its versions, ‹ 2/2 ›
+        win.chat.regenerate()  # the reply keeps its versions
 
     def after_regenerate(_):
+        state["versions"] = state.get("versions", 2) + 1
+        if state["versions"] <= 3:  # a third version, then show the second: ‹ 2/3 ›
+            win.chat.regenerate()
+            return
         win.chat.reply_finished.disconnect(after_regenerate)
+        win.chat.show_version(len(win.chat.conversation["messages"]) - 1, -1)
         win.sampling.set_values({"n_predict": 60})
         win.chat.input.setPlainText("")
         win.chat.send(os.environ.get("P2", "And how do I sort it first?"))
