@@ -248,6 +248,7 @@ SECTIONS: tuple[str, ...] = (
     "bench.grid",
     "bench.http",
     "bench.embeddings",
+    "bench.score",
 )
 
 
