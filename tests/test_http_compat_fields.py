@@ -14,22 +14,16 @@ import aiohttp
 import pytest
 from test_http_api import req, run
 
-from core.http import ServerSettings, ServerThread
 from core.http.build_info import build_info
-from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 BUILD = re.compile(r"^b\d+-[0-9a-f]{7,}$|^b0-unknown$")
 
 
 @pytest.fixture(scope="module")
 def server(smollm_path):
-    eng = Engine(ctx_size=256, n_parallel=2)
-    eng.load_model(smollm_path)
-    eng.start()
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
-    eng.stop()
+    with running_engine(smollm_path, ctx_size=256, n_parallel=2) as eng, serving(eng) as srv:
+        yield srv
 
 
 async def sse(srv, path, body) -> list:
@@ -175,9 +169,13 @@ def test_a_feature_that_is_off_answers_501(server, method, path, flag):
 
 
 def test_truncated_when_the_context_fills(server):
-    body = {"prompt": "Hi how are you", "n_predict": -1, "ignore_eos": True, "temperature": 0}
+    # a long prompt leaves ~20 positions to generate: filling 256 positions one decode
+    # step at a time took longer than aiohttp's 5-minute client timeout on a loaded VM
+    prompt = "Hi how are you? " * 46
+    body = {"prompt": prompt, "n_predict": -1, "ignore_eos": True, "temperature": 0}
     st, out = req(server, "POST", "/completion", body)
     assert st == 200 and out["truncated"] is True and out["stop_type"] == "limit"
+    assert 200 < out["tokens_evaluated"] < 250
     assert out["tokens_evaluated"] + out["tokens_predicted"] == 256
     st, out = req(server, "POST", "/completion", {**body, "n_predict": 4})
     assert out["truncated"] is False and out["stop_type"] == "limit"

@@ -14,6 +14,7 @@ from gguf import GGUFValueType
 
 from core.http import ServerSettings, ServerThread
 from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 from tests.tiny_gguf import BYTE_VOCAB, write_tiny_llama
 
 PARTY = "🎉🎉🎉 Party time! 🎉🎉"  # SmolLM2 continues with 🎉, three byte tokens each
@@ -33,13 +34,8 @@ def post(srv, path, body):
 
 @pytest.fixture(scope="module")
 def smol_srv(smollm_path):
-    eng = Engine(ctx_size=128, n_parallel=1)
-    eng.load_model(smollm_path)
-    eng.start()
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
-    eng.stop()
+    with running_engine(smollm_path, ctx_size=128, n_parallel=1) as eng, serving(eng) as srv:
+        yield srv
 
 
 def test_detokenize_keeps_the_sentencepiece_leading_space(tmp_path):

@@ -24,7 +24,7 @@ import pytest
 from core.chat_template import ChatTemplate, RenderLimits
 from core.http import ServerSettings, ServerThread
 from core.http.app import BlockingPool, HttpError
-from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 KEY = "k3y-that-must-never-be-logged"
 SECRET = b"TOPSECRET-FILE-CONTENT\n"
@@ -33,12 +33,9 @@ N_VOCAB = 49152
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir):
-    eng = Engine(ctx_size=128, n_parallel=2)
-    eng.load_model(smollm_path)
-    eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.0)
-    eng.start()
-    yield eng
-    eng.stop()
+    attn = ref_dir / "adapters" / "lora_attn.gguf"
+    with running_engine(smollm_path, adapters=[attn], ctx_size=128, n_parallel=2) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +57,25 @@ def folders(tmp_path_factory, ref_dir):
 def default_srv(engine):
     """Defaults: runtime adapter loading off."""
     lines: list[str] = []
-    srv = ServerThread(engine, ServerSettings(port=0, on_log=lines.append)).start()
-    srv.lines = lines
-    yield srv
-    srv.stop()
+    with serving(engine, on_log=lines.append) as srv:
+        srv.lines = lines
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def lora_srv(engine, folders):
     """--allow-runtime-lora --lora-dir <folder>, short timeouts for the slow-client tests."""
     lines: list[str] = []
-    settings = ServerSettings(
-        port=0,
+    with serving(
+        engine,
         on_log=lines.append,
         allow_runtime_lora=True,
         lora_dirs=[folders[0]],
         idle_timeout=1.0,
         body_timeout=1.0,
-    )
-    srv = ServerThread(engine, settings).start()
-    srv.lines = lines
-    yield srv
-    srv.stop()
+    ) as srv:
+        srv.lines = lines
+        yield srv
 
 
 async def call(srv, method, path, body=None, raw: bytes | None = None, headers=None):

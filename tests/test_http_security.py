@@ -9,8 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 KEY = "s3cret-key"
 ALLOWED = "http://app.allowed.example"
@@ -37,30 +36,23 @@ ENDPOINTS = [
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir):
-    eng = Engine(ctx_size=128, n_parallel=2)
-    eng.load_model(smollm_path)
-    eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.0)
-    eng.start()
-    yield eng
-    eng.stop()
+    attn = ref_dir / "adapters" / "lora_attn.gguf"
+    with running_engine(smollm_path, adapters=[attn], ctx_size=128, n_parallel=2) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def locked(engine):
     """API key and a CORS allow-list."""
-    srv = ServerThread(
-        engine, ServerSettings(port=0, api_keys=["other-key", KEY], cors_origins=[ALLOWED])
-    ).start()
-    yield srv
-    srv.stop()
+    with serving(engine, api_keys=["other-key", KEY], cors_origins=[ALLOWED]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def open_srv(engine):
     """Defaults: no key, no CORS."""
-    srv = ServerThread(engine, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(engine) as srv:
+        yield srv
 
 
 def send(srv, method, path, body=None, raw=None, headers=None):

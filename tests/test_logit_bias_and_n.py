@@ -11,9 +11,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
 from core.serve.sampling import SamplingError, SamplingParams, make_sampler, parse_logit_bias
+from tests.serving import running_engine, serving
 
 CTX = 512
 PROMPT = "The capital of France is"
@@ -21,18 +20,14 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    eng = Engine(ctx_size=CTX, n_parallel=4)
-    eng.load_model(smollm_path)
-    eng.start()
-    yield eng
-    eng.stop()
+    with running_engine(smollm_path, ctx_size=CTX, n_parallel=4) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = ServerThread(engine, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(engine) as srv:
+        yield srv
 
 
 async def call(srv, path, body=None, raw: bytes | None = None):

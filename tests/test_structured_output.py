@@ -11,10 +11,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
 from core.serve.grammar import Constraint, GrammarError, compile_grammar, request_constraint
 from core.serve.sampling import SamplingParams, make_sampler
+from tests.serving import running_engine, serving
 
 CTX = 512
 
@@ -32,18 +31,14 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    eng = Engine(ctx_size=CTX, n_parallel=4)
-    eng.load_model(smollm_path)
-    eng.start()
-    yield eng
-    eng.stop()
+    with running_engine(smollm_path, ctx_size=CTX, n_parallel=4) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = ServerThread(engine, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(engine) as srv:
+        yield srv
 
 
 def req(srv, method, path, body=None, raw: bytes | None = None):

@@ -1,0 +1,55 @@
+"""Building blocks of the engine and HTTP-server fixtures, one home for every test file.
+
+A test module makes its module-scoped fixtures from these, so that loading the real
+model once per module, starting the scheduler and serving it on a free loopback port
+(and stopping both, in the right order) is written once:
+
+    @pytest.fixture(scope="module")
+    def engine(smollm_path, ref_dir):
+        with running_engine(smollm_path, adapters=[ref_dir / "adapters" / "lora_attn.gguf"],
+                            ctx_size=128, n_parallel=2) as eng:
+            yield eng
+
+    @pytest.fixture(scope="module")
+    def server(engine):
+        with serving(engine, api_keys=["k"]) as srv:
+            yield srv
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from core.http.app import ServerSettings
+from core.http.server import ServerThread
+from core.serve.engine import Engine
+
+
+@contextlib.contextmanager
+def running_engine(
+    model: str | Path, *, adapters: Iterable[str | Path] = (), **engine_kw
+) -> Iterator[Engine]:
+    """An Engine(**engine_kw) with the model loaded, the adapters added at scale 0 (in
+    order: ids 0, 1, ...) and the scheduler thread running; stopped on exit."""
+    eng = Engine(**engine_kw)
+    eng.load_model(model)
+    for path in adapters:
+        eng.add_adapter(path, scale=0.0)
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, **settings) -> Iterator[ServerThread]:
+    """The HTTP server over ``engine`` on a free port of 127.0.0.1 (``srv.url``), with
+    ServerSettings(**settings); stopped on exit (before the engine is)."""
+    srv = ServerThread(engine, ServerSettings(port=0, **settings)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
