@@ -369,6 +369,7 @@ class ComparePane(QWidget):
             self._show_diff()  # the theme changed: marks in its colour
             return
         for s in (self.a, self.b):
+            s.view.spans, s.view.tips = [], []  # the Markdown view has no token tooltips
             codes: list[str] = []  # no Copy links here: the chat has them
             s.view.setHtml(
                 render_md(s.text or ("…" if s.gen else ""), palette_colors(s.view), codes)

@@ -131,6 +131,7 @@ def test_diff_marks_where_core_says_the_two_mixes_disagree(two_mixes, qtbot):
     w.compare.diff_btn.click()
     assert w.compare.diff_hint.text() == ""
     assert a.view.toPlainText().strip() == a.done.content.strip()
+    assert b.view.spans == []  # no token tooltips over the plain reply
     w.compare.diff_btn.click()
     assert w.compare.diff_worker is None and highlighted(a.view) == a.marks
 
