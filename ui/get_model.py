@@ -316,11 +316,19 @@ class TermsView(QDialog):
         self.browser = QTextBrowser()
         self.browser.setOpenExternalLinks(True)
         self.browser.setSource(QUrl.fromLocalFile(str(path)))
+        # the file is a saved web page: skip its site navigation to the terms themselves
+        self.browser.scrollToAnchor("main-content")
+        in_browser = QPushButton("Open in browser")
+        in_browser.clicked.connect(lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(path))))
         close = QPushButton("Close")
         close.clicked.connect(self.accept)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(in_browser)
+        row.addWidget(close)
         lay = QVBoxLayout(self)
         lay.addWidget(self.browser, 1)
-        lay.addWidget(close, 0, Qt.AlignRight)
+        lay.addLayout(row)
         self.resize(720, 560)
 
 
