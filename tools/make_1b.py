@@ -18,8 +18,8 @@ every weight stays finite with a standard deviation near 0.02. The file is ~0.8 
 The tokenizer is SmolLM2's byte-level BPE (tokens, merges, ChatML template) grown to
 Llama 3's size: synthetic merges of existing tokens up to 128000 ordinary tokens,
 then Llama 3's 256 special tokens (<|begin_of_text|> at 128000), with Llama 3's
-"llama-bpe" pre-tokenizer. A 128k vocabulary with ~207k merges, as the tokenizer
-of a real Llama 3 has to build.
+"llama-bpe" pre-tokenizer: 128256 tokens and 127748 merges to build at load (a real
+Llama 3 has 280k merges).
 
 Keep the file out of the repository (it is written where you say; /tmp or the cache).
 """
