@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .lora.merge import MergeSpec
 from .options import DEFAULT_HOST, DEFAULT_PORT
 from .paths import config_dir, data_dir
 from .serve.sampling import SamplingParams
@@ -168,6 +169,17 @@ def _desk_adapter(value: Any) -> dict:
     }
 
 
+def _merge(value: Any) -> dict:
+    """A mix's merge method as saved ({"method", "density", ...}, core/lora/merge.py)."""
+    try:
+        return MergeSpec.from_dict(value).as_dict()
+    except UserError as e:
+        raise _Bad(str(e)) from None
+
+
+LINEAR_MERGE = {"method": "linear"}
+
+
 def _desk_adapters(value: Any) -> list[dict]:
     if not isinstance(value, list):
         raise _Bad("not a list")
@@ -226,7 +238,13 @@ SCHEMA: dict[str, Field] = {
     # the mixing desk as the user left it: adapters by path, with their fader and buttons
     "desk": Field(
         {"bypass": False, "adapters": []},
-        _record({"bypass": Field(False, _bool), "adapters": Field([], _desk_adapters)}),
+        _record(
+            {
+                "bypass": Field(False, _bool),
+                "adapters": Field([], _desk_adapters),
+                "merge": Field(LINEAR_MERGE, _merge),  # how the mix combines (#21)
+            }
+        ),
     ),
 }
 DEFAULTS: dict[str, Any] = {k: f.default for k, f in SCHEMA.items()}
@@ -384,7 +402,8 @@ class Settings:
 
 
 def _preset(value: Any) -> dict:
-    """A preset: {"bypass": bool, "adapters": {path: {name, scale, muted, solo}}}."""
+    """A preset: {"bypass": bool, "adapters": {path: {name, scale, muted, solo}},
+    "merge": {"method", ...}}; a preset saved before merge methods is linear."""
     if not isinstance(value, dict):
         raise _Bad("not an object")
     entries = value.get("adapters", {})
@@ -400,7 +419,11 @@ def _preset(value: Any) -> dict:
             "muted": Field(False, _bool).clean(e.get("muted", False), "preset muted"),
             "solo": Field(False, _bool).clean(e.get("solo", False), "preset solo"),
         }
-    return {"bypass": Field(False, _bool).clean(value.get("bypass", False)), "adapters": adapters}
+    return {
+        "bypass": Field(False, _bool).clean(value.get("bypass", False)),
+        "adapters": adapters,
+        "merge": Field(LINEAR_MERGE, _merge).clean(value.get("merge", _MISSING), "preset merge"),
+    }
 
 
 class Presets:

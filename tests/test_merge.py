@@ -11,10 +11,14 @@ import peft.utils.merge_utils as merge_utils
 import pytest
 import torch
 
+from core.errors import UserError
 from core.lora import merge as M
 from core.lora.adapter import Adapter, LoraPair
+from core.lora.export import export_lora, export_merged
 from core.lora.merge import MergeError, MergeSpec
 from core.lora.mix import MergedKey, Mix, merged_adapter, mix_key
+from core.serve.engine import Engine
+from core.serve.sampling import SamplingParams
 
 OUT, IN = 24, 16
 # (name, rank, alpha, targets): adapter 2 has no k module, so the k merge has two inputs
@@ -279,3 +283,122 @@ def test_bad_specs_are_refused_by_name(fields):
     with pytest.raises(MergeError) as e:
         MergeSpec.from_dict(fields)
     assert next(k for k in fields if k != "method" or len(fields) == 1) in str(e.value)
+
+
+# ---- a merged mix on a real model: engine, events, exports ---------------------------
+
+REF_ADAPTERS = ("lora_attn.gguf", "lora_all_q8.gguf")  # both change the attention
+N_PREDICT = 12
+
+
+@pytest.fixture(scope="module")
+def smol(smollm_path, ref_dir):
+    eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=128)
+    eng.ids = [eng.add_adapter(ref_dir / "adapters" / n, scale=0.0) for n in REF_ADAPTERS]
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt(reference) -> list[int]:
+    return next(c for c in reference["greedy"] if c["prompt"].startswith("Once upon a time"))[
+        "prompt_tokens"
+    ]
+
+
+def greedy(eng: Engine, mix, tokens: list[int]) -> list[int]:
+    p = SamplingParams(temperature=0.0, n_predict=N_PREDICT, ignore_eos=True)
+    return eng.complete(tokens, p, mix=mix, cache_prompt=False).tokens
+
+
+def test_global_mix_carries_its_method(smol):
+    events = []
+    unsubscribe = smol.subscribe(lambda name, payload: events.append((name, payload)))
+    try:
+        a, b = smol.ids
+        smol.set_mix(Mix({a: 0.5, b: 0.5}, MergeSpec.make("ties", density=0.3)))
+        got = smol.get_mix()
+        assert got == {a: 0.5, b: 0.5} and got.merge == MergeSpec.make("ties", density=0.3)
+        smol.set_mix({a: 1.0, b: 0.0})  # a plain dict moves the faders, keeps the method
+        assert smol.get_mix() == {a: 1.0, b: 0.0} and smol.get_mix().merge.method == "ties"
+        changed = [p for n, p in events if n == "mix_changed"]
+        assert changed[-1]["merge"] == {
+            "method": "ties",
+            "density": 0.3,
+            "majority_sign_method": "total",
+        }
+    finally:
+        smol.set_mix({i: 0.0 for i in smol.ids}, merge=MergeSpec.make("linear"))
+        unsubscribe()
+    assert smol.get_mix().merge.method == "linear"
+
+
+def test_object_form_parses_and_bad_fields_change_nothing(smol):
+    a, b = smol.ids
+    mix = smol.parse_mix(
+        {"adapters": [{"id": a, "scale": 0.5}], "method": "dare_ties", "density": 0.25, "seed": 9}
+    )
+    assert mix == {a: 0.5, b: 0.0}
+    assert mix.merge == MergeSpec.make("dare_ties", density=0.25, seed=9)
+    assert type(smol.parse_mix([{"id": a, "scale": 0.5}])) is dict  # llama-server's list
+    for bad in (
+        {"adapters": [], "method": "slerp"},
+        {"adapters": [], "method": "ties", "density": 0},
+        {"adapters": [], "method": "svd", "rank": -1},
+        {"adapters": [], "metod": "ties"},
+        {"method": "ties"},
+    ):
+        with pytest.raises(UserError):
+            smol.parse_mix(bad)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [MergeSpec.make("ties", density=0.5), MergeSpec.make("dare_ties", density=0.5, seed=4)],
+    ids=["ties", "dare_ties"],
+)
+def test_merged_mix_survives_export_and_reload(smol, prompt, spec, tmp_path):
+    """The live mix (built once, with progress) greedy == the f32 merged GGUF export of
+    that mix, reloaded; and == its LoRA GGUF export loaded as one adapter at scale 1."""
+    a, b = smol.ids
+    mix = Mix({a: 0.9, b: 0.7}, spec)
+    events = []
+    unsubscribe = smol.subscribe(lambda name, payload: events.append((name, payload)))
+    try:
+        live = greedy(smol, mix, prompt)
+    finally:
+        unsubscribe()
+    building = [p for n, p in events if n == "mix_building"]
+    assert building and building[-1]["progress"] == 1.0 and building[0]["method"] == spec.method
+    key = mix_key(mix)
+    assert isinstance(key, MergedKey)
+    merged_w = smol.mixes.get(key, smol._adapters)
+    linear_w = smol.mixes.get(mix_key(dict(mix)), smol._adapters)
+    assert merged_w is not linear_w and merged_w.adapter_ids == {a, b}
+
+    lora = smol.add_adapter(export_lora(smol, mix, tmp_path / "m.gguf").path, scale=0.0)
+    try:
+        assert greedy(smol, {lora: 1.0}, prompt) == live
+    finally:
+        smol.remove_adapter(lora)
+
+    out = tmp_path / "merged.gguf"
+    export_merged(smol, mix, out, outtype="f32")
+    reloaded = Engine.from_path(out, n_parallel=1, ctx_size=128)
+    try:
+        assert greedy(reloaded, {}, prompt) == live
+    finally:
+        reloaded.stop()
+        out.unlink()
+
+
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40)], ids=["tall", "wide"])
+def test_truncated_svd_gives_the_product_of_torch_svd(shape):
+    """Our truncated SVD (through the smaller Gram matrix) == PEFT's torch.linalg.svd
+    truncation as a product, for tall and wide modules."""
+    d = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    a, b = M.truncated_svd(d, 7)
+    assert a.shape == (7, shape[1]) and b.shape == (shape[0], 7)
+    u, s, vh = torch.linalg.svd(torch.from_numpy(d), full_matrices=True)
+    ref = ((u[:, :7] @ torch.diag(s[:7])) @ vh[:7, :]).numpy()
+    np.testing.assert_allclose(b @ a, ref, rtol=1e-4, atol=1e-5)

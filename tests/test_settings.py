@@ -50,6 +50,7 @@ def test_each_bad_field_takes_its_own_default(tmp_path, bad, key, expect):
         assert got == {
             "bypass": False,
             "adapters": [{"path": "/a", "scale": 0.0, "muted": False, "solo": False}],
+            "merge": {"method": "linear"},
         }
     elif isinstance(expect, dict):
         assert {k: got[k] for k in expect} == expect
@@ -83,6 +84,29 @@ def test_unreadable_settings_are_moved_aside_not_overwritten(tmp_path):
     assert "settings.json could not be read" in s.problems[0]
     s.set("system_prompt", "new")
     assert (tmp_path / kept[0]).read_text().startswith('{"system_prompt": "precious"')
+
+
+def test_presets_keep_their_merge_method_and_old_ones_are_linear(tmp_path):
+    """#21: a preset stores its mix's merge method; a presets.json written before merge
+    methods existed still loads (linear), and a bad method falls back to linear."""
+    entry = {"/a.gguf": {"name": "a", "scale": 0.5, "muted": False, "solo": False}}
+    (tmp_path / "presets.json").write_text(
+        json.dumps(
+            {
+                "old": {"bypass": False, "adapters": entry},
+                "bad": {"adapters": entry, "merge": {"method": "slerp"}},
+            }
+        )
+    )
+    s = Settings(tmp_path)
+    assert s.presets.get("old")["merge"] == {"method": "linear"}
+    assert s.presets.get("old")["adapters"]["/a.gguf"]["scale"] == 0.5
+    assert s.presets.get("bad")["merge"] == {"method": "linear"}
+    ties = {"method": "ties", "density": 0.3, "rank": 16, "majority_sign_method": "total"}
+    s.presets.save("ties", {"bypass": False, "adapters": entry, "merge": ties})
+    assert Settings(tmp_path).presets.get("ties")["merge"] == ties
+    s.set("desk", {"bypass": False, "adapters": [], "merge": ties})
+    assert Settings(tmp_path).get("desk")["merge"] == ties
 
 
 def test_move_aside_never_replaces_an_earlier_copy(tmp_path):

@@ -10,7 +10,9 @@ an adapter id. Zero-scale adapters are dropped.
 All three are exact, with no SVD: the mix's per-tensor (A_i, s_i·B_i) pairs are
 concatenated along the rank axis, so ``B_cat @ A_cat == Σ s_i B_i A_i`` where
 s_i is each adapter's effective scale (alpha/rank folded in). The exported
-adapter therefore means "this mix at scale 1".
+adapter therefore means "this mix at scale 1". A mix with a merge method other
+than linear/cat (``merge``, or the engine's global mix's method) is exported as
+what it runs with: its merged adapter (core/lora/mix.py: merged_adapter), at scale 1.
 
 Files are written to a temporary name next to the target and moved into place
 with ``os.replace``, so a failed or interrupted export never leaves a half file.
@@ -40,6 +42,8 @@ from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
 from .adapter import Adapter, load_adapter
+from .merge import MergeSpec
+from .mix import merged_adapter, mix_key
 from .naming import gguf_to_hf_module, rope_heads, unpermute_qk_rows
 
 Progress = Callable[[float, str], None]
@@ -92,7 +96,12 @@ class _Mix:
 # ---- resolving the inputs ------------------------------------------------------
 
 
-def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
+def _resolve(
+    base: Any,
+    adapters: Iterable | Mapping | None,
+    merge: MergeSpec | None = None,
+    progress: Progress | None = None,
+) -> _Mix:
     engine = None
     if hasattr(base, "config") and hasattr(base, "add_adapter"):  # an Engine (no import cycle)
         engine = base
@@ -139,6 +148,11 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
             "nothing to export: no adapter with a non-zero scale "
             "(add adapters with --lora or --lora-scaled)"
         )
+    names = [ad.name for ad, _ in chosen]
+    merge = merge if merge is not None else getattr(adapters, "merge", None)  # an engine Mix's
+    if merge is not None and merge.builds:
+        chosen = [(_merged(engine, chosen, merge, progress), 1.0)]
+        names.append(f"merged by {merge.label()}")
 
     collected: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for ad, scale in chosen:
@@ -152,7 +166,22 @@ def _resolve(base: Any, adapters: Iterable | Mapping | None) -> _Mix:
         a = np.concatenate([p[0] for p in plist], axis=a_axis).astype(np.float32, copy=False)
         b = np.concatenate([p[1] for p in plist], axis=1).astype(np.float32, copy=False)
         pairs[name] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
-    return _Mix(cfg, base_path, pairs, [ad.name for ad, _ in chosen])
+    return _Mix(cfg, base_path, pairs, names)
+
+
+def _merged(
+    engine: Any, chosen: list[tuple[Adapter, float]], merge: MergeSpec, progress: Progress | None
+) -> Adapter:
+    """The mix's merged adapter: the engine's own when the mix runs there (built once,
+    kept in its MixCache: exporting the mix just used costs no second merge), else
+    merged here."""
+    if engine is not None and engine.mixes is not None:
+        loaded = {a["id"] for a in engine.adapters()}
+        own = {ad.id: ad for ad, _ in chosen if ad.id in loaded}
+        if len(own) == len(chosen) and all(engine.adapter(i) is ad for i, ad in own.items()):
+            key = mix_key({ad.id: s for ad, s in chosen}, merge)
+            return engine.mixes.get(key, own, progress).sources[0][0]
+    return merged_adapter(chosen, merge, progress)
 
 
 def _rank_of(ab: tuple[np.ndarray, np.ndarray]) -> int:
@@ -220,6 +249,7 @@ def export_lora(
     *,
     dtype: str = "f32",
     progress: Progress | None = None,
+    merge: MergeSpec | None = None,
 ) -> ExportResult:
     """Write the mix as one llama.cpp LoRA GGUF that means the mix at scale 1
     (no ``adapter.lora.alpha``: llama.cpp then uses the scale as is)."""
@@ -227,7 +257,7 @@ def export_lora(
         raise ExportError(f"export-lora: dtype must be f32 or f16, got {dtype!r}")
     report = _Reporter(progress)
     out = Path(out)
-    mix = _resolve(base, adapters)
+    mix = _resolve(base, adapters, merge, lambda f, m: report(0.0, m))
     _check_target(out, mix, "export-lora")
     np_dtype = np.float32 if dtype == "f32" else np.float16
     report(0.0, "collecting tensors")
@@ -320,6 +350,7 @@ def export_merged(
     *,
     outtype: str = "f16",
     progress: Progress | None = None,
+    merge: MergeSpec | None = None,
 ) -> ExportResult:
     """Write base + mix as a normal model GGUF: W' = W + Σ s_i B_i A_i per tensor,
     every KV of the base kept (general.file_type updated), names and shapes as in
@@ -330,7 +361,7 @@ def export_merged(
         )
     report = _Reporter(progress)
     out = Path(out)
-    mix = _resolve(base, adapters)
+    mix = _resolve(base, adapters, merge, lambda f, m: report(0.0, m))
     if mix.base_path is None:
         raise ExportError("export-merged: the engine has no model file")
     _check_target(out, mix, "export-merged")
@@ -437,6 +468,7 @@ def export_peft(
     *,
     dtype: str = "f32",
     progress: Progress | None = None,
+    merge: MergeSpec | None = None,
 ) -> ExportResult:
     """Write the mix as a PEFT LoRA folder (adapter_config.json +
     adapter_model.safetensors, HF module names and HF Q/K row order) whose scaling
@@ -447,7 +479,7 @@ def export_peft(
         raise ExportError(f"export-peft: dtype must be f32 or f16, got {dtype!r}")
     report = _Reporter(progress)
     out_dir = Path(out_dir)
-    mix = _resolve(base, adapters)
+    mix = _resolve(base, adapters, merge, lambda f, m: report(0.0, m))
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"export-peft: {out_dir} exists and is not a folder")
     _check_target(out_dir, mix, "export-peft")

@@ -283,11 +283,23 @@ def combine(spec: MergeSpec, tasks: np.ndarray, weights: np.ndarray, module: str
 
 def truncated_svd(delta: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """delta (out, in) -> (A (r, in), B (out, r)) with B A the best rank-r approximation
-    (PEFT: lora_B = U_r S_r, lora_A = Vh_r). r is at most min(out, in)."""
-    u, s, vh = np.linalg.svd(delta, full_matrices=False)  # (out, k), (k,), (k, in)
-    r = min(rank, s.size)
-    b = u[:, :r] * s[:r]  # (out, r)
-    return np.ascontiguousarray(vh[:r], dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
+    of delta, the product PEFT's truncated SVD gives (r at most min(out, in)).
+
+    Through the eigenvectors of the smaller Gram matrix, in float64: the top r singular
+    vectors of an (out, in) matrix without a full SVD, about 4x fewer flops for an FFN
+    module (the build's cost is almost all here). B A = delta V Vᵀ (or U Uᵀ delta), the
+    projection onto the top r singular directions: exactly U_r S_r Vh_r."""
+    d = delta.astype(np.float64)  # (out, in)
+    r = min(rank, *d.shape)
+    if d.shape[0] >= d.shape[1]:
+        _, v = np.linalg.eigh(d.T @ d)  # (in, in), eigenvalues ascending
+        top = v[:, ::-1][:, :r]  # (in, r) the top right singular vectors
+        a, b = top.T, d @ top  # (r, in) = Vh_r, (out, r) = U_r S_r
+    else:
+        _, u = np.linalg.eigh(d @ d.T)  # (out, out)
+        top = u[:, ::-1][:, :r]  # (out, r) the top left singular vectors
+        a, b = top.T @ d, top  # (r, in) = S_r Vh_r, (out, r) = U_r
+    return np.ascontiguousarray(a, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
 
 
 def low_rank_svd(a: np.ndarray, b: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:

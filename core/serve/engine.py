@@ -25,7 +25,8 @@ from typing import Any
 from ..chat_template import DEFAULT_CHAT, ChatDefaults, ChatTemplate, build_prompt, encode_prompt
 from ..errors import UserError
 from ..lora.adapter import Adapter, AdapterError, load_adapter
-from ..lora.mix import MixKey, build_mix, mix_key
+from ..lora.merge import LINEAR, MergeSpec
+from ..lora.mix import Mix, MixKey, build_mix, mix_key
 from ..lora.runtime import MixCache
 from ..model.config import ModelConfig
 from ..model.families import model_class
@@ -39,6 +40,7 @@ from .events import (
     AdaptersChanged,
     AdaptersDropped,
     EngineEvent,
+    MixBuilding,
     MixChanged,
     ModelError,
     ModelLoaded,
@@ -114,6 +116,7 @@ class Engine:
         self.load_ms = 0.0
         self._adapters: dict[int, Adapter] = {}
         self._scales: dict[int, float] = {}  # the global mix: adapter id -> scale
+        self._merge: MergeSpec = LINEAR  # and how its adapters combine (core/lora/merge.py)
         self._next_id = 0
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
@@ -380,7 +383,7 @@ class Engine:
                 self.mixes.forget_adapter(aid)
             self.prefix.forget_adapter(aid)
         self._notify(AdaptersChanged(adapters=self.adapters()))
-        self._notify(MixChanged(mix=self.get_mix(), source="unload"))
+        self._notify(MixChanged(mix=self.get_mix(), source="unload", merge=self._merge.as_dict()))
 
     def adapter(self, aid: int) -> Adapter:
         with self._lock:
@@ -400,15 +403,29 @@ class Engine:
             return out
 
     # -- the global mix ---------------------------------------------------------------
-    def get_mix(self) -> dict[int, float]:
+    def get_mix(self) -> Mix:
+        """The global mix: {id: scale} (a dict) with its method as ``.merge``."""
         with self._lock:
-            return dict(self._scales)
+            return Mix(self._scales, self._merge)
 
     def parse_mix(self, entries: Any, what: str = "lora") -> dict[int, float]:
-        """Validate llama-server's [{"id", "scale"}] list. Unlisted ids are 0.
-        Raises EngineError (400) without changing anything."""
+        """Validate llama-server's [{"id", "scale"}] list (unlisted ids are 0), or our
+        object form {"adapters": [{"id", "scale"}, ...], "method", "density", "rank",
+        "seed", "majority_sign_method"}, which gives a Mix carrying its MergeSpec.
+        Raises a UserError (400) without changing anything."""
+        if isinstance(entries, dict):
+            fields = dict(entries)
+            if "adapters" not in fields:
+                raise EngineError(
+                    f'{what}: the object form needs "adapters": [{{"id", "scale"}}, ...]'
+                )
+            scales = self.parse_mix(fields.pop("adapters"), f"{what}.adapters")
+            return Mix(scales, MergeSpec.from_dict(fields, what))
         if not isinstance(entries, list):
-            raise EngineError(f'{what} must be a list of {{"id", "scale"}} objects')
+            raise EngineError(
+                f'{what} must be a list of {{"id", "scale"}} objects '
+                '(or {"adapters": [...], "method": ...})'
+            )
         out: dict[int, float] = {}
         with self._lock:
             known = set(self._adapters)
@@ -424,10 +441,16 @@ class Engine:
         return {aid: out.get(aid, 0.0) for aid in known}
 
     def set_mix(
-        self, scales: Mapping[int, float], source: str = "api", replace: bool = True
+        self,
+        scales: Mapping[int, float],
+        source: str = "api",
+        replace: bool = True,
+        merge: MergeSpec | None = None,
     ) -> None:
-        """Set the global mix. With replace, unlisted adapters go to 0. O(#adapters):
-        nothing model-sized happens here."""
+        """Set the global mix. With replace, unlisted adapters go to 0. ``merge`` (or, if
+        None, a Mix's own ``.merge``) sets its method; neither keeps the method it has.
+        O(#adapters): nothing model-sized happens here (a merged mix is built on first use)."""
+        merge = merge if merge is not None else getattr(scales, "merge", None)
         with self._lock:
             for aid in scales:
                 if aid not in self._adapters:
@@ -437,8 +460,10 @@ class Engine:
                 self._scales = {aid: checked.get(aid, 0.0) for aid in self._adapters}
             else:
                 self._scales.update(checked)
-            mix = dict(self._scales)
-        self._notify(MixChanged(mix=mix, source=source))
+            if merge is not None:
+                self._merge = merge
+            mix, spec = dict(self._scales), self._merge
+        self._notify(MixChanged(mix=mix, source=source, merge=spec.as_dict()))
 
     def stats(self) -> dict[str, Any]:
         """Scheduler load: running and queued sequences, forward steps so far, cache use."""
@@ -537,14 +562,25 @@ class Engine:
         """A mix (None: the global mix, snapshotted now) as its key and built weights."""
         with self._lock:
             scales = dict(self._scales) if mix is None else dict(mix)
+            # the global mix's method; a mix given without one (a plain dict, a request's
+            # "lora" list) is a weighted sum, as in llama-server
+            merge = self._merge if mix is None else getattr(mix, "merge", None)
             for aid in scales:
                 if aid not in self._adapters:
                     raise EngineError(f"no adapter with id {aid}")
             adapters = dict(self._adapters)
-        key = mix_key(scales)
-        # built outside the lock: a first build takes tens of ms, and set_mix (the GUI
-        # thread) must never wait for it
-        return key, self.mixes.get(key, adapters)
+        key = mix_key(scales, merge)
+        # built outside the lock: a first build takes tens of ms (a merge method's,
+        # seconds), and set_mix (the GUI thread) must never wait for it
+        return key, self.mixes.get(key, adapters, self._build_progress(merge))
+
+    def _build_progress(self, merge: MergeSpec | None):
+        """Listeners hear how a merged mix's first build goes (MixBuilding events)."""
+        if merge is None or not merge.builds:
+            return None
+        return lambda frac, msg: self._notify(
+            MixBuilding(method=merge.method, progress=frac, message=msg)
+        )
 
     def embed(
         self, inputs: list[list[int]], mix: Mapping[int, float] | None = None
@@ -653,12 +689,14 @@ class Engine:
 
         def relay(ev: Event) -> None:
             if isinstance(ev, PromptProgressEvent):
-                # listeners (the window) always hear of it; the caller only if it asked
-                self._notify(
-                    PromptProgress(
-                        id=ids[0] if ids else -1, source=source, done=ev.done, total=ev.total
+                # listeners (the window) hear of every evaluated chunk; the caller gets
+                # them, and the report at admission, only if it asked
+                if not ev.start:
+                    self._notify(
+                        PromptProgress(
+                            id=ids[0] if ids else -1, source=source, done=ev.done, total=ev.total
+                        )
                     )
-                )
                 if progress:
                     on_event(ev)
                 return

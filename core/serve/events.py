@@ -58,6 +58,17 @@ class MixChanged(EngineEvent):
     name: ClassVar[str] = "mix_changed"
     mix: dict  # adapter id -> scale
     source: str  # "gui", "api", "unload", ...
+    merge: dict | None = None  # the global mix's method: MergeSpec.as_dict()
+
+
+@dataclass(frozen=True)
+class MixBuilding(EngineEvent):
+    """A merge method's mix being built (first use of that mix): per module, then done."""
+
+    name: ClassVar[str] = "mix_building"
+    method: str
+    progress: float  # 0..1
+    message: str
 
 
 @dataclass(frozen=True)
