@@ -34,6 +34,17 @@ def empty_dialog(window, tmp_path):
     return dlg
 
 
+def test_the_model_bar_and_the_file_menu_open_it(window):
+    window.model_bar.get_btn.click()
+    dlg = window.model_bar.get_dialog
+    assert dlg is not None and dlg.isVisible()
+    dlg.close()
+    file_menu = window.menuBar().actions()[0].menu()
+    entry = next(a for a in file_menu.actions() if a.text().replace("&", "") == "Get a model…")
+    entry.trigger()
+    assert window.model_bar.get_dialog is dlg and dlg.isVisible()  # one dialog, reused
+
+
 def test_the_catalogue_lists_the_three_models_with_their_facts(window, smollm_path):
     dlg = window.model_bar.get_model()
     assert dlg.isVisible() and dlg.tree.topLevelItemCount() == 3
