@@ -107,6 +107,7 @@ class EngineBridge(QObject):
     adapters_changed = Signal(object)
     mix_changed = Signal(object, str)  # {id: scale}, source
     request_started = Signal(object)
+    mix_building = Signal(float, str)  # a merged mix's first build: progress 0..1, message
     request_finished = Signal(object)
     adapter_added = Signal(int, str)  # id, path
     adapter_error = Signal(str, str)  # path, message
@@ -139,6 +140,10 @@ class EngineBridge(QObject):
         elif name == "mix_changed":
             self.mix_changed.emit(dict(payload.get("mix") or {}), str(payload.get("source", "")))
         elif name == "request_started":
+        elif name == "mix_building":
+            self.mix_building.emit(
+                float(payload.get("progress", 0.0)), str(payload.get("message", ""))
+            )
             self.request_started.emit(dict(payload))
         elif name == "request_finished":
             self.request_finished.emit(dict(payload))
@@ -217,7 +222,7 @@ class EngineBridge(QObject):
 
     def set_mix(self, mix: Mapping[int, float]) -> None:
         try:
-            self.engine.set_mix(dict(mix), source="gui", replace=True)
+            self.engine.set_mix(mix, source="gui", replace=True)  # a Mix keeps its method
         except Exception as e:
             self.error.emit(f"could not apply the mix: {e}")
 

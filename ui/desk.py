@@ -6,7 +6,9 @@ what is exported (the engine's global mix, which the mixer sets from this).
 * bypass: every adapter at 0 (the base model);
 * any strip soloed: only the soloed strips sound;
 * a muted strip is at 0, soloed or not;
-* otherwise a strip sounds at its fader's value.
+* otherwise a strip sounds at its fader's value;
+* the mix combines its adapters by the desk's merge method (core/lora/merge.py):
+  linear unless chosen, with only the parameters that method uses.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from core.errors import UserError
+from core.lora import merge as M
+from core.lora.merge import LINEAR, MergeSpec
+from core.lora.mix import Mix
 
 K = TypeVar("K", bound=Hashable)
 
@@ -40,10 +47,42 @@ def sounds(channel: Channel, soloing: bool, bypass: bool) -> bool:
     return not bypass and not channel.muted and (channel.solo or not soloing)
 
 
-def desk_mix(channels: Mapping[K, Channel], bypass: bool = False) -> dict[K, float]:
-    """{key: engine scale} for every strip."""
+def desk_mix(
+    channels: Mapping[K, Channel], bypass: bool = False, merge: MergeSpec | None = None
+) -> Mix:
+    """{key: engine scale} for every strip (a dict), carrying the desk's merge method."""
     soloing = any(c.solo for c in channels.values())
-    return {k: c.scale if sounds(c, soloing, bypass) else 0.0 for k, c in channels.items()}
+    return Mix(
+        {k: c.scale if sounds(c, soloing, bypass) else 0.0 for k, c in channels.items()},
+        merge or LINEAR,
+    )
+
+
+def merge_fields(method: str) -> set[str]:
+    """The parameters the desk shows for a method: density where it trims or drops, rank
+    where a merged adapter is built, seed where the drop is random."""
+    shown = set()
+    if method in M.DENSITY_METHODS:
+        shown.add("density")
+    if method not in M.STACKED_METHODS:
+        shown.add("rank")
+    if method in M.RANDOM_METHODS:
+        shown.add("seed")
+    return shown
+
+
+def desk_merge(method: str, density: float, rank: int, seed: int) -> MergeSpec:
+    """The desk's fields as a MergeSpec: rank 0 is "auto" (Σ ranks, at most 64)."""
+    return MergeSpec.make(method, density=density, rank=rank or None, seed=seed)
+
+
+def saved_merge(entry: Mapping[str, Any] | None) -> MergeSpec:
+    """A preset's or saved desk's "merge"; none (saved before merge methods) or one that
+    no longer parses: linear."""
+    try:
+        return MergeSpec.from_dict(dict(entry)) if entry else LINEAR
+    except UserError:
+        return LINEAR
 
 
 def silenced(channels: Mapping[K, Channel], bypass: bool = False) -> set[K]:

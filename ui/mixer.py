@@ -28,17 +28,20 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSizePolicy,
     QSlider,
+    QSpinBox,
     QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from core.errors import UserError
+from core.lora import merge as M
 from core.lora.adapter import effective_scale
+from core.lora.merge import LINEAR, MergeSpec
 from core.settings import Settings
 
 from .bridge import EngineBridge
-from .desk import Channel, desk_mix, silenced
+from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
 from .util import ElidedLabel
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
@@ -284,6 +287,8 @@ class MixerPanel(QWidget):
         for b in buttons.values():
             presets.addWidget(b)
 
+        merge_row = self._merge_row()
+
         self.grid_host = QWidget()
         self.grid = QGridLayout(self.grid_host)
         self.grid.setContentsMargins(4, 4, 4, 4)
@@ -308,12 +313,14 @@ class MixerPanel(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(top)
         lay.addLayout(presets)
+        lay.addLayout(merge_row)
         lay.addWidget(scroll, 1)
 
         # Events from several threads can arrive out of order: always read the engine's
         # current state rather than the (possibly stale) payload.
         bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
+        bridge.mix_building.connect(self._mix_building)
         self._running: dict[int, set[int]] = {}  # request id -> adapter ids it uses
         bridge.request_started.connect(self._request_started)
         bridge.request_finished.connect(self._request_finished)
@@ -379,11 +386,85 @@ class MixerPanel(QWidget):
         else:
             self._reconcile(self.bridge.engine.get_mix())
 
+    # -- the merge method (#21) -------------------------------------------------------------
+    def _merge_row(self) -> QHBoxLayout:
+        """Method [combo], and density / rank / seed where the method uses them."""
+        self.method = QComboBox()
+        self.method.addItems(M.METHODS)
+        self.method.setToolTip(
+            "How the adapters combine: linear is the weighted sum (llama-server's); svd, "
+            "ties, dare_* and magnitude_prune build a merged adapter on first use"
+        )
+        self.density = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05)
+        self.density.setValue(M.DEFAULT_DENSITY)
+        self.density.setToolTip("Fraction of each adapter's weight change kept (trim / drop)")
+        self.rank = QSpinBox(minimum=0, maximum=M.MAX_RANK)
+        self.rank.setSpecialValueText("auto")
+        self.rank.setToolTip("Rank of the merged adapter (auto: the sum of ranks, at most 64)")
+        self.seed = QSpinBox(minimum=0, maximum=2**31 - 1)
+        self.seed.setToolTip("Seed of DARE's random drop: the same seed, the same merge")
+        self.merge_status = QLabel()
+        self.merge_status.setObjectName("hint")
+        self._merge_widgets = {"density": self.density, "rank": self.rank, "seed": self.seed}
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Method"))
+        row.addWidget(self.method)
+        self._merge_labels = {}
+        for name, w in self._merge_widgets.items():
+            label = self._merge_labels[name] = QLabel(name.capitalize())
+            row.addWidget(label)
+            row.addWidget(w)
+        row.addWidget(self.merge_status, 1)
+        self.method.currentTextChanged.connect(lambda _: self._merge_changed())
+        for w in self._merge_widgets.values():
+            w.valueChanged.connect(lambda _: self._merge_changed())
+        self._show_merge_fields()
+        return row
+
+    def merge_spec(self) -> MergeSpec:
+        """The desk's merge method as the engine takes it (ui.desk's rule)."""
+        return desk_merge(
+            self.method.currentText(), self.density.value(), self.rank.value(), self.seed.value()
+        )
+
+    def _show_merge_fields(self) -> None:
+        shown = merge_fields(self.method.currentText())
+        for name, w in self._merge_widgets.items():
+            w.setVisible(name in shown)
+            self._merge_labels[name].setVisible(name in shown)
+
+    def _set_merge(self, spec: MergeSpec | None) -> None:
+        """Show ``spec`` on the desk without applying it (a preset, a restore, the API)."""
+        spec = spec or LINEAR
+        widgets = (self.method, *self._merge_widgets.values())
+        for w in widgets:
+            w.blockSignals(True)
+        try:
+            self.method.setCurrentText(spec.method)
+            if spec.density is not None:
+                self.density.setValue(spec.density)
+            self.rank.setValue(spec.rank or 0)
+            if spec.seed is not None:
+                self.seed.setValue(spec.seed)
+        finally:
+            for w in widgets:
+                w.blockSignals(False)
+        self._show_merge_fields()
+
+    def _merge_changed(self) -> None:
+        self._show_merge_fields()
+        self._apply()
+
+    def _mix_building(self, progress: float, message: str) -> None:
+        """A merged mix's first build: its progress, then nothing once it is done."""
+        self.merge_status.setText("" if progress >= 1.0 else f"{message} · {progress:.0%}")
+
     # -- the desk across restarts and model reloads -----------------------------------
     def desk_state(self) -> dict[str, Any]:
         """What settings' "desk" keeps: bypass and each adapter by path, in order."""
         return {
             "bypass": self.bypass.isChecked(),
+            "merge": self.merge_spec().as_dict(),
             "adapters": [
                 {
                     "path": s.info.get("path", ""),
@@ -402,6 +483,7 @@ class MixerPanel(QWidget):
         entries = [e for e in desk.get("adapters", []) if e.get("path")]
         self._pending = {e["path"]: e for e in entries}
         self._pending_bypass = bool(desk.get("bypass"))
+        self._set_merge(saved_merge(desk.get("merge")))
         return [(e["path"], 0.0) for e in entries]
 
     def _restore_strip(self, strip: Strip) -> bool:
@@ -427,8 +509,9 @@ class MixerPanel(QWidget):
         return {aid: s.channel() for aid, s in self.strips.items()}
 
     def desk_mix(self) -> dict[int, float]:
-        """The engine scales implied by faders, mutes, solos and bypass (ui.desk's rule)."""
-        return desk_mix(self.channels(), self.bypass.isChecked())
+        """The engine scales implied by faders, mutes, solos and bypass (ui.desk's rule),
+        as a Mix carrying the desk's merge method."""
+        return desk_mix(self.channels(), self.bypass.isChecked(), self.merge_spec())
 
     def _apply(self, record: bool = True) -> None:
         if self._syncing:
@@ -454,6 +537,7 @@ class MixerPanel(QWidget):
     def snapshot(self) -> dict:
         return {
             "bypass": self.bypass.isChecked(),
+            "merge": self.merge_spec(),
             "strips": {
                 aid: (s.value, s.muted, s.solo.isChecked()) for aid, s in self.strips.items()
             },
@@ -481,6 +565,7 @@ class MixerPanel(QWidget):
         self._syncing = True
         try:
             self.bypass.setChecked(snap["bypass"])
+            self._set_merge(snap.get("merge"))
             for aid, (value, muted, solo) in snap["strips"].items():
                 if aid in self.strips:
                     self.strips[aid].set_value(value, notify=False)
@@ -513,6 +598,8 @@ class MixerPanel(QWidget):
             return True
         if bool(preset.get("bypass")) != self.bypass.isChecked():
             return False
+        if saved_merge(preset.get("merge")) != self.merge_spec():
+            return False
         for s in self.strips.values():
             e = self._entry_for(preset, s) or {}
             if Channel.from_entry(e) != s.channel():
@@ -530,6 +617,8 @@ class MixerPanel(QWidget):
     def _reconcile(self, mix: dict[int, float]) -> None:
         """Move the desk so that it implies ``mix`` (set from outside), keeping mute,
         solo and bypass where they still agree with it."""
+        if getattr(mix, "merge", None) is not None:
+            self._set_merge(mix.merge)  # the method set from outside (the API, the grid)
         mix = {aid: float(mix.get(aid, 0.0)) for aid in self.strips}
         self._syncing = True
         try:
@@ -576,6 +665,7 @@ class MixerPanel(QWidget):
     def preset_state(self) -> dict[str, Any]:
         return {
             "bypass": self.bypass.isChecked(),
+            "merge": self.merge_spec().as_dict(),
             "adapters": {
                 s.info["path"]: {
                     "name": s.info["name"],
@@ -604,7 +694,7 @@ class MixerPanel(QWidget):
         channels = {
             aid: Channel.from_entry(self._entry_for(preset, s)) for aid, s in self.strips.items()
         }
-        return desk_mix(channels, bool(preset.get("bypass")))
+        return desk_mix(channels, bool(preset.get("bypass")), saved_merge(preset.get("merge")))
 
     def save_preset(self, name: str) -> None:
         self.settings.presets.save(name, self.preset_state())
@@ -620,6 +710,7 @@ class MixerPanel(QWidget):
         self._syncing = True
         try:
             self.bypass.setChecked(bool(preset.get("bypass")))
+            self._set_merge(saved_merge(preset.get("merge")))
             missing = 0
             for s in self.strips.values():
                 e = self._entry_for(preset, s)

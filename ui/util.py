@@ -113,10 +113,13 @@ def is_model_gguf(path: str | Path) -> bool:
 
 
 def format_mix(mix, names: dict[int, str]) -> str:
-    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple."""
+    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple; a Mix or
+    MergedKey whose method builds a merged adapter adds it: '… · ties d=0.5'."""
     items = mix.items() if isinstance(mix, dict) else mix
     parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
-    return ", ".join(parts) if parts else "base model (no adapters)"
+    merge = getattr(mix, "merge", None)
+    how = f" · {merge.label()}" if parts and merge is not None and merge.builds else ""
+    return (", ".join(parts) if parts else "base model (no adapters)") + how
 
 
 class ElidedLabel(QLabel):

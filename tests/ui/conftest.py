@@ -26,9 +26,12 @@ def engine(smollm_path):
 
 @pytest.fixture
 def clean_engine(engine):
-    """The session engine with no adapters and an empty mix."""
+    """The session engine with no adapters and an empty, linear mix."""
+    from core.lora.merge import LINEAR
+
     for a in engine.adapters():
         engine.remove_adapter(a["id"])
+    engine.set_mix({}, merge=LINEAR)
     return engine
 
 

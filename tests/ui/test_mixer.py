@@ -121,3 +121,50 @@ def test_remove_adapter_removes_its_strip(loaded, qtbot):
     w.bridge.remove_adapter(ids["lora_ffn"])
     qtbot.waitUntil(lambda: len(w.mixer.strips) == 2, timeout=2000)
     assert ids["lora_ffn"] not in w.mixer.strips
+
+
+def test_merge_method_selector_drives_the_engine_and_presets_keep_it(loaded, qtbot):
+    """#21: the desk's method combo sets the engine mix's method, density/rank/seed show
+    only where the method uses them, and presets, undo, A/B compare's preset mix and a
+    method set through the API all follow."""
+    from core.lora.merge import MergeSpec
+    from core.lora.mix import Mix
+
+    w, ids = loaded, loaded.ids
+    m = w.mixer
+    attn, allq = ids["lora_attn"], ids["lora_all_q8"]
+    m.strips[attn].spin.setValue(0.8)
+    m.strips[allq].spin.setValue(0.6)
+
+    def shown():
+        return {n for n, wid in m._merge_widgets.items() if wid.isVisibleTo(m)}
+
+    assert m.method.currentText() == "linear" and shown() == set()
+    assert w.engine.get_mix().merge == MergeSpec.make("linear")
+    m.method.setCurrentText("ties")
+    assert shown() == {"density", "rank"}
+    assert w.engine.get_mix().merge == MergeSpec.make("ties")
+    m.density.setValue(0.3)
+    m.rank.setValue(16)
+    assert w.engine.get_mix().merge == MergeSpec.make("ties", density=0.3, rank=16)
+    m.method.setCurrentText("dare_linear")
+    m.seed.setValue(5)
+    dare = MergeSpec.make("dare_linear", density=0.3, rank=16, seed=5)
+    assert shown() == {"density", "rank", "seed"} and w.engine.get_mix().merge == dare
+    assert w.engine.get_mix()[attn] == pytest.approx(0.8)  # the faders are untouched
+
+    m.save_preset("dare")
+    m.method.setCurrentText("svd")
+    assert shown() == {"rank"} and not m.matches_preset("dare")
+    assert m.load_preset("dare")
+    assert m.method.currentText() == "dare_linear" and w.engine.get_mix().merge == dare
+    assert m.mix_for_preset("dare").merge == dare  # what A/B compare submits for that side
+
+    m.method.setCurrentText("linear")
+    assert m.undo() and m.method.currentText() == "dare_linear"
+    assert w.engine.get_mix().merge == dare
+
+    prune = MergeSpec.make("magnitude_prune", density=0.7)
+    w.engine.set_mix(Mix(w.engine.get_mix(), prune), source="api")
+    qtbot.waitUntil(lambda: m.method.currentText() == "magnitude_prune", timeout=5000)
+    assert m.density.value() == pytest.approx(0.7) and m.merge_spec() == prune
