@@ -10,6 +10,10 @@ line gives the ratio. Standalone (no other bench figures):
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import shutil
+import tempfile
 import time
 
 from core.lora.merge import MergeSpec
@@ -63,6 +67,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model")
     args = ap.parse_args()
+    # as bench.engine: a weight cache of the run's own, never the user's
+    tmp = tempfile.mkdtemp(prefix="mixdesk-bench-merge-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ["MIXDESK_CACHE"] = tmp
     path = args.model or ensure_default_model(log=lambda m: None)
     eng = Engine(ctx_size=256, n_parallel=1)
     eng.load_model(path)
