@@ -61,7 +61,8 @@ class Generation(QObject):
             self._raw_done.emit(ev)
             return
         if isinstance(ev, PromptProgressEvent):  # queued to the GUI thread (our thread)
-            self.prompt_progress.emit(ev.done, ev.total)
+            if not ev.start:  # the bar shows evaluated chunks (not the admission report)
+                self.prompt_progress.emit(ev.done, ev.total)
             return
         self.n_tokens += 1
         if ev.text:

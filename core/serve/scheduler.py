@@ -129,6 +129,7 @@ class PromptProgressEvent:
     total: int  # prompt tokens
     cache_n: int  # of which came from the prefix cache
     time_ms: float  # spent evaluating this prompt so far
+    start: bool = False  # the report at admission, before any chunk (llama-server's first)
     kind: str = "progress"
 
 
@@ -535,7 +536,7 @@ class Scheduler:
             seq = _Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids)
             self.active.append(seq)
             if req.progress:  # llama-server's first report: nothing evaluated yet
-                self._emit_progress(seq)
+                self._emit_progress(seq, start=True)
         except BaseException:
             if cache is not None and self.pool.holds(cache):
                 self.pool.release(cache, scrub=True)
@@ -606,10 +607,11 @@ class Scheduler:
         s.next_token = None
         return True
 
-    def _emit_progress(self, s: _Seq) -> None:
+    def _emit_progress(self, s: _Seq, start: bool = False) -> None:
         t = s.timings
         total = len(s.req.prompt)
-        self._emit(s, PromptProgressEvent(total - len(s.pending), total, t.cache_n, t.prompt_ms))
+        done = total - len(s.pending)
+        self._emit(s, PromptProgressEvent(done, total, t.cache_n, t.prompt_ms, start=start))
 
     def _emit(self, s: _Seq, ev: Event) -> None:
         try:

@@ -23,8 +23,12 @@ def test_engine_reports_each_prompt_chunk(clean_engine):
         evs = list(clean_engine.generate(_long_prompt(), params, cache_prompt=False, progress=True))
     finally:
         off()
-    prog = [e for e in evs if isinstance(e, PromptProgressEvent)]
+    start, *prog = [e for e in evs if isinstance(e, PromptProgressEvent)]
+    # the caller first hears of the admission (llama-server's first report: nothing
+    # evaluated yet), then of each chunk; listeners only of the chunks
+    assert start.start and (start.done, start.total, start.time_ms) == (0, LONG, 0.0)
     assert [(p.done, p.total) for p in prog] == [(PREFILL_CHUNK, LONG), (LONG, LONG)]
+    assert not any(p.start for p in prog)
     assert prog[0].cache_n == 0 and prog[1].time_ms >= prog[0].time_ms > 0
     assert isinstance(evs[-1], DoneEvent) and evs[-1].stop_type == "limit"
     relayed = [p for n, p in heard if n == "prompt_progress"]
