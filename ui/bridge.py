@@ -107,8 +107,8 @@ class EngineBridge(QObject):
     model_cancelled = Signal()  # the user's Cancel: the model in service stays
     adapters_changed = Signal(object)
     mix_changed = Signal(object, str)  # {id: scale}, source
-    request_started = Signal(object)
     mix_building = Signal(float, str)  # a merged mix's first build: progress 0..1, message
+    request_started = Signal(object)
     request_finished = Signal(object)
     adapter_added = Signal(int, str)  # id, path
     adapter_error = Signal(str, str)  # path, message
@@ -140,11 +140,11 @@ class EngineBridge(QObject):
                 self.adapter_error.emit(str(d.get("path", "")), str(d.get("error", "")))
         elif name == "mix_changed":
             self.mix_changed.emit(dict(payload.get("mix") or {}), str(payload.get("source", "")))
-        elif name == "request_started":
         elif name == "mix_building":
             self.mix_building.emit(
                 float(payload.get("progress", 0.0)), str(payload.get("message", ""))
             )
+        elif name == "request_started":
             self.request_started.emit(dict(payload))
         elif name == "request_finished":
             self.request_finished.emit(dict(payload))
