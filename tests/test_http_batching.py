@@ -13,10 +13,10 @@ import threading
 import aiohttp
 import pytest
 
-from core.http import ServerSettings, ServerThread
 from core.http.app import RELAY
 from core.serve.engine import Engine
 from core.serve.relay import LoopRelay, step_events
+from tests.serving import running_engine, serving
 
 N = 8  # concurrent requests, each its own mix
 N_PREDICT = 8
@@ -28,16 +28,13 @@ WAIT_S = 120
 
 @pytest.fixture(scope="module")
 def server(smollm_path, ref_dir):
-    eng = Engine(ctx_size=128, n_parallel=N, draft_max=0)
-    eng.load_model(smollm_path)
-    for name in ADAPTERS:
-        eng.add_adapter(ref_dir / "adapters" / name, scale=0.0)
-    eng.start()
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    srv.eng = eng
-    yield srv
-    srv.stop()
-    eng.stop()
+    adapters = [ref_dir / "adapters" / name for name in ADAPTERS]
+    with running_engine(
+        smollm_path, adapters=adapters, ctx_size=128, n_parallel=N, draft_max=0
+    ) as eng:
+        with serving(eng) as srv:
+            srv.eng = eng
+            yield srv
 
 
 def body(k: int, stream: bool) -> dict:

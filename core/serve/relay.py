@@ -83,14 +83,17 @@ class LoopRelay:
             items, self._items = self._items, []
             if not items:
                 return
+            # counted first: once handed over, a reader may see the events delivered
+            # (and a test read the counters) before this thread runs another line
+            self.wakeups += 1
+            self.delivered += len(items)
             try:
                 self.loop.call_soon_threadsafe(_dispatch, items)
-            except (RuntimeError, AttributeError):  # the loop is closed (or never bound)
-                lost = [f for _, _, f in items if f is not None]
-            else:
-                self.wakeups += 1
-                self.delivered += len(items)
                 return
+            except (RuntimeError, AttributeError):  # the loop is closed (or never bound)
+                self.wakeups -= 1
+                self.delivered -= len(items)
+                lost = [f for _, _, f in items if f is not None]
         for f in lost:  # outside the lock: a cancel may emit nothing, but be safe
             try:
                 f()
