@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 from core.lora.merge import MergeSpec
 from core.lora.mix import build_mix, mix_key
@@ -26,11 +27,13 @@ METHODS = (
 )
 
 
-def merge_lines(eng, ids: list[int]) -> list[str]:
-    """Build times of one mix of two adapters at 0.7/0.5: linear (best of 3, as it is
-    milliseconds) and each merge method (once: seconds, and what a user waits for)."""
+def merge_lines(eng, ids: list[int]) -> Iterator[str]:
+    """Build times of one mix of two adapters at 0.7/0.5, line by line as measured: linear
+    (best of 3, as it is milliseconds) and each merge method (once: seconds, and what a
+    user waits for)."""
     if len(ids) < 2:
-        return ["merge build: needs two adapters that fit this model (none here)"]
+        yield "merge build: needs two adapters that fit this model (none here)"
+        return
     scales = {ids[0]: 0.7, ids[1]: 0.5}
     adapters = {i: eng.adapter(i) for i in ids[:2]}
     cfg = eng.config
@@ -41,21 +44,20 @@ def merge_lines(eng, ids: list[int]) -> list[str]:
         linear.append(time.perf_counter() - t)
     base = min(linear)
     names = " + ".join(a.name for a in adapters.values())
-    lines = [f"merge build ({names}, {eng.path.name}): linear {base * 1e3:.1f} ms"]
+    yield f"merge build ({names}, {eng.path.name}): linear {base * 1e3:.1f} ms"
     for spec in METHODS:
         t = time.perf_counter()
         mw = build_mix(cfg, mix_key(scales, spec), adapters)
         took = time.perf_counter() - t
-        lines.append(
+        yield (
             f"  {spec.label():<22} {took:7.2f} s  ({took / base:,.0f}x linear; "
             f"merged adapter {mw.nbytes / 1e6:.1f} MB)"
         )
-    return lines
 
 
 def run(ctx) -> None:
     for line in merge_lines(ctx.eng, ctx.ids):
-        print(line)
+        print(line, flush=True)
 
 
 def main() -> None:
