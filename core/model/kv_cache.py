@@ -184,6 +184,12 @@ class KVPool:
         self._gen[slot] += 1
         return n
 
+    def read(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of a slot's first n keys and values, (L, n_kv, n, hd) each (a slot save:
+        the slot may be handed out again as soon as this returns)."""
+        cache = self._caches[slot]
+        return cache.k[:, :, :n].copy(), cache.v[:, :, :n].copy()
+
     def load(self, slot: int, tokens: list[int], k: np.ndarray, v: np.ndarray) -> int:
         """Put keys/values (L, n_kv, n, hd) of ``tokens`` into a free slot's first rows
         (a slot restore); returns the slot's new generation."""

@@ -214,10 +214,8 @@ def take_image(sched, slot: int) -> SlotImage:
     _free_slot(sched, slot)
     tokens = sched.pool.resident(slot)
     n = len(tokens)
-    cache = sched.pool._caches[slot]
     last = sched.slot_last[slot]
-    k = cache.k[:, :, :n].copy()  # (L, n_kv, n, hd)
-    v = cache.v[:, :, :n].copy()
+    k, v = sched.pool.read(slot, n)  # (L, n_kv, n, hd) each
     return SlotImage(tokens, k, v, last.mix if last is not None and n else ())
 
 
