@@ -686,3 +686,78 @@ def test_chat_prompt_requests_llama_server_refuses_are_400(server, extra, match)
         st, out = req(server, "POST", path, body)
         assert st == 400, (path, out)
         assert match in json.dumps(out)
+
+
+# ---- merge methods (#21) --------------------------------------------------------------
+
+
+def global_method(srv) -> dict:
+    st, body = req(srv, "GET", "/mixdesk/mix")
+    assert st == 200
+    return body
+
+
+def test_post_lora_object_form_sets_a_merge_method(server, greedy):
+    # svd to rank 4: a real merge (the stacked ranks truncated) that builds in
+    # milliseconds; ties & co. build the same way (tests/test_merge.py runs them)
+    merge = {"method": "svd", "rank": 4}
+    adapters = [{"id": 0, "scale": 0.9}, {"id": 2, "scale": 0.7}]
+    try:
+        assert req(server, "POST", "/lora-adapters", {"adapters": adapters, **merge}) == (
+            200,
+            {"success": True},
+        )
+        st, ads = req(server, "GET", "/lora-adapters")  # llama-server's listing, unchanged
+        assert st == 200 and [a["scale"] for a in ads] == [0.9, 0.0, 0.7]
+        assert all("method" not in a for a in ads)
+        assert global_method(server) == {
+            "adapters": [{"id": 0, "scale": 0.9}, {"id": 1, "scale": 0.0}, {"id": 2, "scale": 0.7}],
+            **merge,
+        }
+        body = greedy_body(greedy[0], 8)
+        st, under_global = req(server, "POST", "/completion", body)
+        assert st == 200
+        # the same merge as a request's own "lora" object: the same greedy tokens
+        st, per_request = req(
+            server, "POST", "/completion", {**body, "lora": {"adapters": adapters, **merge}}
+        )
+        assert st == 200 and per_request["tokens"] == under_global["tokens"]
+        # llama-server's list form moves the faders and keeps the method
+        assert req(server, "POST", "/lora-adapters", [{"id": 1, "scale": 0.5}])[0] == 200
+        assert global_method(server)["method"] == "svd"
+        assert global_scales(server) == [0.0, 0.5, 0.0]
+    finally:
+        req(server, "POST", "/lora-adapters", {"adapters": [], "method": "linear"})
+    assert global_method(server) == {
+        "adapters": [{"id": i, "scale": 0.0} for i in range(3)],
+        "method": "linear",
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"adapters": [{"id": 0, "scale": 1}], "method": "slerp"},
+        {"adapters": [{"id": 0, "scale": 1}], "method": "ties", "density": 0},
+        {"adapters": [{"id": 0, "scale": 1}], "method": "ties", "density": 1.01},
+        {"adapters": [{"id": 0, "scale": 1}], "method": "svd", "rank": -2},
+        {"adapters": [{"id": 0, "scale": 1}], "method": "ties", "densty": 0.5},  # unknown field
+        {"adapters": [{"id": 9, "scale": 1}], "method": "ties"},  # unknown adapter
+        {"method": "ties", "density": 0.5},  # no adapters
+        {"adapters": {"id": 0}, "method": "ties"},
+    ],
+)
+def test_bad_merge_fields_are_400_and_change_nothing(server, greedy, body):
+    dare = {"method": "dare_ties", "density": 0.5, "seed": 3, "majority_sign_method": "total"}
+    try:
+        assert req(
+            server, "POST", "/lora-adapters", {"adapters": [{"id": 1, "scale": 0.25}], **dare}
+        ) == (200, {"success": True})
+        before = global_method(server)
+        assert_400(*req(server, "POST", "/lora-adapters", body))
+        assert global_method(server) == before
+        # the same fields in a request's own "lora": a 400 too, and nothing runs
+        assert_400(*req(server, "POST", "/completion", {**greedy_body(greedy[0], 2), "lora": body}))
+        assert global_method(server) == before
+    finally:
+        req(server, "POST", "/lora-adapters", {"adapters": [], "method": "linear"})

@@ -238,6 +238,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     r.add_get("/models", models)
     r.add_get("/lora-adapters", get_lora)
     r.add_post("/lora-adapters", post_lora)
+    r.add_get("/mixdesk/mix", get_mixdesk_mix)
     r.add_post("/lora-adapters/load", lora_load)
     r.add_post("/lora-adapters/unload", lora_unload)
     r.add_post("/v1/load_lora_adapter", vllm_load)
@@ -734,6 +735,14 @@ async def post_lora(request: web.Request) -> web.Response:
     mix = eng.parse_mix(body, "lora-adapters")
     eng.set_mix(mix, source="http")
     return web.json_response({"success": True})
+
+
+async def get_mixdesk_mix(request: web.Request) -> web.Response:
+    """The global mix in POST /lora-adapters' object form: {"adapters": [{"id", "scale"}],
+    "method", and the method's parameters} (GET /lora-adapters stays llama-server's)."""
+    eng = _engine(request)
+    mix = eng.get_mix()
+    return web.json_response({"adapters": R.mix_to_lora(mix), **mix.merge.as_dict()})
 
 
 def _load_lock(app: web.Application) -> asyncio.Lock:
