@@ -1,10 +1,12 @@
 """The X/Y grid of mixes (issue #21): one prompt under every combination of two axes.
 
 An axis varies one thing over a list of values: the scale of one adapter
-(``scale``), a named mix (``preset``) or the sampling seed (``seed``). The cells
-are X × Y; each starts from a base mix (the desk's, unless given) and takes the
-preset of its column/row first, then the adapter scale, then the seed, so
-"preset × scale of adapter 2" means "each preset, with adapter 2 at each scale".
+(``scale``), a named mix (``preset``), the merge method (``method``: linear, ties,
+dare_ties, ... as core/lora/merge.py defines them) or the sampling seed (``seed``).
+The cells are X × Y; each starts from a base mix (the desk's, with its method,
+unless given) and takes the preset of its column/row first, then the adapter scale,
+then the method, then the seed, so "preset × scale of adapter 2" means "each
+preset, with adapter 2 at each scale".
 
 All cells are submitted with ``Engine.submit_many``: the scheduler admits them in
 the same step (up to its slot count; the rest wait in its queue and start as
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import UserError
+from .lora.merge import MergeSpec
+from .lora.mix import Mix
 from .options import is_finite_number
 from .serve.engine import LORA_SCALE_MAX
 from .serve.sampling import SamplingParams
@@ -33,9 +37,10 @@ from .serve.scheduler import DoneEvent, Event, Request
 
 MAX_CELLS = 64  # a grid is one batch (then waves): 64 sequences is already 8 waves of 8
 MAX_SEED = 2**31 - 1
-AXIS_KINDS = ("scale", "preset", "seed")
-# a cell applies its preset (a whole mix) first, then one adapter's scale, then the seed
-APPLY_ORDER = {"preset": 0, "scale": 1, "seed": 2}
+AXIS_KINDS = ("scale", "preset", "method", "seed")
+# a cell applies its preset (a whole mix) first, then one adapter's scale, then how
+# the adapters merge, then the seed
+APPLY_ORDER = {"preset": 0, "scale": 1, "method": 2, "seed": 3}
 
 
 class GridError(UserError):
@@ -47,7 +52,7 @@ class Axis:
     """What varies along one side of the grid, and over which values."""
 
     kind: str  # one of AXIS_KINDS
-    values: tuple  # floats (scale), preset names (preset), ints (seed)
+    values: tuple  # floats (scale), preset names (preset), MergeSpecs (method), ints (seed)
     adapter: int | None = None  # the adapter whose scale varies (kind "scale")
 
     def label(self, i: int, names: Mapping[int, str] | None = None) -> str:
@@ -57,6 +62,8 @@ class Axis:
             return f"{name} ×{float(v):g}"
         if self.kind == "seed":
             return f"seed {v}"
+        if self.kind == "method":
+            return merge_spec(v, "method").label()
         return str(v)
 
     def title(self, names: Mapping[int, str] | None = None) -> str:
@@ -99,7 +106,7 @@ class Cell:
     index: int  # row-major: y * columns + x
     x: int
     y: int
-    mix: dict[int, float]  # every loaded adapter's scale in this cell
+    mix: Mix  # every loaded adapter's scale in this cell, and its method (.merge)
     params: SamplingParams
     x_label: str
     y_label: str
@@ -137,6 +144,7 @@ class CellResult:
             "y_label": c.y_label,
             "lora": [{"id": a, "scale": s} for a, s in sorted(c.mix.items())],
             "mix": mix_text(c.mix, names or {}),
+            **({"merge": c.mix.merge.as_dict()} if c.mix.merge is not None else {}),
             "seed": c.params.seed,
             "content": self.text,
             "tokens_predicted": self.tokens,
@@ -147,10 +155,15 @@ class CellResult:
 
 
 def mix_text(mix: Mapping[int, float] | Sequence[tuple[int, float]], names: Mapping) -> str:
-    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple."""
+    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple; a mix
+    merged another way than a weighted sum says how: '... (ties d=0.5)'."""
     items = mix.items() if isinstance(mix, Mapping) else mix
     parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
-    return ", ".join(parts) if parts else "base model (no adapters)"
+    text = ", ".join(parts) if parts else "base model (no adapters)"
+    merge = getattr(mix, "merge", None)
+    if parts and merge is not None and merge.method != "linear":
+        text += f" ({merge.label()})"
+    return text
 
 
 # ---- parsing (the HTTP body's axes; the window builds Axis objects directly) ---------
@@ -158,7 +171,8 @@ def mix_text(mix: Mapping[int, float] | Sequence[tuple[int, float]], names: Mapp
 
 def parse_axis(obj: Any, what: str, adapters: Mapping[int, str]) -> Axis:
     """{"kind": "scale", "adapter": id or name, "values": [...]}, {"kind": "preset",
-    "values": [names]} or {"kind": "seed", "values": [ints]} -> a checked Axis.
+    "values": [names]}, {"kind": "method", "values": ["ties", {"method": "dare_ties",
+    "density": 0.3}, ...]} or {"kind": "seed", "values": [ints]} -> a checked Axis.
     ``adapters``: the loaded adapters, id -> name."""
     if not isinstance(obj, Mapping):
         raise GridError(f'{what} must be an object like {{"kind": "scale", "values": [...]}}')
@@ -171,7 +185,22 @@ def parse_axis(obj: Any, what: str, adapters: Mapping[int, str]) -> Axis:
     adapter = None
     if kind == "scale":
         adapter = resolve_adapter(obj.get("adapter"), f"{what}.adapter", adapters)
+    if kind == "method":
+        values = [merge_spec(v, f"{what}.values[{i}]") for i, v in enumerate(values)]
     return check_axis(Axis(kind, tuple(values), adapter), what, adapters)
+
+
+def merge_spec(value: Any, what: str) -> MergeSpec:
+    """A method by name ("ties") or as an object ({"method", "density", "rank", "seed",
+    "majority_sign_method"}, core/lora/merge.py) -> its MergeSpec; GridError if bad."""
+    if isinstance(value, MergeSpec):
+        return value
+    try:
+        if isinstance(value, Mapping):
+            return MergeSpec.from_dict(dict(value), what)
+        return MergeSpec.make(value)
+    except UserError as e:  # MergeError
+        raise GridError(f"{what}: {e}") from None
 
 
 def resolve_adapter(ref: Any, what: str, adapters: Mapping[int, str]) -> int:
@@ -213,6 +242,8 @@ def check_axis(axis: Axis, what: str, adapters: Mapping[int, str]) -> Axis:
             if not isinstance(v, str) or not v:
                 raise GridError(f"{what}: a preset must be named by a non-empty string, got {v!r}")
         return axis
+    if axis.kind == "method":
+        return replace(axis, values=tuple(merge_spec(v, what) for v in axis.values))
     raise GridError(f"{what}.kind must be one of {', '.join(AXIS_KINDS)}, got {axis.kind!r}")
 
 
@@ -289,22 +320,26 @@ def cells(
     spec: GridSpec, current: Mapping[int, float], names: Mapping[int, str] | None = None
 ) -> list[Cell]:
     """The X × Y cells, row-major. ``current``: the mix to start from when the spec has
-    no base (the engine's global mix): every loaded adapter, by id. ``names`` (adapter
-    id -> name) name the adapters in the cells' axis labels."""
+    no base (the engine's global mix): every loaded adapter, by id, and its method as
+    ``.merge`` (a core.lora.mix.Mix), which cells keep unless a method axis says
+    otherwise. ``names`` (adapter id -> name) name the adapters in the axis labels."""
     base = dict(spec.base if spec.base is not None else current)
+    base_merge = getattr(current, "merge", None) if spec.base is None else None
     cols, rows = spec.shape
     out = []
     for j in range(rows):
         for i in range(cols):
-            mix, params = dict(base), spec.params
+            mix, merge, params = dict(base), base_merge, spec.params
             picks = [(spec.x, i)] + ([(spec.y, j)] if spec.y else [])
-            # presets first (a whole mix), then one adapter's scale, then the seed
+            # presets first (a whole mix), then one adapter's scale, the method, the seed
             for axis, k in sorted(picks, key=lambda p: APPLY_ORDER[p[0].kind]):
                 v = axis.values[k]
                 if axis.kind == "preset":
                     mix = {a: spec.presets[v].get(a, 0.0) for a in base}
                 elif axis.kind == "scale":
                     mix[axis.adapter] = float(v)
+                elif axis.kind == "method":
+                    merge = merge_spec(v, "method")
                 else:
                     params = replace(params, seed=int(v))
             out.append(
@@ -312,7 +347,7 @@ def cells(
                     j * cols + i,
                     i,
                     j,
-                    mix,
+                    Mix(mix, merge),
                     params,
                     spec.x.label(i, names),
                     spec.y.label(j, names) if spec.y else "",

@@ -360,3 +360,69 @@ def test_http_grid_client_disconnect_cancels_every_cell(server, eng):
         unsubscribe()
     assert [f["stop_type"] for f in finished] == ["cancel"] * 4
     assert all(f["predicted_n"] < 200 for f in finished)
+
+
+# ---- the merge method as an axis -------------------------------------------------------------
+
+
+def test_method_axis_cells_carry_their_merge_spec(names):
+    from core.lora.merge import MergeSpec
+
+    body = {
+        "prompt": "x",
+        "x": {"kind": "method", "values": ["linear", {"method": "ties", "density": 0.3}]},
+        "y": {"kind": "scale", "adapter": 1, "values": [0.5, 1]},
+    }
+    spec = G.parse_spec(body, greedy(), names)
+    cells = G.cells(spec, {0: 1.0, 1: 0.0}, names)
+    assert [c.mix.merge for c in cells] == [
+        MergeSpec.make("linear"),
+        MergeSpec.make("ties", density=0.3),
+    ] * 2
+    assert [dict(c.mix) for c in cells[2:]] == [{0: 1.0, 1: 1.0}] * 2
+    assert cells[1].x_label == "ties d=0.3"
+    assert G.mix_text(cells[1].mix, names) == "lora_attn ×1.00, lora_ffn ×0.50 (ties d=0.3)"
+    for bad, message in (
+        (["mean"], "merge method must be one of"),
+        ([{"method": "ties", "density": 2}], "density must be a number in (0, 1]"),
+        ([{"method": "ties", "colour": 1}], "unknown field"),
+    ):
+        with pytest.raises(G.GridError, match=message.replace("(", r"\(").replace("]", r"\]")):
+            G.parse_spec({**body, "x": {"kind": "method", "values": bad}}, greedy(), names)
+
+
+def test_method_axis_runs_each_cell_merged_as_that_mix_alone(eng):
+    from core.lora.mix import MergedKey
+
+    spec = G.GridSpec(
+        G.Axis("method", ("linear", "ties")),
+        None,
+        greedy(4),
+        messages=MESSAGES,
+        base={0: 1.0, 1: 1.0},
+    )
+    run, results = G.run_grid(eng, spec, timeout=600)
+    linear, ties = run.requests
+    assert not isinstance(linear.mix, MergedKey) and linear.mix == ((0, 1.0), (1, 1.0))
+    assert isinstance(ties.mix, MergedKey) and ties.mix.merge.method == "ties"
+    alone = eng.complete(G.encode(eng, spec), results[1].cell.params, mix=results[1].cell.mix)
+    assert alone.mix == ties.mix and alone.content == results[1].text
+
+
+def test_http_method_axis_reports_each_cells_merge(server):
+    body = {
+        **GRID_BODY,
+        "n_predict": 2,
+        "lora": [{"id": 0, "scale": 1}, {"id": 1, "scale": 1}],
+        # cat stacks the ranks (nothing to build): cheap, and a method of its own
+        "x": {"kind": "method", "values": ["linear", {"method": "cat"}]},
+        "y": None,
+    }
+    st, out = run_async(post(server, body))
+    assert st == 200, out
+    assert [c["merge"] for c in out["cells"]] == [{"method": "linear"}, {"method": "cat"}]
+    assert out["x"]["values"] == [{"method": "linear"}, {"method": "cat"}]
+    assert out["x"]["labels"] == ["linear", "cat"]
+    assert out["cells"][1]["mix"] == "lora_attn ×1.00, lora_ffn ×1.00 (cat)"
+    # the same reply: cat is the weighted sum with the ranks stacked
+    assert out["cells"][0]["content"] == out["cells"][1]["content"]

@@ -1,8 +1,8 @@
 """The X/Y grid tab (issue #21): one prompt under X × Y mixes, all submitted at once so
 the engine runs them as one batch, streaming into a grid of cards.
 
-Each axis varies the scale of one adapter, a preset, or the seed, over the values
-typed in its field. The cells, their validation and the exports are core/grid.py's;
+Each axis varies the scale of one adapter, a preset, the merge method or the seed,
+over the values typed in its field. The cells, their validation and the exports are core/grid.py's;
 this pane only builds the spec from its widgets, submits the cells through
 ``EngineBridge.chat_many`` (the A/B compare path) and shows them.
 """
@@ -38,16 +38,24 @@ from .mixer import MixerPanel
 from .sampling import SamplingForm
 
 NONE = "(none)"
-KINDS = {"Scale of": "scale", "Preset": "preset", "Seed": "seed"}
-DEFAULTS = {"scale": "0, 0.25, 0.5, 0.75, 1", "seed": "1, 2", "preset": ""}
+KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
+DEFAULTS = {
+    "scale": "0, 0.25, 0.5, 0.75, 1",
+    "seed": "1, 2",
+    "preset": "",
+    "method": "linear, ties, dare_ties",
+}
 
 
 def parse_values(kind: str, text: str) -> tuple:
     """The values typed in an axis field: comma-separated numbers (scale), integers
-    (seed) or preset names. Bad numbers are a GridError naming them."""
+    (seed), preset names or merge methods (each at its default density and rank).
+    Bad values are a GridError naming them."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if kind == "preset":
         return tuple(items)
+    if kind == "method":
+        return tuple(G.merge_spec(t, "method") for t in items)
     out = []
     for t in items:
         try:
@@ -157,7 +165,7 @@ class Card(QFrame):
         self.meta.setWordWrap(True)
         self.use = QPushButton("Use this mix")
         self.use.setToolTip("Put this cell's mix on the desk")
-        self.use.clicked.connect(lambda: self.use_mix.emit(dict(self.cell.mix)))
+        self.use.clicked.connect(lambda: self.use_mix.emit(self.cell.mix))  # with its method
         # the numbers on a line of their own: in a narrow card they would squeeze the button
         bottom = QHBoxLayout()
         bottom.addStretch(1)

@@ -2,8 +2,10 @@
 
 Body: the prompt (``"messages"`` for chat, or ``"prompt"`` raw text), llama-server's
 sampling fields (``n_predict``, ``temperature``, ``seed``, ...), an ``"x"`` axis, an
-optional ``"y"`` axis, optional ``"presets"`` (named mixes for a preset axis), an
-optional ``"lora"`` base mix and ``"stream"``::
+optional ``"y"`` axis (each ``{"kind": "scale" | "preset" | "method" | "seed",
+"values": [...]}``, a scale axis with its ``"adapter"`` id or name), optional
+``"presets"`` (named mixes for a preset axis), an optional ``"lora"`` base mix and
+``"stream"``::
 
     {"messages": [{"role": "user", "content": "Hi"}], "n_predict": 16, "temperature": 0,
      "x": {"kind": "scale", "adapter": 0, "values": [0, 0.5, 1]},
@@ -46,7 +48,8 @@ from .security import DISCONNECTED
 def _axis_json(axis: G.Axis | None, names: dict[int, str]) -> dict | None:
     if axis is None:
         return None
-    out = {"kind": axis.kind, "values": list(axis.values)}
+    values = [v.as_dict() for v in axis.values] if axis.kind == "method" else list(axis.values)
+    out = {"kind": axis.kind, "values": values}
     if axis.adapter is not None:
         out["adapter"] = axis.adapter
     out["labels"] = [axis.label(i, names) for i in range(len(axis.values))]

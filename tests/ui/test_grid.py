@@ -7,6 +7,9 @@ import csv
 
 from PySide6.QtGui import QImage
 
+from core.lora.merge import MergeSpec
+from core.lora.mix import Mix
+
 
 def test_grid_tab_runs_cards_fill_and_use_this_mix(loaded, qtbot, greedy, tmp_path):
     w, ids = loaded, loaded.ids
@@ -25,7 +28,14 @@ def test_grid_tab_runs_cards_fill_and_use_this_mix(loaded, qtbot, greedy, tmp_pa
     assert "6 cells (3 × 2)" in g.status.text()
     # one submit_many: the six requests were announced together, with their own mixes
     assert len(started) == 6
-    assert sorted(e["mix"].get(ids["lora_attn"], 0.0) for e in started) == [0.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    assert sorted(e["mix"].get(ids["lora_attn"], 0.0) for e in started) == [
+        0.0,
+        0.0,
+        0.5,
+        0.5,
+        1.0,
+        1.0,
+    ]
     for card in g.cards:
         assert card.done.stop_type == "limit" and len(card.done.tokens) == 4
         assert card.reply.text() == card.done.content and card.text
@@ -43,6 +53,11 @@ def test_grid_tab_runs_cards_fill_and_use_this_mix(loaded, qtbot, greedy, tmp_pa
     assert w.engine.get_mix() == card.cell.mix
     assert w.mixer.strips[ids["lora_attn"]].value == 1.0
     assert w.mixer.undo() and w.mixer.desk_mix() == before
+    # a cell of a method axis carries its method to the desk's selector too
+    g.use_mix(Mix({ids["lora_ffn"]: 0.5}, MergeSpec.make("ties", density=0.3)))
+    assert w.mixer.merge_spec() == MergeSpec.make("ties", density=0.3)
+    assert w.engine.get_mix().merge == MergeSpec.make("ties", density=0.3)
+    assert w.mixer.undo() and w.mixer.merge_spec().method == "linear"
 
     # exports: Markdown (a row per cell), CSV (parses back), PNG (an image of the grid)
     md = g.export("md", tmp_path / "grid.md").read_text(encoding="utf-8")
@@ -65,6 +80,9 @@ def test_grid_tab_refuses_a_bad_grid_with_a_message(loaded, qtbot):
     g.x.set_axis("preset", "no such preset")
     assert not g.run("Hi")
     assert "unknown preset 'no such preset'" in g.status.text()
+    g.x.set_axis("method", "linear, mean")
+    assert not g.run("Hi")
+    assert "merge method must be one of" in g.status.text()
     g.x.set_axis("seed", ", ".join(str(i) for i in range(9)))
     g.y.set_axis("seed", "1")
     assert not g.run("Hi")
