@@ -59,6 +59,9 @@ class ExportWorker(Worker):
             raise ValueError(f"unknown export kind {kind!r}")
         super().__init__(self._export, name="mixdesk-export")
         self.engine, self.kind, self.adapters = engine, kind, adapters
+        # the global mix's merge method now, with its scales: a merged mix exports as
+        # its merged adapter (#21)
+        self.merge = engine.get_mix().merge
         self.out, self.outtype = Path(out), outtype
         self.what = WHAT[kind] + (f" ({outtype})" if kind == "merged" else "")
 
@@ -73,12 +76,21 @@ class ExportWorker(Worker):
     def _export(self):
         self.check()
         if self.kind == "lora":
-            return export_lora(self.engine, self.adapters, self.out, progress=self._progress)
+            return export_lora(
+                self.engine, self.adapters, self.out, progress=self._progress, merge=self.merge
+            )
         if self.kind == "merged":
             return export_merged(
-                self.engine, self.adapters, self.out, outtype=self.outtype, progress=self._progress
+                self.engine,
+                self.adapters,
+                self.out,
+                outtype=self.outtype,
+                progress=self._progress,
+                merge=self.merge,
             )
-        return export_peft(self.engine, self.adapters, self.out, progress=self._progress)
+        return export_peft(
+            self.engine, self.adapters, self.out, progress=self._progress, merge=self.merge
+        )
 
 
 class MixExporter(QObject):
