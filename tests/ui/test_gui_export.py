@@ -191,3 +191,32 @@ def test_cancel_while_writing_leaves_nothing(loaded, tmp_path, kind, name, at):
     worker._run()  # on this thread
     assert outcome == ["cancelled"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_a_merged_desk_mix_is_its_merged_adapter(loaded, qtbot, tmp_path, save_to):
+    """#21: with a merge method on the desk, File → Export writes the merged adapter the
+    mix runs with (svd to rank 4 here: it builds in milliseconds; tests/test_merge.py
+    exports ties and dare_ties): same logits as the live merged mix, at rank 4."""
+    w = loaded
+    desk(w, attn=0.6, ffn=-0.4, allq=1.0)
+    w.mixer.method.setCurrentText("svd")
+    w.mixer.rank.setValue(4)
+    mix = w.engine.get_mix()
+    assert mix.merge.method == "svd" and mix.merge.rank == 4
+    out = tmp_path / "merged_mix.gguf"
+    save_to(out)
+    # a generous wait: building 210 modules' merge is seconds, minutes on a loaded machine
+    with qtbot.waitSignal(w.exporter.finished, timeout=600000) as blocker:
+        w.exporter.actions["lora"].trigger()
+    assert blocker.args[0] is not None and out.is_file()
+    eng = w.engine
+    ad = load_adapter(out, eng.config)
+    assert ad.rank == 4
+    tokens = eng.tokenizer.encode(PROMPT)
+    aid = eng.add_adapter(out, scale=0.0)
+    try:
+        np.testing.assert_allclose(
+            logits(eng, {aid: 1.0}, tokens), logits(eng, mix, tokens), atol=2e-3, rtol=0
+        )
+    finally:
+        eng.remove_adapter(aid)
