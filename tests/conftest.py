@@ -128,6 +128,16 @@ def smollm_meta(smollm_path) -> dict:
     return GGUFFile(smollm_path).metadata
 
 
+@pytest.fixture
+def forget_calibration():
+    """A small-batch choice stored by an earlier load of the same shapes skips the
+    products' timing (core/model/linear.py): a test that needs a load that times (its
+    progress, a Cancel during it) asks for this."""
+    from core.paths import cache_dir
+
+    (cache_dir() / "calibration.json").unlink(missing_ok=True)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MIXDESK_HOME", str(tmp_path_factory.mktemp("mixdesk_home")))

@@ -15,24 +15,19 @@ from core.chat_template import (
     resolve_template_arg,
 )
 from core.cli import parse_args
-from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 
 @pytest.fixture(scope="module")
 def eng(smollm_path):
-    e = Engine(ctx_size=256, n_parallel=1)
-    e.load_model(smollm_path)
-    e.start()
-    yield e
-    e.stop()
+    with running_engine(smollm_path, ctx_size=256, n_parallel=1) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
 def server(eng):
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(eng) as srv:
+        yield srv
 
 
 def complete(server, **body):

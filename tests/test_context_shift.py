@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 from test_http_api import req
 
-from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 CTX = 32
 N = 20  # tokens generated: one context shift, after CTX - prompt of them
@@ -20,18 +19,16 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived an old fi
 
 @pytest.fixture(scope="module")
 def eng(smollm_path):
-    e = Engine(ctx_size=CTX, n_parallel=1, draft_max=0, context_shift=True)
-    e.load_model(smollm_path)
-    e.start()
-    yield e
-    e.stop()
+    with running_engine(
+        smollm_path, ctx_size=CTX, n_parallel=1, draft_max=0, context_shift=True
+    ) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
 def server(eng):
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(eng) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from core.model.llama import BatchItem
 from core.options import EngineOptions
 from core.serve.embeddings import EmbeddingError, EmbeddingOptions, normalize
 from core.serve.engine import Engine
+from tests.serving import running_engine, serving
 
 TEXT = "I believe the meaning of life is"
 UBATCH = 64
@@ -30,19 +31,20 @@ UBATCH = 64
 
 @pytest.fixture(scope="module")
 def eng(smollm_path, ref_dir):
-    e = Engine(ctx_size=128, n_parallel=2, embeddings=EmbeddingOptions(True, "mean", UBATCH))
-    e.load_model(smollm_path)
-    e.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.0)
-    e.start()
-    yield e
-    e.stop()
+    with running_engine(
+        smollm_path,
+        adapters=[ref_dir / "adapters" / "lora_attn.gguf"],
+        ctx_size=128,
+        n_parallel=2,
+        embeddings=EmbeddingOptions(True, "mean", UBATCH),
+    ) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
 def server(eng):
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(eng) as srv:
+        yield srv
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ BRIDGE_KEYS = {  # what ui/bridge.py and tests/test_reload.py read from each pay
     "model_error": {"path", "error", "cancelled"},
     "adapters_changed": {"adapters"},
     "adapters_dropped": {"dropped"},
-    "mix_changed": {"mix", "source"},
+    "mix_changed": {"mix", "source", "merge"},
     "request_started": {"id", "source", "mix", "prompt_n"},
     "request_finished": {"id", "source", "stop_type", "predicted_n", "timings", "error"},
 }

@@ -19,8 +19,8 @@ import pytest
 
 from core import grid as G
 from core.http import ServerSettings, ServerThread
-from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
+from tests.serving import running_engine, serving
 
 CTX = 256
 N = 6  # tokens per cell
@@ -29,20 +29,15 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def eng(smollm_path, ref_dir):
-    e = Engine(ctx_size=CTX, n_parallel=8)
-    e.load_model(smollm_path)
-    for name in ("lora_attn.gguf", "lora_ffn.gguf"):
-        e.add_adapter(ref_dir / "adapters" / name, scale=0.0)
-    e.start()
-    yield e
-    e.stop()
+    adapters = [ref_dir / "adapters" / n for n in ("lora_attn.gguf", "lora_ffn.gguf")]
+    with running_engine(smollm_path, adapters=adapters, ctx_size=CTX, n_parallel=8) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
 def server(eng):
-    srv = ServerThread(eng, ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(eng) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

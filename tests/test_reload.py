@@ -114,16 +114,7 @@ def test_an_adapter_file_deleted_before_the_reload_becomes_a_dropped_entry(engin
 # -- the load's progress and Cancel (issue #17 item 7) ------------------------------
 
 
-def forget_calibration() -> None:
-    """A small-batch choice stored by an earlier load of these shapes skips the
-    products' timing (core/model/linear.py): these tests need a load that times."""
-    from core.paths import cache_dir
-
-    (cache_dir() / "calibration.json").unlink(missing_ok=True)
-
-
-def test_progress_never_says_done_before_the_model_is_in_service(engine, files):
-    forget_calibration()
+def test_progress_never_says_done_before_the_model_is_in_service(engine, files, forget_calibration):
     seen = []
     engine.load_model(files["three"], progress=lambda f, m: seen.append((f, m)))
     fracs = [f for f, _ in seen]
@@ -136,7 +127,7 @@ def test_progress_never_says_done_before_the_model_is_in_service(engine, files):
     assert len(timing) > 3 and timing[-1] > 0.9
 
 
-def test_cancel_during_the_products_timing_is_honoured(engine, files):
+def test_cancel_during_the_products_timing_is_honoured(engine, files, forget_calibration):
     """Before: Cancel after the weights was ignored and the load went on for ~10 s."""
     a = engine.add_adapter(files["l0"], scale=0.5)
     cancel = threading.Event()
@@ -145,7 +136,6 @@ def test_cancel_during_the_products_timing_is_honoured(engine, files):
         if "timing" in msg:
             cancel.set()  # the user presses Cancel while the bar is past the weights
 
-    forget_calibration()
     with pytest.raises(LoadCancelled):
         engine.load_model(files["two"], progress=progress, cancel=cancel)
     assert engine.path == files["three"] and engine.config.n_layers == 3

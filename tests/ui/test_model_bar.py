@@ -30,7 +30,7 @@ def test_bad_model_file_shows_error_and_keeps_the_old_model(window, qtbot, tmp_p
 
 
 def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
-    loaded, qtbot, smollm_path, tmp_path
+    loaded, qtbot, smollm_path, tmp_path, forget_calibration
 ):
     """Before: the bar showed "loaded from cache 100%" ~10 s before the end, and Cancel
     pressed then was ignored (the new model replaced the old one anyway)."""
