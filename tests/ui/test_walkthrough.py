@@ -192,10 +192,14 @@ def test_mixing_in_five_minutes(app_window, qtbot, tmp_path, monkeypatch):
     w.server.toggle.click()
     qtbot.waitUntil(lambda: w.server.running, timeout=10000)
     url = w.server.base_url()
-    assert in_thread(qtbot, curl_post, url + "/lora-adapters", '[{"id":0,"scale":0.8}]')
-    assert ids["hype"] == 0  # adapters load in alphabetical order: id 0 is hype
-    hype = w.mixer.strips[0]
-    qtbot.waitUntil(lambda: hype.spin.value() == pytest.approx(0.8), timeout=5000)
-    assert hype.slider.value() == int(0.8 * TICKS)
-    assert nonzero(w.engine.get_mix()) == {0: 0.8}  # llama-server's rule: unlisted ids go to 0
-    assert w.mixer.strips[ids["pirate"]].spin.value() == 0.0
+    # adapters load in alphabetical order, as the README says: hype 0, pirate 1, terse 2
+    assert ids == {"hype": 0, "pirate": 1, "terse": 2}
+    body = '[{"id":1,"scale":0.8},{"id":0,"scale":0.5}]'
+    assert in_thread(qtbot, curl_post, url + "/lora-adapters", body)
+    pirate, hype = w.mixer.strips[1], w.mixer.strips[0]
+    qtbot.waitUntil(lambda: pirate.spin.value() == pytest.approx(0.8), timeout=5000)
+    assert pirate.slider.value() == int(0.8 * TICKS)
+    qtbot.waitUntil(lambda: hype.spin.value() == pytest.approx(0.5), timeout=5000)
+    # llama-server's rule: ids the list leaves out go to 0
+    assert nonzero(w.engine.get_mix()) == {1: 0.8, 0: 0.5}
+    assert w.mixer.strips[ids["terse"]].spin.value() == 0.0
