@@ -235,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--tags", help="comma-separated tags listed in /v1/models (informative)")
     s.add_argument(
-        "--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)"
+        "--cors-origins",
+        default="",
+        help="comma-separated origins allowed by CORS; 'localhost' means any loopback "
+        "origin on any port, '*' any origin (default: none)",
     )
     s.add_argument("--verbose", "-v", action="store_true", help="log prompts and responses")
     s.add_argument(

@@ -27,7 +27,7 @@ DEFAULT_PORT = 8080
 DEFAULT_CTX = 4096  # -c/--ctx-size; 0: the model's training context
 DEFAULT_PARALLEL = 4  # -np/--parallel: sequences batched at once
 DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
-DEFAULT_UBATCH = 512  # -ub/--ubatch-size: the most tokens of one embedding input
+DEFAULT_UBATCH = 512  # -ub/--ubatch-size: prompt tokens per step, the most of one embedding input
 DEFAULT_BATCH = 2048  # -b/--batch-size: llama-server's; the physical batch is at most this
 BIG = 1e300  # past this an int overflows math.isfinite() itself
 
@@ -56,7 +56,9 @@ class EngineOptions:
     chat_defaults: ChatDefaults | None = None  # None: chat_template.DEFAULT_CHAT
     embedding: bool = False  # --embedding: serve /embedding and /v1/embeddings
     pooling: str | None = None  # --pooling; None: the model's own (else none)
-    ubatch_size: int = DEFAULT_UBATCH  # tokens of one embedding input, at most
+    # the physical batch, min(-b, -ub): prompt tokens per sequence per step, and the
+    # most tokens of one embedding input
+    ubatch_size: int = DEFAULT_UBATCH
     context_shift: bool = False  # --context-shift: a full context drops old tokens
 
     @classmethod

@@ -103,3 +103,15 @@ def test_several_completions_carry_the_fields_of_one(server):
                  for p in e.get("completion_probabilities", [])]  # fmt: skip
         assert [p["id"] for p in probs] == [p["id"] for p in one["completion_probabilities"]]
         assert all("prob" in p for p in probs)
+
+
+def test_stream_chunks_name_the_slot_they_run_in(server):
+    """llama-server's stream chunks carry the slot's id_slot, not -1 (test_stream.py)."""
+    events = sse_events(
+        server,
+        "/completion",
+        {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0, "stream": True},
+    )
+    *tokens, last = events
+    assert tokens and last["stop"] is True and last["id_slot"] == 0  # -np 1: slot 0
+    assert [e["id_slot"] for e in tokens] == [0] * len(tokens)

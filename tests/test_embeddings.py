@@ -21,7 +21,7 @@ from core.cli import parse_args
 from core.http import ServerSettings, ServerThread
 from core.model.llama import BatchItem
 from core.options import EngineOptions
-from core.serve.embeddings import EmbeddingError, EmbeddingOptions, normalize
+from core.serve.embeddings import EmbeddingError, EmbeddingOptions, normalize, packed
 from core.serve.engine import Engine
 from tests.serving import running_engine, serving
 
@@ -107,6 +107,8 @@ def test_inputs_beyond_one_forward_are_split_across_forwards(eng):
     """Inputs are packed into forwards of at most --ubatch-size rows: 5 inputs of 20
     tokens under a 64-row batch take 2 forwards and still match one by one."""
     ids = [list(range(100 + 20 * i, 120 + 20 * i)) for i in range(5)]
+    assert [len(g) for g in packed(ids, UBATCH)] == [3, 2]
+    assert [len(g) for g in packed([[1] * UBATCH, [2], [3] * UBATCH], UBATCH)] == [1, 1, 1]
     together = eng.embed(ids).result()
     assert [h.shape[0] for h in together] == [20] * 5
     for one, h in zip(ids, together):
@@ -362,3 +364,22 @@ def test_the_files_pooling_type_is_the_default(tmp_path):
     bad = {"llama.pooling_type": (9, GGUFValueType.UINT32)}
     with pytest.raises(UserError, match="pooling_type must be an integer from 0 to 4"):
         open_model_file(write_tiny_llama(tmp_path / "bad.gguf", kv=bad))
+
+
+def test_metrics_count_embedding_prompts(eng):
+    """As llama-server's /metrics: an embedding samples no token, but its prompt is
+    counted in prompt_tokens_total and its forwards in n_decode_total."""
+    from test_http_endpoints import parse_metrics
+
+    with serving(eng, metrics=True) as srv:
+        st, before = req(srv, "GET", "/metrics")
+        m0 = parse_metrics(before)
+        _, out = oai(srv, {"input": ["hello world", "goodbye world"]})
+        st, after = req(srv, "GET", "/metrics")
+    assert st == 200
+    m1 = parse_metrics(after)
+    grew = lambda name: m1[f"llamacpp:{name}"][1] - m0[f"llamacpp:{name}"][1]  # noqa: E731
+    assert grew("prompt_tokens_total") == out["usage"]["prompt_tokens"] > 0
+    assert grew("n_decode_total") == 1  # both inputs in one forward
+    assert grew("tokens_predicted_total") == 0
+    assert m1["llamacpp:prompt_seconds_total"][1] > 0

@@ -100,3 +100,28 @@ def test_timings_per_token_puts_the_timings_so_far_in_each_report(server):
     assert all(
         v is not None and v >= 0 for e in events[: len(progress)] for v in e["timings"].values()
     )
+
+
+def test_batch_size_flag_sets_the_prompt_chunk(smollm_path):
+    """-b / -ub are llama-server's physical batch, min(-b, -ub): a prompt is evaluated
+    in chunks of that many tokens, one progress report each (as upstream's
+    test_return_progress counts them)."""
+    from core.cli import parse_args
+    from core.options import EngineOptions
+
+    args = parse_args(["--headless", "-m", str(smollm_path), "-b", "4", "-c", "256", "-np", "1"])
+    eng = EngineOptions.from_args(args).engine()
+    eng.load_model(smollm_path)
+    eng.start()
+    srv = ServerThread(eng, ServerSettings(port=0)).start()
+    try:
+        body = {"prompt": PROMPT, "n_predict": 1, "stream": True, "return_progress": True}
+        progress, rest = progress_of(sse_events(srv, "/completion", body))
+        total = rest[-1]["timings"]["prompt_n"]
+        assert total > 8  # three chunks of 4 at least
+        check(progress, total, cache=0)
+        done = [p["processed"] for p in progress[1:]]
+        assert done == [min(total, 4 * (i + 1)) for i in range(-(-total // 4))]
+    finally:
+        srv.stop()
+        eng.stop()

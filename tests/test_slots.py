@@ -155,3 +155,57 @@ def test_without_slot_save_path_actions_answer_501(smollm_path):
     finally:
         srv.stop()
         eng.stop()
+
+
+async def _save_while_busy(srv, n_predict):
+    """Start a streamed request in slot 1, ask to save slot 1 once its first token has
+    arrived (the slot is busy), finish reading the stream; the save's answer."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    body = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            srv.url + "/completion", json={**body, "id_slot": 1, "stream": True}
+        ) as r:
+            first = await r.content.readline()
+            assert first.startswith(b"data: ")
+            save = asyncio.create_task(
+                s.post(srv.url + "/slots/1?action=save", json={"filename": "busy.bin"})
+            )
+            last = None
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    last = json.loads(line[6:])
+        resp = await save
+        return resp.status, await resp.json(), last
+
+
+def test_saving_a_busy_slot_waits_for_its_request(server):
+    """llama-server defers a slot action until the slot is idle: the save holds the
+    whole request, never a half-written slot, and is not refused."""
+    import asyncio
+
+    st, saved, last = asyncio.run(_save_while_busy(server, n_predict=24))
+    assert last["stop"] is True and last["id_slot"] == 1
+    assert st == 200, saved
+    assert saved["n_saved"] == last["tokens_evaluated"] + 24 - 1
+
+
+def test_a_slot_busy_past_the_wait_is_409(smollm_path, tmp_path):
+    import asyncio
+
+    eng = Engine(ctx_size=256, n_parallel=2)
+    eng.load_model(smollm_path)
+    eng.start()
+    srv = ServerThread(eng, ServerSettings(port=0, slot_save_path=tmp_path, slot_wait=0.0)).start()
+    try:
+        st, out, last = asyncio.run(_save_while_busy(srv, n_predict=24))
+        assert st == 409 and "processing a request" in out["error"]["message"]
+        assert last["stop"] is True  # the request itself ran to its end
+        complete(srv, "Still alive?", id_slot=1, n=2)
+    finally:
+        srv.stop()
+        eng.stop()

@@ -33,7 +33,7 @@ from aiohttp import web
 from ..chat_template import build_prompt
 from ..errors import UserError
 from ..options import DEFAULT_BATCH, DEFAULT_HOST, DEFAULT_PORT
-from ..serve.embeddings import check_pooling
+from ..serve.embeddings import check_pooling, packed
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.relay import LoopRelay
 from ..serve.sampling import SamplingParams, parse_logit_bias
@@ -83,6 +83,8 @@ class ServerSettings:
     tags: list[str] = field(default_factory=list)  # --tags
     slots: bool = True  # GET /slots (--no-slots: 501)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore
+    # a slot action on a busy slot waits for it (as llama-server's), then answers 409
+    slot_wait: float = 600.0
     metrics: bool = False  # GET /metrics (--metrics)
 
     @classmethod
@@ -641,7 +643,13 @@ async def embeddings(request: web.Request) -> web.Response:
     b64 = EMB.parse_encoding(body)
     norm = EMB.parse_normalize_field(body)
     mix = eng.parse_mix(body["lora"], "lora") if body.get("lora") is not None else None
+    t0 = time.perf_counter()
     hidden = await asyncio.wrap_future(eng.embed(inputs, mix))  # (n_i, d) per input
+    request.app[METRICS].record_embedding(
+        sum(len(ids) for ids in inputs),
+        len(packed(inputs, opts.ubatch)),
+        (time.perf_counter() - t0) * 1e3,
+    )
     vectors = EMB.pooled(hidden, pooling, norm)
     if oai and not content:
         model = body.get("model") if isinstance(body.get("model"), str) else None
@@ -1070,8 +1078,10 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
                 probs = (
                     [] if merged is None else [probability(ev.token, ev.logprob, ev.top, merged)]
                 )
-            return R.completion_chunk(ev.text, [ev.token], probs)
-        return R.completion_chunk(ev.text, [], [] if n_probs else None) if ev.text else None
+            return R.completion_chunk(ev.text, [ev.token], probs, ev.slot)
+        if not ev.text:
+            return None
+        return R.completion_chunk(ev.text, [], [] if n_probs else None, ev.slot)
 
     def final_chunks(ev):
         return [

@@ -35,6 +35,7 @@ class Metrics:
     predicted: int = 0
     predicted_ms: float = 0.0
     n_tokens_max: int = 0
+    forwards: int = 0  # forward passes outside the scheduler's steps (embeddings)
 
     def record(self, done: DoneEvent) -> None:
         t = done.timings
@@ -45,10 +46,18 @@ class Metrics:
         self.predicted_ms += t.predicted_ms
         self.n_tokens_max = max(self.n_tokens_max, t.cache_n + t.prompt_n + t.predicted_n)
 
+    def record_embedding(self, n_tokens: int, n_forwards: int, ms: float) -> None:
+        """An embedding request: no token sampled, but its prompt costs forward passes,
+        counted as llama-server counts them, in prompt tokens and decode calls."""
+        self.prompt_tokens += n_tokens
+        self.prompt_ms += ms
+        self.forwards += n_forwards
+
     def prometheus(self, stats: dict) -> str:
         """The Prometheus text: llama-server's metric names, HELP and TYPE lines."""
         rate = lambda n, ms: 1e3 * n / ms if ms > 0 else 0.0  # noqa: E731
         steps = stats.get("steps", 0)
+        forwards = steps + self.forwards
         counters = [
             ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached "
              "tokens", self.prompt_tokens),
@@ -59,7 +68,7 @@ class Metrics:
             ("tokens_predicted_total", "Number of generation tokens processed", self.predicted),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens",
              self.predicted_ms / 1e3),
-            ("n_decode_total", "Total number of forward steps of the batch", steps),
+            ("n_decode_total", "Total number of forward steps of the batch", forwards),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
              self.n_tokens_max),
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
@@ -130,7 +139,9 @@ def idle_slots(eng) -> int:
 async def slot_action(eng, settings, id_slot: str, action: str | None, body: dict) -> dict:
     """POST /slots/{id}?action=save|restore|erase, behind --slot-save-path as in
     llama-server (core/serve/slots.py). The pool copies run on the engine thread, the
-    file I/O on a worker thread; a bad slot, filename or file is a 400, a busy slot 409."""
+    file I/O on a worker thread; a bad slot, filename or file is a 400. On a busy slot
+    the action waits until the slot's request is done, as llama-server's does, for at
+    most ``settings.slot_wait`` seconds (then 409)."""
     if settings.slot_save_path is None:
         raise not_supported(
             "This server does not support slots action. Start it with `--slot-save-path`"
@@ -145,15 +156,26 @@ async def slot_action(eng, settings, id_slot: str, action: str | None, body: dic
         raise HttpError("Invalid action: it must be one of save, restore, erase")
     t0 = time.perf_counter()
     sched = eng.scheduler
+
+    async def when_idle(fn):
+        deadline = time.monotonic() + settings.slot_wait
+        while True:
+            try:
+                return await _on_engine(eng, fn)
+            except slots.SlotBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.02)  # a client that leaves cancels this wait
+
     try:
         if action == "erase":
-            n = await _on_engine(eng, lambda model: slots.erase(sched, sid))
+            n = await when_idle(lambda model: slots.erase(sched, sid))
             return {"id_slot": sid, "n_erased": n}
         name = body.get("filename") if isinstance(body, dict) else None
         path = slots.slot_path(settings.slot_save_path, name)
         identity = await asyncio.to_thread(slots.model_identity, eng.path, eng.config)
         if action == "save":
-            img = await _on_engine(eng, lambda model: slots.take_image(sched, sid))
+            img = await when_idle(lambda model: slots.take_image(sched, sid))
             mix = slots.mix_to_file(img.mix, eng.adapters())
             n_bytes = await asyncio.to_thread(slots.write_file, path, identity, mix, img)
             return {
@@ -167,7 +189,7 @@ async def slot_action(eng, settings, id_slot: str, action: str | None, body: dic
             slots.read_file, path, identity, eng.ctx_size
         )
         img = slots.SlotImage(tokens, k, v, slots.mix_from_file(meta.get("mix"), eng.adapters()))
-        await _on_engine(eng, lambda model: slots.put_image(sched, model, sid, img))
+        await when_idle(lambda model: slots.put_image(sched, model, sid, img))
     except slots.SlotError as e:
         raise HttpError(str(e), e.code, e.type) from None
     return {

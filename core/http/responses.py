@@ -667,9 +667,12 @@ def completion_final(
     return out
 
 
-def completion_chunk(text: str, tokens: list[int], probs: list[dict] | None) -> dict:
-    """One streamed /completion token chunk."""
-    out = {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": -1}
+def completion_chunk(
+    text: str, tokens: list[int], probs: list[dict] | None, id_slot: int = -1
+) -> dict:
+    """One streamed /completion token chunk (``id_slot``: the slot it runs in, -1 before
+    the request has one)."""
+    out = {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": id_slot}
     if probs is not None:
         out["completion_probabilities"] = probs
     return out

@@ -11,7 +11,11 @@ can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
   every cross-site POST, so a page cannot trigger generations or change the
   mix with a "simple" (preflight-less) request either.
 * CORS: no CORS headers at all unless ``--cors-origins`` lists origins; then
-  preflight OPTIONS is answered and only listed origins are echoed back.
+  only listed origins are echoed back. ``localhost`` in the list means any
+  loopback origin on any port (``http://127.0.0.1:3000``, ``http://[::1]``, ...),
+  llama-server's meaning. A preflight OPTIONS is answered 200 either way, with
+  CORS headers only for a listed origin (llama-server's form: a preflight without
+  ``Access-Control-Allow-Origin`` is the browser's "no").
 * Body size (413) before anything reads the body; the app's client_max_size
   enforces the same limit for chunked bodies.
 * API key (401) with ``hmac.compare_digest`` on every endpoint but /health.
@@ -165,6 +169,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def loopback_origin(origin: str) -> bool:
+    """An http(s) origin whose host is localhost or a loopback address, any port."""
+    try:
+        u = urlsplit(origin)
+        u.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and is_loopback((u.hostname or "").rstrip("."))
+
+
 def host_allowed(host_header: str | None, bind_host: str) -> bool:
     """localhost, any loopback address, or the host we were told to bind. When bound
     to every interface (0.0.0.0 / ::), any IP-literal Host is fine as well: DNS
@@ -216,9 +230,14 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     """The middleware chain for ``settings`` (a ServerSettings)."""
     allowed_origins = set(settings.cors_origins)
     allow_any_origin = "*" in allowed_origins
+    allow_loopback = "localhost" in allowed_origins
 
     def origin_listed(origin: str) -> bool:
-        return allow_any_origin or origin in allowed_origins
+        return (
+            allow_any_origin
+            or origin in allowed_origins
+            or (allow_loopback and loopback_origin(origin))
+        )
 
     @web.middleware
     async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -289,8 +308,8 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             and "Access-Control-Request-Method" in request.headers
         ):
             if not allowed_origins or not origin_listed(origin):
-                return json_error("CORS origin not allowed", 403, "permission_error")
-            return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+                return web.Response(status=200)  # no CORS headers: the browser's "no"
+            return web.Response(status=200, headers=cors_headers(origin, preflight=True))
         if origin is not None and not origin_listed(origin) and not same_origin(origin, host):
             return json_error(
                 f"Origin {origin} not allowed (see --cors-origins)", 403, "permission_error"

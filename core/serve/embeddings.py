@@ -88,24 +88,32 @@ def check_inputs(inputs: Sequence[Sequence[int]], vocab_size: int, n_ctx: int, u
             )
 
 
+def packed(inputs: Sequence[Sequence[int]], ubatch: int) -> list[list[Sequence[int]]]:
+    """Inputs whole, packed in order into forwards of at most ``ubatch`` rows (an input
+    alone may fill one: check_inputs bounds it); one list of inputs per forward."""
+    groups: list[list[Sequence[int]]] = []
+    rows = 0
+    for ids in inputs:
+        if not groups or rows + len(ids) > ubatch:
+            groups.append([])
+            rows = 0
+        groups[-1].append(ids)
+        rows += len(ids)
+    return groups
+
+
 def hidden_states(
     model, inputs: Sequence[Sequence[int]], mix: MixWeights | None, ubatch: int
 ) -> list[np.ndarray]:
-    """Every input's final hidden states (n_i, d) under ``mix``; call on the engine
-    thread. Inputs run whole, packed in order into forwards of at most ``ubatch`` rows
-    (an input alone may fill one: check_inputs bounds it)."""
+    """Every input's final hidden states (n_i, d) under ``mix``, one forward per group
+    of :func:`packed`; call on the engine thread."""
     out: list[np.ndarray] = []
-    group: list[BatchItem] = []
-    rows = 0
-    for ids in inputs:
-        if group and rows + len(ids) > ubatch:
-            out += model(group)  # (n_i, d) per item
-            group, rows = [], 0
-        tokens = np.asarray(ids, dtype=np.int64)  # (n,)
-        group.append(BatchItem(tokens, model.new_cache(len(tokens)), mix, hidden=True))
-        rows += len(tokens)
-    if group:
-        out += model(group)
+    for group in packed(inputs, ubatch):
+        items = []
+        for ids in group:
+            tokens = np.asarray(ids, dtype=np.int64)  # (n,)
+            items.append(BatchItem(tokens, model.new_cache(len(tokens)), mix, hidden=True))
+        out += model(items)  # (n_i, d) per item
     return out
 
 

@@ -270,6 +270,8 @@ class Engine:
                 self.n_parallel,
                 draft_max=self.draft_max,
                 context_shift=self.context_shift,
+                # llama-server evaluates a prompt in physical batches of min(-b, -ub)
+                prefill_chunk=self.embeddings.ubatch,
             )
         except (MemoryError, OSError) as e:
             gb = 2 * cfg.n_layers * cfg.kv_dim * 4 * ctx * self.n_parallel / 1e9

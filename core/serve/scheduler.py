@@ -64,6 +64,7 @@ class TokenEvent:
     logprob: float | None = None  # of the chosen token, when n_probs > 0
     top: list[tuple[int, float]] | None = None  # top-n (id, logprob), when n_probs > 0
     kind: str = "token"
+    slot: int = -1  # the KV pool slot the request runs in (id_slot of a stream's chunks)
 
 
 @dataclass
@@ -123,7 +124,8 @@ class SlotTask:
 @dataclass
 class PromptProgressEvent:
     """One prompt chunk evaluated (sent only to requests with ``progress`` set): at most
-    one per PREFILL_CHUNK prompt tokens, the last one with done == total."""
+    one per prefill chunk (PREFILL_CHUNK, or -b/-ub's physical batch), the last one with
+    done == total."""
 
     done: int  # prompt tokens in the cache so far, cached prefix included
     total: int  # prompt tokens
@@ -173,7 +175,16 @@ def prompt_lookup(history: list[int], k: int) -> list[int]:
 class _Seq:
     """One running request: its cache, sampler and the text it has released."""
 
-    def __init__(self, req: Request, cache: KVCache, n_cached: int, tokenizer, eog):
+    def __init__(
+        self,
+        req: Request,
+        cache: KVCache,
+        n_cached: int,
+        tokenizer,
+        eog,
+        chunk: int = PREFILL_CHUNK,
+    ):
+        self.chunk = chunk  # prompt tokens per step
         self.req = req
         self.cache = cache
         self.pending = list(req.prompt[n_cached:])  # prompt tokens not yet run
@@ -197,7 +208,7 @@ class _Seq:
 
     def inputs(self) -> np.ndarray:
         if self.pending:
-            return np.asarray(self.pending[:PREFILL_CHUNK], dtype=np.int64)
+            return np.asarray(self.pending[: self.chunk], dtype=np.int64)
         return np.asarray([self.next_token] + self.draft, dtype=np.int64)
 
     @property
@@ -215,8 +226,11 @@ class Scheduler:
         n_parallel: int,
         draft_max: int = 0,
         context_shift: bool = False,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.model = model
+        # prompt tokens per sequence per step: llama-server's physical batch, min(-b, -ub)
+        self.prefill_chunk = max(1, prefill_chunk)
         self.context_shift = context_shift  # --context-shift: a full context drops old tokens
         self.tokenizer = tokenizer
         self.prefix = prefix_cache
@@ -533,7 +547,9 @@ class Scheduler:
             if cache is None:
                 cache = self.pool.acquire(req.id_slot)
             req.admitted_step = self.steps
-            seq = _Seq(req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids)
+            seq = _Seq(
+                req, cache, n_cached, self.tokenizer, self.tokenizer.eog_ids, self.prefill_chunk
+            )
             self.active.append(seq)
             if req.progress:  # llama-server's first report: nothing evaluated yet
                 self._emit_progress(seq, start=True)
@@ -549,7 +565,7 @@ class Scheduler:
         now = time.perf_counter()
         if s.t_first is None:
             s.t_first = now
-        ev = TokenEvent(tok, "")
+        ev = TokenEvent(tok, "", slot=s.cache.slot)
         if p.n_probs > 0:
             top = top_logprobs(logits, p.n_probs)
             lp = dict(top).get(tok)
@@ -644,7 +660,7 @@ class Scheduler:
         tail += s.stops.flush() if s.stops.hit is None else ""
         if tail:
             s.content.append(tail)
-            self._emit(s, TokenEvent(-1, tail, kind="text"))
+            self._emit(s, TokenEvent(-1, tail, kind="text", slot=s.cache.slot))
         if s.req.cache_prompt and stop_type != "error" and s.cache.length:
             # the slot goes back to the pool; the prefix cache keeps a compact copy
             n = s.cache.length
