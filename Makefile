@@ -40,7 +40,7 @@ bench: model
 # make compat: llama.cpp's own server tests (from the pinned llama-cpp-python sdist)
 # against main.py --headless, through our adapter (tools/compat.py); prints a per-file
 # passed/failed table. Not part of make test: the full run takes ~25 minutes.
-# COMPAT_ARGS="--files test_basic.py test_completion.py" runs a subset.
+# COMPAT_ARGS="--files test_basic.py test_completion.py" runs a subset, "--all" every file.
 compat: model
 	$(PYBIN) tools/compat.py $(COMPAT_ARGS)
 
