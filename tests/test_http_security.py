@@ -176,31 +176,35 @@ def test_no_cors_headers_by_default(open_srv):
     assert st == 200 and not any(k.lower().startswith("access-control") for k in h)
 
 
-def test_cross_site_post_is_refused(open_srv, engine):
-    """A page on another site can send a 'simple' POST without preflight: refuse it."""
-    for origin in ("http://evil.example", "null"):
-        st, body, h = send(
-            open_srv,
-            "POST",
-            "/lora-adapters",
-            raw=b'[{"id": 0, "scale": 3}]',
-            headers={"Origin": origin, "Content-Type": "text/plain"},
-        )
-        assert st == 403 and "Access-Control-Allow-Origin" not in h
+def assert_simple_post_refused(srv, engine, origin):
+    """A page on another site can send a 'simple' POST without preflight: it is a 403
+    and the mix is untouched."""
+    st, _, h = send(
+        srv,
+        "POST",
+        "/lora-adapters",
+        raw=b'[{"id": 0, "scale": 3}]',
+        headers={"Origin": origin, "Content-Type": "text/plain"},
+    )
+    assert st == 403 and "Access-Control-Allow-Origin" not in h
     assert engine.get_mix() == {0: 0.0}
 
 
+def test_cross_site_post_is_refused(open_srv, engine):
+    for origin in ("http://evil.example", "null"):
+        assert_simple_post_refused(open_srv, engine, origin)
+
+
+def preflight(srv, path, origin, request_headers=None):
+    """A browser's CORS preflight for a POST to ``path`` from ``origin``."""
+    headers = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    if request_headers:
+        headers["Access-Control-Request-Headers"] = request_headers
+    return send(srv, "OPTIONS", path, headers=headers)
+
+
 def test_cors_allow_list(locked):
-    st, _, h = send(
-        locked,
-        "OPTIONS",
-        "/v1/chat/completions",
-        headers={
-            "Origin": ALLOWED,
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type",
-        },
-    )
+    st, _, h = preflight(locked, "/v1/chat/completions", ALLOWED, "authorization,content-type")
     assert st == 200 and h["Access-Control-Allow-Origin"] == ALLOWED
     assert "POST" in h["Access-Control-Allow-Methods"]
     assert "authorization" in h["Access-Control-Allow-Headers"].lower()
@@ -251,16 +255,7 @@ NOT_LOOPBACK = [
 
 @pytest.mark.parametrize("origin", LOOPBACK_ORIGINS)
 def test_cors_localhost_means_any_loopback_origin(loopback_cors, origin):
-    st, _, h = send(
-        loopback_cors,
-        "OPTIONS",
-        "/completions",
-        headers={
-            "Origin": origin,
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "Authorization",
-        },
-    )
+    st, _, h = preflight(loopback_cors, "/completions", origin, "Authorization")
     assert st == 200 and h["Access-Control-Allow-Origin"] == origin
     st, body, h = send(
         loopback_cors, "POST", "/completion", {"prompt": "Hi", "n_predict": 1},
@@ -271,22 +266,9 @@ def test_cors_localhost_means_any_loopback_origin(loopback_cors, origin):
 
 @pytest.mark.parametrize("origin", NOT_LOOPBACK)
 def test_cors_localhost_refuses_every_other_origin(loopback_cors, engine, origin):
-    st, _, h = send(
-        loopback_cors,
-        "OPTIONS",
-        "/completions",
-        headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
-    )
+    st, _, h = preflight(loopback_cors, "/completions", origin)
     assert st == 200 and not any(k.lower().startswith("access-control") for k in h)
-    st, _, h = send(
-        loopback_cors,
-        "POST",
-        "/lora-adapters",
-        raw=b'[{"id": 0, "scale": 3}]',
-        headers={"Origin": origin, "Content-Type": "text/plain"},
-    )
-    assert st == 403 and "Access-Control-Allow-Origin" not in h
-    assert engine.get_mix() == {0: 0.0}
+    assert_simple_post_refused(loopback_cors, engine, origin)
 
 
 def test_cors_header_on_streams(locked):
