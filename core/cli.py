@@ -265,6 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics", action="store_true", help="expose GET /metrics (Prometheus)")
     s.add_argument(
+        "--webui",
+        dest="webui",
+        action="store_true",
+        default=True,
+        help="serve the built-in web chat page at / (default)",
+    )
+    s.add_argument(
+        "--no-webui",
+        "--no-ui",
+        dest="webui",
+        action="store_false",
+        help="no web chat page: / and its assets answer 404 (--no-ui is an alias)",
+    )
+    s.add_argument(
         "--embedding",
         "--embeddings",
         dest="embedding",

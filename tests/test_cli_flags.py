@@ -92,10 +92,22 @@ def test_negative_numbers_are_values_not_flags():
         ["-to", "30"],
         ["-rea", "off"],
         ["--predict", "12"],
+        ["--webui"],
+        ["--no-webui"],
+        ["--no-ui"],
     ],
 )
 def test_accepted_llama_server_flags(argv):
     parse_args(argv)
+
+
+def test_web_ui_flags():
+    # llama-server's --webui / --no-webui, and --no-ui as llama.cpp's own tests spell it
+    assert parse_args([]).webui is True
+    assert parse_args(["--no-webui"]).webui is False
+    assert parse_args(["--no-ui"]).webui is False
+    assert parse_args(["--no-ui", "--webui"]).webui is True
+    assert ServerSettings.from_args(parse_args(["--no-ui"])).webui is False
 
 
 def test_flag_values_out_of_range_are_refused(capsys):

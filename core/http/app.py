@@ -51,6 +51,7 @@ from .security import (
     printable,
     runtime_lora_off,
 )
+from .webui import add_webui_routes
 
 log = logging.getLogger("mixdesk.http")
 
@@ -86,6 +87,7 @@ class ServerSettings:
     # a slot action on a busy slot waits for it (as llama-server's), then answers 409
     slot_wait: float = 600.0
     metrics: bool = False  # GET /metrics (--metrics)
+    webui: bool = True  # the chat page at / and its assets (--no-webui / --no-ui: 404)
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -120,6 +122,7 @@ class ServerSettings:
             slots=bool(getattr(args, "slots", True)),
             slot_save_path=Path(save) if save else None,
             metrics=bool(getattr(args, "metrics", False)),
+            webui=bool(getattr(args, "webui", True)),
         )
 
     @property
@@ -266,6 +269,8 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     r.add_post("/mixdesk/grid", grid)  # the X/Y grid of mixes (#21)
     for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         r.add_post(path, rerank)
+    if settings.webui:
+        add_webui_routes(r)  # the chat page at / (llama-server's web UI)
     return app
 
 

@@ -18,8 +18,9 @@ can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
   ``Access-Control-Allow-Origin`` is the browser's "no").
 * Body size (413) before anything reads the body; the app's client_max_size
   enforces the same limit for chunked bodies.
-* API key (401) with ``hmac.compare_digest`` on every endpoint but /health.
-  The key is never logged.
+* API key (401) with ``hmac.compare_digest`` on every endpoint but /health and,
+  when the web UI is on, its static files (:func:`public_paths`). The key is never
+  logged.
 
 Runtime adapter loading opens a path the client names, so it is off unless the
 server was started with ``--allow-runtime-lora``, and then only paths inside the
@@ -42,6 +43,7 @@ from aiohttp import web
 
 from ..errors import UserError
 from .responses import HttpError, error_body
+from .webui import PATHS as WEBUI_PATHS
 
 log = logging.getLogger("mixdesk.http")
 
@@ -222,6 +224,15 @@ def same_origin(origin: str, host_header: str | None) -> bool:
     return bool(host_header) and netloc == host_header.strip().lower()
 
 
+def public_paths(settings) -> frozenset[str]:
+    """The paths that need no API key: /health, and the web UI's static files when it
+    is served (the page, its manifest, service worker, icon and version.json carry no
+    data; the page asks for the key when an API call answers 401). Exact paths only:
+    every API route still needs the key. With --no-webui those paths are unknown, so
+    they need the key like any other (and then answer 404)."""
+    return PUBLIC_PATHS | WEBUI_PATHS if settings.webui else PUBLIC_PATHS
+
+
 def json_error(message: str, code: int, type: str, **extra) -> web.Response:
     return web.json_response(error_body(message, code, type, **extra), status=code)
 
@@ -231,6 +242,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
     allowed_origins = set(settings.cors_origins)
     allow_any_origin = "*" in allowed_origins
     allow_loopback = "localhost" in allowed_origins
+    public = public_paths(settings)
 
     def origin_listed(origin: str) -> bool:
         return (
@@ -325,7 +337,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             )
         if (
             settings.api_keys
-            and request.path not in PUBLIC_PATHS
+            and request.path not in public
             and not api_key_ok(request, settings.api_keys)
         ):
             return json_error("Invalid API Key", 401, "authentication_error")
