@@ -292,3 +292,160 @@ def test_a_stored_calibration_is_used_without_timing(tmp_path, monkeypatch):
         passes[0] = 0
         times, _ = calibrate(mats)
         assert times and passes[0] > 0
+
+
+class _Steps:
+    """A fake decode step for ``Linear.calibrate(forward=...)``: each call advances a
+    fake clock by its regime's cost (the regime set for STEP_ROWS rows), plus a
+    penalty on the first ``settle`` steps after the regime changed — what a real
+    machine showed (blocked steps 72-102 ms right after gemm steps, 36-50 ms a few
+    steps later)."""
+
+    def __init__(self, lin, clock, cost, penalty=0.0, settle=0):
+        self.lin, self.clock, self.cost = lin, clock, cost
+        self.penalty, self.settle = penalty, settle
+        self.last, self.since, self.calls = None, 0, []
+
+    def __call__(self):
+        from core.model.linear import STEP_ROWS
+
+        regime = self.lin.regime(STEP_ROWS)
+        self.since = self.since + 1 if regime == self.last else 0
+        self.last = regime
+        self.calls.append(regime)
+        slow = self.penalty if self.since < self.settle else 0.0
+        self.clock[0] += (self.cost[regime] + slow) / 1e3
+
+
+@pytest.mark.parametrize(
+    "products, steps, want",
+    [
+        # products alike (no 1.3x margin), steps clearly faster blocked: blocked
+        (dict(gemv=9, gemm=8, blocked=7.5), dict(gemm=80, blocked=50), "blocked"),
+        # products say blocked (2x), whole steps say gemm: gemm
+        (dict(gemv=9, gemm=8, blocked=4), dict(gemm=50, blocked=80), "gemm"),
+        # steps within STEP_MARGIN: the packed gemm stays
+        (dict(gemv=9, gemm=8, blocked=4), dict(gemm=50, blocked=48), "gemm"),
+    ],
+)
+def test_eight_rows_are_decided_by_whole_steps(monkeypatch, products, steps, want):
+    """With ``forward``, 8 rows (and so 5..32) follow whole decode steps, not bare
+    products; 2-4 rows still follow their products."""
+    from core.model.linear import STEP_ROWS
+
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    lin = Linear(2)
+    clock = [0.0]
+
+    def fake_product(regime, x, w, side=None):
+        clock[0] += products[regime] * (len(x) / 2 if regime == "gemv" else 1) / 1e3
+
+    monkeypatch.setattr(lin, "small_product", fake_product)
+    forward = _Steps(lin, clock, steps)
+    try:
+        times = lin.calibrate(
+            [np.ones((CHUNK, 8), dtype=np.float32)],
+            timer=lambda: clock[0],
+            forward=forward,
+        )
+        assert {lin.regime(t) for t in range(5, SMALL_ROWS + 1)} == {want}
+        assert times[STEP_ROWS] == pytest.approx({r: s / 1e3 for r, s in steps.items()})
+        assert set(forward.calls) == {"gemm", "blocked"}
+        # 2 rows: the products' choice (gemv at 9 ms for 2 rows vs gemm 8: gemm,
+        # or blocked when 1.3x faster)
+        assert lin.regime(2) == ("blocked" if products["blocked"] * 1.3 < 8 else "gemm")
+    finally:
+        lin.close()
+
+
+def test_step_timing_waits_out_the_switch_between_regimes(monkeypatch):
+    """Steps alternating regime by regime would charge blocked for the gemm steps
+    before it (a 30 ms penalty on the first 3 steps after a switch makes blocked
+    look slower, 80 vs 70); timed back to back after a warm-up, blocked wins."""
+    from core.model import linear
+
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    lin = Linear(2)
+    clock = [0.0]
+    monkeypatch.setattr(
+        lin, "small_product", lambda regime, x, w, side=None: clock.__setitem__(0, clock[0] + 1e-3)
+    )
+    forward = _Steps(lin, clock, dict(gemm=70, blocked=50), penalty=30, settle=3)
+    try:
+        lin.calibrate(
+            [np.ones((CHUNK, 8), dtype=np.float32)], timer=lambda: clock[0], forward=forward
+        )
+        assert lin.regime(8) == "blocked"
+        # every regime's timed steps came after at least 2 untimed ones and the warm-up
+        runs = [[forward.calls[0], 0]]
+        for r in forward.calls:
+            if r == runs[-1][0]:
+                runs[-1][1] += 1
+            else:
+                runs.append([r, 1])
+        # 2 rounds, the order flipped in the second: gemm, blocked | blocked, gemm
+        assert [r for r, _ in runs] == ["gemm", "blocked", "gemm"]
+        assert all(n >= linear.STEP_TIMED + 2 for _, n in runs)
+        assert runs[1][1] >= 2 * (linear.STEP_TIMED + 2)
+    finally:
+        lin.close()
+
+
+def test_a_products_only_calibration_is_not_reused_for_steps(tmp_path, monkeypatch):
+    """A stored choice made from products alone (an older Mixdesk, or a caller
+    without ``forward``) is another rule's: a load with steps times again."""
+    monkeypatch.delenv("MIXDESK_SMALL_BATCH", raising=False)
+    store = tmp_path / "calibration.json"
+    clock = [0.0]
+    mats = [np.ones((CHUNK, 8), dtype=np.float32)]
+    lin = Linear(2)
+    monkeypatch.setattr(
+        lin, "small_product", lambda regime, x, w, side=None: clock.__setitem__(0, clock[0] + 1e-3)
+    )
+    try:
+        assert lin.calibrate(mats, timer=lambda: clock[0], store=store)
+        forward = _Steps(lin, clock, dict(gemm=80, blocked=50))
+        assert lin.calibrate(mats, timer=lambda: clock[0], store=store, forward=forward)
+        assert forward.calls and lin.regime(8) == "blocked"
+        forward.calls.clear()  # the same rule again: the stored choice, no steps
+        assert lin.calibrate(mats, timer=lambda: clock[0], store=store, forward=forward) == {}
+        assert not forward.calls and lin.regime(8) == "blocked"
+    finally:
+        lin.close()
+
+
+def test_the_calibration_step_runs_the_model_and_leaves_no_trace(smollm_path):
+    """LlamaModel.calibration_step: 8 pooled one-token sequences through the first
+    whole layers within CALIBRATION_STEP_BYTES (SmolLM2: 9 of 30), no output matrix;
+    each call leaves the sequences as they were, whichever regime is in force."""
+    from core.model.families import model_class
+    from core.model.llama import CALIBRATION_CTX, CALIBRATION_STEP_BYTES
+    from core.model.weights import load_weights, open_model_file
+
+    gf, cfg = open_model_file(smollm_path)
+    model = model_class(cfg)(cfg, load_weights(gf, cfg))
+    calls = []
+    real = type(model).forward
+
+    def spy(self, items):
+        calls.append(
+            (len(self.w.layers), [(len(it.tokens), it.cache.length, it.hidden) for it in items])
+        )
+        out = real(self, items)
+        assert all(o.shape == (1, cfg.dim) and np.isfinite(o).all() for o in out)
+        return out
+
+    try:
+        type(model).forward = spy
+        step = model.calibration_step()
+        for regime in ("gemm", "blocked", "gemm"):
+            model.lin.force(regime)
+            step()
+    finally:
+        type(model).forward = real
+        model.lin.close()
+    per_layer = sum(m.nbytes for m in model.w.layers[0].projections)
+    k = CALIBRATION_STEP_BYTES // per_layer
+    assert 1 <= k < cfg.n_layers
+    assert calls == [(k, [(1, CALIBRATION_CTX, True)] * 8)] * 3
+    assert len(model.w.layers) == cfg.n_layers  # the model itself keeps every layer

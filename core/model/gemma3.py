@@ -27,8 +27,8 @@ from .weights import LayerWeights
 
 
 class Gemma3Model(LlamaModel):
-    def __init__(self, cfg, weights, threads=None, calibrate_step=None):
-        super().__init__(cfg, weights, threads=threads, calibrate_step=calibrate_step)
+    def __init__(self, cfg, weights, threads=None):
+        super().__init__(cfg, weights, threads=threads)
         # gemma3's sliding-window layers keep their own base and no position scaling
         self.rope_local = (
             RopeTable(cfg, None, base=cfg.rope_base_swa, scale=1.0)

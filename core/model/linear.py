@@ -21,8 +21,12 @@ speculative verification) three regimes compete:
 
 Which wins depends on the CPU and the BLAS build, by wide margins either way, so
 ``calibrate`` times them on the model's own matrices when it loads, for 2, 3, 4
-and 8 rows, and keeps a regime per row count. ``bench/engine.py`` prints the
-rooflines and the choice.
+and 8 rows, and keeps a regime per row count. For 8 rows (and so 5..SMALL_ROWS)
+the model can hand it a whole decode step to time instead of bare products: the
+packed gemm and the blocked products then differ by what surrounds them (BLAS's
+own threads around attention and the norms, our helpers left to sleep between
+products), which timing the products alone cannot see. ``bench/engine.py`` prints
+the rooflines and the choice.
 """
 
 from __future__ import annotations
@@ -53,6 +57,16 @@ BLOCKED_MARGIN = 1.3  # calibrate() picks the blocked products only when this mu
 CALIBRATE_BYTES = 64 << 20
 # a stored calibration (calibrate(store=...)) is trusted this long, then timed again
 CALIBRATION_MAX_AGE_S = 7 * 24 * 3600
+# the row count calibrate(forward=...) times as whole decode steps (5..SMALL_ROWS follow it)
+STEP_ROWS = CALIBRATE_ROWS[-1]
+# before a regime's steps are timed, steps run untimed for at least this long: the
+# first steps after a switch pay for the other regime's threads (OpenBLAS's spinning
+# after its gemm, our helpers asleep); measured on a 2-core VM, SmolLM2: blocked steps
+# 72-102 ms right after gemm steps, 36-50 ms a few steps later, gemm steps 56-86 ms
+STEP_WARMUP_S = 0.15
+STEP_WARMUP_MAX = 50  # ... but never more steps than this (a fast model, a fake clock)
+STEP_TIMED = 5  # steps timed per regime and round; their median counts
+STEP_MARGIN = 1.1  # the blocked steps must be this much faster to be chosen
 
 
 def blas_threads() -> int:
@@ -143,6 +157,7 @@ class Linear:
         timer: Callable[[], float] = time.perf_counter,
         step: Callable[[float], None] | None = None,
         store: Path | None = None,
+        forward: Callable[[], None] | None = None,
     ) -> dict[int, dict[str, float]]:
         """Time one pass over ``mats`` in each regime for each of CALIBRATE_ROWS row
         counts (best of ``rounds``, alternating, so all see the same minute of a
@@ -156,6 +171,15 @@ class Linear:
         ``step(fraction_done)`` is called after each pass (a model load's progress; it
         may raise to cancel: calibration takes seconds, ~10 s on a busy laptop).
 
+        ``forward``: one decode step of STEP_ROWS sequences through (part of) the model,
+        run in whatever regime is set for STEP_ROWS rows. When given, STEP_ROWS is not
+        decided by its products but by whole steps, each regime's run consecutively
+        after a warm-up (``_time_steps``): on a 2-core VM the bare products of gemm and
+        blocked timed the same (8.0 vs 8.5 ms a pass) while the engine's 8-stream steps
+        ran 1.5x faster blocked, and an AVX2 machine showed the reverse (products
+        within 10%, steps 40% slower blocked). Its entry in the returned times is then
+        seconds per step.
+
         ``store``: a JSON file of earlier choices (the model load passes one in the
         cache dir). A choice stored for the same CPU, BLAS build, thread count and
         matrix shapes, less than CALIBRATION_MAX_AGE_S old, is used without timing
@@ -168,19 +192,29 @@ class Linear:
         mats = [m for m in mats if m.flags.c_contiguous]
         if not mats:
             return {}
-        key = self._calibration_key(mats) if store is not None else ""
+        key = self._calibration_key(mats, forward is not None) if store is not None else ""
         if key and self._use_stored(store, key):
             return {}
         rng = np.random.default_rng(0)
+        by_products = [t for t in CALIBRATE_ROWS if forward is None or t != STEP_ROWS]
         best: dict[int, dict[str, float]] = {
             t: {r: float("inf") for r in REGIMES if r != "gemv" or t <= GEMV_ROWS}
-            for t in CALIBRATE_ROWS
+            for t in by_products
         }
         xs = {
             t: {m.shape[1]: rng.standard_normal((t, m.shape[1])).astype(np.float32) for m in mats}
-            for t in CALIBRATE_ROWS
+            for t in by_products
         }
-        n_passes, done = rounds * sum(len(times) for times in best.values()), 0
+        # progress: a pass of products is one unit, a regime's steps in one round two
+        n_steps = 2 * 2 * rounds if forward is not None else 0
+        n_passes, done = rounds * sum(len(times) for times in best.values()) + n_steps, 0
+
+        def progressed(units: int) -> None:
+            nonlocal done
+            done += units
+            if step is not None:
+                step(done / n_passes)
+
         for _ in range(rounds):
             for t, times in best.items():
                 for regime in times:
@@ -189,22 +223,59 @@ class Linear:
                         for m in mats:
                             self.small_product(regime, xs[t][m.shape[1]], m)
                     times[regime] = min(times[regime], timer() - t0)
-                    done += 1
-                    if step is not None:
-                        step(done / n_passes)
+                    progressed(1)
         choice = {t: _fastest(times) for t, times in best.items()}
+        if forward is not None:
+            steps = self._time_steps(forward, rounds, timer, lambda: progressed(2))
+            best[STEP_ROWS] = steps
+            faster = steps["blocked"] * STEP_MARGIN < steps["gemm"]
+            choice[STEP_ROWS] = "blocked" if faster else "gemm"
         self._use_choice(choice)
         if key:
             _store_choice(store, key, choice)
+        return best
+
+    def _time_steps(
+        self,
+        forward: Callable[[], None],
+        rounds: int,
+        timer: Callable[[], float],
+        progressed: Callable[[], None],
+    ) -> dict[str, float]:
+        """Seconds per ``forward`` step at STEP_ROWS rows in "gemm" and "blocked": per
+        round, each regime's steps back to back (the order flips every round, so a
+        drifting machine favours neither), untimed ones first for STEP_WARMUP_S,
+        then the median of STEP_TIMED; the best round counts."""
+        best = {"gemm": float("inf"), "blocked": float("inf")}
+        order = ["gemm", "blocked"]
+        before = self._by_rows[STEP_ROWS]
+        try:
+            for r in range(rounds):
+                for regime in order if r % 2 == 0 else order[::-1]:
+                    self._by_rows[STEP_ROWS] = regime
+                    t0, n = timer(), 0
+                    while n < 2 or (timer() - t0 < STEP_WARMUP_S and n < STEP_WARMUP_MAX):
+                        forward()
+                        n += 1
+                    times = []
+                    for _ in range(STEP_TIMED):
+                        t1 = timer()
+                        forward()
+                        times.append(timer() - t1)
+                    best[regime] = min(best[regime], float(np.median(times)))
+                    progressed()
+        finally:
+            self._by_rows[STEP_ROWS] = before
         return best
 
     def _use_choice(self, choice: dict[int, str]) -> None:
         for t in range(2, SMALL_ROWS + 1):
             self._by_rows[t] = choice[t if t in choice else CALIBRATE_ROWS[-1]]
 
-    def _calibration_key(self, mats: list[np.ndarray]) -> str:
+    def _calibration_key(self, mats: list[np.ndarray], by_steps: bool = False) -> str:
         """What a calibration's choice depends on: the CPU, the BLAS build and its
-        threads, our thread count, the matrix shapes, and the rule that chose."""
+        threads, our thread count, the matrix shapes, and the rule that chose
+        (``by_steps``: STEP_ROWS decided by whole steps, see ``calibrate``)."""
         try:
             from threadpoolctl import threadpool_info
 
@@ -226,6 +297,8 @@ class Linear:
             BLOCKED_MARGIN,
             CHUNK,
         ]
+        if by_steps:  # an older store's entry (products only) is not this rule's choice
+            ident += ["steps", STEP_ROWS, STEP_MARGIN, STEP_TIMED]
         return hashlib.sha1(json.dumps(ident, default=str).encode()).hexdigest()[:20]
 
     def _use_stored(self, store: Path, key: str) -> bool:

@@ -10,8 +10,9 @@ deltas ``(x Aᵀ) Bᵀ`` on its own rows, so different mixes share one forward.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from . import layout
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .kv_cache import KVCache, KVPool
-from .linear import Linear, calibration_matrices
+from .linear import STEP_ROWS, Linear, calibration_matrices
 from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
 
@@ -40,6 +41,13 @@ class BatchItem:
 
 # ---- the model ---------------------------------------------------------------
 
+# tokens each sequence of a calibration step has seen: a short chat's worth
+CALIBRATION_CTX = 64
+# weights a calibration step passes through (whole layers, at least one): with SmolLM2's
+# first 4 layers (54 MB) gemm and blocked steps came out apart on 5 loads of 6 on a
+# 2-core VM, with 19 layers (256 MB) on every one, at 1.5 s rather than 0.9 s a load
+CALIBRATION_STEP_BYTES = 128 << 20
+
 
 class LlamaModel:
     def __init__(
@@ -47,22 +55,12 @@ class LlamaModel:
         cfg: ModelConfig,
         weights: Weights,
         threads: int | None = None,
-        calibrate_step: Callable[[float], None] | None = None,
     ):
         self.cfg = cfg
         self.w = weights
-        self.lin = Linear(threads)  # every x @ W.T goes through here
-        # pick the fastest small-batch products on this CPU: passes over the first
-        # layers' matrices (CALIBRATE_BYTES, more than an L3, whatever the model size)
-        # in each regime; calibrate_step(fraction) reports progress and may raise to
-        # cancel the load
-        mats = calibration_matrices([lw.projections for lw in weights.layers])
-        try:
-            # a choice stored for this machine and these shapes skips the timing
-            self.lin.calibrate(mats, step=calibrate_step, store=cache_dir() / "calibration.json")
-        except BaseException:
-            self.lin.close()  # its helper threads would outlive a cancelled load
-            raise
+        # every x @ W.T goes through here; small batches in the regime per row count
+        # that calibrate() picks for this CPU ("gemm" for all until then)
+        self.lin = Linear(threads)
         self.stacks = AdapterStacks(cfg)  # LoRA weights of several mixes, stacked
         self.rope = RopeTable(cfg, weights.rope_freqs)
         # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
@@ -75,6 +73,53 @@ class LlamaModel:
         self.qk_rows, self.v_rows = slice(0, qk), slice(qk, qk + cfg.kv_dim)
         self.gate_rows, self.up_rows = slice(0, cfg.ffn_dim), slice(cfg.ffn_dim, 2 * cfg.ffn_dim)
         self.scale = cfg.scale  # a Python float: an np.float64 would upcast q to float64
+
+    def calibrate(self, progress: Callable[[float], None] | None = None) -> None:
+        """Pick the fastest small-batch products on this CPU (core/model/linear.py):
+        passes over the first layers' matrices (CALIBRATE_BYTES, more than an L3,
+        whatever the model size) for 2-4 rows, whole decode steps through those
+        layers for 8. A choice stored for this machine and these shapes skips the
+        timing. ``progress(fraction)`` reports and may raise to cancel the load (the
+        helper threads are then closed: they would outlive a cancelled load)."""
+        mats = calibration_matrices([lw.projections for lw in self.w.layers])
+        try:
+            self.lin.calibrate(
+                mats,
+                step=progress,
+                store=cache_dir() / "calibration.json",
+                forward=self.calibration_step(),
+            )
+        except BaseException:
+            self.lin.close()
+            raise
+
+    def calibration_step(
+        self, rows: int = STEP_ROWS, ctx: int = CALIBRATION_CTX
+    ) -> Callable[[], None]:
+        """One decode step of ``rows`` sequences ``ctx`` tokens in, pooled as the
+        scheduler's are, through this model's first layers (whole layers within
+        CALIBRATION_STEP_BYTES, at least one) and no output matrix (its product is as in
+        the products' passes): what Linear.calibrate times for STEP_ROWS. Each call
+        leaves the sequences where they were. The KV is zeros: attention costs the
+        same whatever the values."""
+        per_layer = [sum(m.nbytes for m in lw.projections) for lw in self.w.layers]
+        k = max(1, int(np.searchsorted(np.cumsum(per_layer), CALIBRATION_STEP_BYTES, side="right")))
+        probe = copy.copy(self)  # the same Linear, rope and adapters; fewer layers
+        probe.w = replace(self.w, layers=self.w.layers[:k])
+        # a pool of its own, built directly: phi3's new_pool re-picks the model's rope
+        pool = KVPool(replace(self.cfg, n_layers=k), rows, ctx + 1)
+        caches = [pool.acquire() for _ in range(rows)]
+        for c in caches:
+            c.reserve(ctx)
+            c.extend([0] * ctx)
+        tokens = [np.array([i + 1]) for i in range(rows)]  # (1,) each
+
+        def run() -> None:
+            probe.forward([BatchItem(t, c, hidden=True) for t, c in zip(tokens, caches)])
+            for c in caches:
+                c.truncate(ctx)
+
+        return run
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)

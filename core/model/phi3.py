@@ -17,8 +17,8 @@ from .primitives import RopeTable
 
 
 class Phi3Model(LlamaModel):
-    def __init__(self, cfg, weights, threads=None, calibrate_step=None):
-        super().__init__(cfg, weights, threads=threads, calibrate_step=calibrate_step)
+    def __init__(self, cfg, weights, threads=None):
+        super().__init__(cfg, weights, threads=threads)
         self.rope = self.rope_for(cfg.ctx_len if not cfg.rope_ctx_orig else cfg.rope_ctx_orig)
 
     def rope_for(self, n_ctx: int) -> RopeTable:

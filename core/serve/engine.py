@@ -206,7 +206,8 @@ class Engine:
                 report(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
 
             make = model_class(cfg)  # the forward pass of this architecture
-            model = make(cfg, weights, threads=self.threads, calibrate_step=calibrating)
+            model = make(cfg, weights, threads=self.threads)
+            model.calibrate(calibrating)  # closes the model's threads if cancelled
             try:
                 report(LOAD_CALIBRATED, "reserving the KV cache")
                 scheduler = self._new_scheduler(model, tok, path, cfg, ctx)
