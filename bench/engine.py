@@ -66,6 +66,17 @@ def best_of(fn, n=3):
     return min(ts)
 
 
+def step_times(lin) -> str:
+    """The 8-row calibration steps the choice came from, e.g. '; 8-row steps: gemm
+    20.8 ms, blocked 16.4 ms' (core/model/linear.py: Linear.calibrate)."""
+    if not lin.step_times:
+        return ""
+    return "; 8-row steps: " + ", ".join(
+        f"{r} {s * 1e3:.1f} ms"
+        for r, s in sorted(lin.step_times.items(), key=lambda i: i[0] != "gemm")
+    )
+
+
 def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     """tok/s of the pure matmuls at this batch size: every fused weight matrix once.
     Batch 1 as a gemv (``W @ x``, as the engine decodes one stream); more rows as
@@ -323,7 +334,7 @@ def main() -> None:
         f"roofline (pure BLAS, fused shapes): batch 1 {roof1:.1f} tok/s, batch 512 "
         f"{roof512:.0f} tok/s, batch 8 {roof8_gemm:.1f} tok/s as x @ W.T and "
         f"{roof8_blocked:.1f} tok/s blocked ({roof8 / roof1:.1f}x batch 1 at best; "
-        f"the engine calibrated to: {eng.model.lin.describe()})"
+        f"the engine calibrated to: {eng.model.lin.describe()}{step_times(eng.model.lin)})"
     )
     print(
         f"kernel (one thread, 118 MB of 64-row blocks): gemv {rate1:.2f} G weights/s for 1 row, "

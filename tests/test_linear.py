@@ -407,11 +407,18 @@ def test_a_products_only_calibration_is_not_reused_for_steps(tmp_path, monkeypat
         forward = _Steps(lin, clock, dict(gemm=80, blocked=50))
         assert lin.calibrate(mats, timer=lambda: clock[0], store=store, forward=forward)
         assert forward.calls and lin.regime(8) == "blocked"
-        forward.calls.clear()  # the same rule again: the stored choice, no steps
-        assert lin.calibrate(mats, timer=lambda: clock[0], store=store, forward=forward) == {}
-        assert not forward.calls and lin.regime(8) == "blocked"
+        assert lin.step_times == pytest.approx({"gemm": 0.08, "blocked": 0.05})
     finally:
         lin.close()
+    # the same rule again, a new load: the stored choice and its step times, no steps
+    again = Linear(2)
+    try:
+        forward = _Steps(again, clock, dict(gemm=10, blocked=90))
+        assert again.calibrate(mats, timer=lambda: clock[0], store=store, forward=forward) == {}
+        assert not forward.calls and again.regime(8) == "blocked"
+        assert again.step_times == pytest.approx({"gemm": 0.08, "blocked": 0.05})
+    finally:
+        again.close()
 
 
 def test_the_calibration_step_runs_the_model_and_leaves_no_trace(smollm_path):

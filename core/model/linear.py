@@ -65,7 +65,7 @@ STEP_ROWS = CALIBRATE_ROWS[-1]
 # 72-102 ms right after gemm steps, 36-50 ms a few steps later, gemm steps 56-86 ms
 STEP_WARMUP_S = 0.15
 STEP_WARMUP_MAX = 50  # ... but never more steps than this (a fast model, a fake clock)
-STEP_TIMED = 5  # steps timed per regime and round; their median counts
+STEP_TIMED = 5  # steps timed per regime and round; the fastest counts (a VM's noise only adds)
 STEP_MARGIN = 1.1  # the blocked steps must be this much faster to be chosen
 
 
@@ -118,6 +118,9 @@ class Linear:
         self._helpers = [_Helper() for _ in range(self.threads - 1)]
         weakref.finalize(self, _close_all, self._helpers)
         self._blas = None
+        # seconds per 8-row step by regime from the calibration in force ({} without
+        # one): bench/engine.py prints them beside the choice
+        self.step_times: dict[str, float] = {}
         # relative speed of each thread, without and with side work (see split)
         self._rel = {False: [1.0] * self.threads, True: [1.0] * self.threads}
 
@@ -227,12 +230,12 @@ class Linear:
         choice = {t: _fastest(times) for t, times in best.items()}
         if forward is not None:
             steps = self._time_steps(forward, rounds, timer, lambda: progressed(2))
-            best[STEP_ROWS] = steps
+            best[STEP_ROWS] = self.step_times = steps
             faster = steps["blocked"] * STEP_MARGIN < steps["gemm"]
             choice[STEP_ROWS] = "blocked" if faster else "gemm"
         self._use_choice(choice)
         if key:
-            _store_choice(store, key, choice)
+            _store_choice(store, key, choice, self.step_times)
         return best
 
     def _time_steps(
@@ -245,7 +248,8 @@ class Linear:
         """Seconds per ``forward`` step at STEP_ROWS rows in "gemm" and "blocked": per
         round, each regime's steps back to back (the order flips every round, so a
         drifting machine favours neither), untimed ones first for STEP_WARMUP_S,
-        then the median of STEP_TIMED; the best round counts."""
+        then the fastest of STEP_TIMED (a shared machine's noise only adds); the best
+        round counts."""
         best = {"gemm": float("inf"), "blocked": float("inf")}
         order = ["gemm", "blocked"]
         before = self._by_rows[STEP_ROWS]
@@ -262,7 +266,7 @@ class Linear:
                         t1 = timer()
                         forward()
                         times.append(timer() - t1)
-                    best[regime] = min(best[regime], float(np.median(times)))
+                    best[regime] = min(best[regime], *times)
                     progressed()
         finally:
             self._by_rows[STEP_ROWS] = before
@@ -312,6 +316,9 @@ class Linear:
         except Exception:  # no entry, or one written by hand or by another version
             return False
         self._use_choice(choice)
+        steps = entry.get("steps")
+        if isinstance(steps, dict) and all(isinstance(v, float) for v in steps.values()):
+            self.step_times = dict(steps)
         return True
 
     def small_batch(self, regime: str):
@@ -498,11 +505,13 @@ def _read_store(store: Path) -> dict:
         return {}
 
 
-def _store_choice(store: Path, key: str, choice: dict[int, str]) -> None:
+def _store_choice(store: Path, key: str, choice: dict[int, str], steps: dict[str, float]) -> None:
     """Add one choice to the store, atomically; a store that cannot be written only
-    means the next load times again."""
+    means the next load times again. ``steps``: the step times it came from."""
     data = _read_store(store)
     data[key] = {"when": time.time(), "rows": {str(t): r for t, r in choice.items()}}
+    if steps:
+        data[key]["steps"] = steps
     part = store.with_name(f".{store.name}.{os.getpid()}.partial")
     try:
         part.write_text(json.dumps(data, indent=1))
