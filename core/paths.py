@@ -3,6 +3,7 @@ them at once, which tests use to isolate settings from the user's real ones."""
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 from pathlib import Path
 
@@ -35,3 +36,18 @@ def data_dir() -> Path:
     p = _override("data") or Path(platformdirs.user_data_dir(APP))
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def resources_dir() -> Path:
+    """The ``resources`` package's folder (icons, the web page, demo adapters), through
+    importlib.resources: the checkout's resources/ when run from it,
+    site-packages/resources after ``pipx install .``. Qt and numpy need real files,
+    and wheels install unzipped, so it is a Path. A PyInstaller bundle copies
+    resources/ next to core/ as data (not as a package): that is the fallback."""
+    try:
+        root = importlib.resources.files("resources")
+    except ModuleNotFoundError:
+        root = None
+    if isinstance(root, Path) and root.is_dir():
+        return root
+    return Path(__file__).resolve().parents[1] / "resources"

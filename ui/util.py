@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 from PySide6.QtCore import QMimeData, Qt
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
-
-def resources_dir() -> Path:
-    """The ``resources`` package's folder, through importlib.resources: the checkout's
-    resources/ when run from it, site-packages/resources after ``pipx install .``.
-    Qt and numpy need real files, and wheels install unzipped, so it is a Path. A
-    PyInstaller bundle copies resources/ next to ui/ as data (not as a package):
-    that is the fallback."""
-    try:
-        root = importlib.resources.files("resources")
-    except ModuleNotFoundError:
-        root = None
-    if isinstance(root, Path) and root.is_dir():
-        return root
-    return Path(__file__).resolve().parents[1] / "resources"
-
+from core.paths import resources_dir
 
 RESOURCES = resources_dir()
 

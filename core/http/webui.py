@@ -20,7 +20,6 @@ with a 500 naming it, instead of failing the server.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..paths import resources_dir
 from .build_info import build_info
 from .responses import HttpError
 
@@ -67,19 +67,6 @@ ASSETS = (
 # every path of the web UI: security.py exempts exactly these from the API key
 PATHS = frozenset({a.path for a in ASSETS} | {VERSION_PATH})
 TEXT_TYPES = ("text/", "application/javascript", "application/manifest+json", "application/json")
-
-
-def resources_dir() -> Path:
-    """The ``resources`` folder: through importlib.resources in a checkout or an
-    installed wheel; a PyInstaller bundle keeps it as plain data next to ``core/``
-    (the same rule as ui/util.py, which core/ cannot import: it needs Qt)."""
-    try:
-        root = importlib.resources.files("resources")
-    except ModuleNotFoundError:
-        root = None
-    if isinstance(root, Path) and root.is_dir():
-        return root
-    return Path(__file__).resolve().parents[2] / "resources"
 
 
 def add_webui_routes(router: web.UrlDispatcher, resources: Path | None = None) -> None:
