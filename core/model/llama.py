@@ -83,11 +83,14 @@ class LlamaModel:
         helper threads are then closed: they would outlive a cancelled load)."""
         mats = calibration_matrices([lw.projections for lw in self.w.layers])
         try:
+            forward = self.calibration_step()
+        except (MemoryError, OSError):
+            # no room even for its small KV pool: time the products alone; the
+            # engine's own KV reservation, next, says what memory is missing
+            forward = None
+        try:
             self.lin.calibrate(
-                mats,
-                step=progress,
-                store=cache_dir() / "calibration.json",
-                forward=self.calibration_step(),
+                mats, step=progress, store=cache_dir() / "calibration.json", forward=forward
             )
         except BaseException:
             self.lin.close()
