@@ -393,6 +393,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor type (default: f16 for --export-merged, f32 for LoRA/PEFT)",
     )
     e.add_argument("--export-peft", metavar="DIR", help="write the mix as a PEFT folder")
+    # the merge methods the desk and POST /lora-adapters offer (core/lora/merge.py);
+    # checked by MergeSpec.make, so a wrong value is the same one-line error as there
+    e.add_argument(
+        "--merge-method",
+        metavar="METHOD",
+        default="linear",
+        help="how the adapters combine in the export: linear (default, exact), cat, svd, "
+        "ties, dare_linear, dare_ties, magnitude_prune",
+    )
+    e.add_argument(
+        "--merge-density",
+        type=float,
+        metavar="D",
+        help="kept fraction, 0 < D <= 1 (ties, dare_*, magnitude_prune; default 0.5)",
+    )
+    e.add_argument(
+        "--merge-rank",
+        type=int,
+        metavar="R",
+        help="rank of the merged adapter (default: the sum of the ranks, at most 64)",
+    )
+    e.add_argument(
+        "--merge-seed", type=int, metavar="N", help="dare_*: the drop mask's seed (default 0)"
+    )
+    e.add_argument(
+        "--merge-sign",
+        metavar="RULE",
+        help="ties, dare_ties: majority sign by 'total' (default) or 'frequency'",
+    )
 
     for names, takes_value in GPU_ONLY_FLAGS.items():
         kw = {"nargs": "?", "const": "on"} if takes_value else {"action": "store_true"}
@@ -458,6 +487,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.api_key += read_api_key_file(args.api_key_file)
         except UserError as e:
             parser.error(str(e))
+    merge_flags = [
+        f
+        for f, v in (
+            ("--merge-method", args.merge_method != "linear"),
+            ("--merge-density", args.merge_density is not None),
+            ("--merge-rank", args.merge_rank is not None),
+            ("--merge-seed", args.merge_seed is not None),
+            ("--merge-sign", args.merge_sign is not None),
+        )
+        if v
+    ]
+    if merge_flags and not (args.export_lora or args.export_merged or args.export_peft):
+        # the server's and the desk's mixes take their method per request / on the desk
+        parser.error(
+            f"{', '.join(merge_flags)}: only for --export-lora/--export-merged/--export-peft "
+            "(a server's method is set per request or with POST /lora-adapters)"
+        )
     if args.lora_dir and not args.allow_runtime_lora:
         parser.error("--lora-dir needs --allow-runtime-lora")
     for d in args.lora_dir:

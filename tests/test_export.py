@@ -401,6 +401,82 @@ def test_cli_export_peft_and_lora_in_process(smollm_path, ref_dir, work, capsys)
     assert (out_dir / "adapter_config.json").exists() and out.exists()
 
 
+@pytest.mark.parametrize(
+    "flags, spec",
+    [
+        (["--merge-method", "svd", "--merge-rank", "4"], dict(method="svd", rank=4)),
+        (
+            ["--merge-method", "ties", "--merge-density", "0.3", "--merge-sign", "frequency"],
+            dict(method="ties", density=0.3, majority_sign_method="frequency"),
+        ),
+        (
+            ["--merge-method", "dare_linear", "--merge-seed", "7"],
+            dict(method="dare_linear", seed=7),
+        ),
+    ],
+    ids=["svd", "ties", "dare_linear"],
+)
+def test_cli_export_with_a_merge_method_writes_what_the_api_writes(
+    smollm_path, ref_dir, work, capsys, flags, spec
+):
+    """--merge-method (and its parameters) on the command line merge as the desk and
+    POST /lora-adapters do: the file equals export_lora's with the same MergeSpec,
+    and differs from the exact linear stacking."""
+    import main
+    from core.lora.merge import MergeSpec
+
+    ad = ref_dir / "adapters"
+    pair = [(ad / "lora_attn.gguf", 0.9), (ad / "lora_all_q8.gguf", 0.7)]
+    out = work / f"cli_{spec['method']}.gguf"
+    argv = ["--export-lora", str(out), "-m", str(smollm_path), "--lora-scaled"]
+    argv += [",".join(f"{p}:{s}" for p, s in pair), *flags]
+    assert main.main(argv) == 0, capsys.readouterr().err
+    api = export_lora(smollm_path, pair, work / "api.gguf", merge=MergeSpec.make(**spec))
+    linear = export_lora(smollm_path, pair, work / "linear.gguf")
+    got, want, plain = (GGUFFile(p) for p in (out, api.path, linear.path))
+    assert sorted(got.tensors) == sorted(want.tensors)
+    for name in want.tensors:
+        np.testing.assert_array_equal(got.dequantize(name), want.dequantize(name))
+    assert any(
+        got.dequantize(n).shape != plain.dequantize(n).shape
+        or not np.array_equal(got.dequantize(n), plain.dequantize(n))
+        for n in plain.tensors
+        if n in got.tensors
+    )
+    if spec["method"] == "svd":
+        assert max(got.dequantize(n).shape[0] for n in got.tensors if n.endswith("lora_a")) == 4
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--merge-method", "average"], ["merge method must be one of", "linear", "dare_ties"]),
+        (["--merge-method", "svd", "--merge-density", "0.5"], ["svd does not use --merge-density"]),
+        (["--merge-method", "ties", "--merge-density", "1.5"], ["density must be", "(0, 1]"]),
+        (["--merge-density", "0.5"], ["linear does not use --merge-density"]),
+    ],
+)
+def test_cli_export_merge_flags_bad_values(smollm_path, ref_dir, work, capsys, flags, words):
+    out = work / "never.gguf"
+    argv = ["--export-lora", str(out), "-m", str(smollm_path)]
+    argv += ["--lora", str(ref_dir / "adapters" / "lora_attn.gguf"), *flags]
+    msg = _cli_error(argv, capsys)
+    assert all(w in msg for w in words), msg
+    assert not out.exists()
+
+
+def test_merge_flags_without_an_export_are_refused(capsys):
+    """A server's or the desk's method is set per request or on the desk: a merge
+    flag there would be silently ignored, so it is refused by name."""
+    from core.cli import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--headless", "--merge-method", "ties", "--merge-seed", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--merge-method, --merge-seed: only for --export-lora" in err
+
+
 # ---- (e) bad inputs ------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
 from .adapter import Adapter, load_adapter
-from .merge import MergeSpec
+from .merge import MergeError, MergeSpec
 from .mix import merged_adapter, mix_key
 from .naming import gguf_to_hf_module, rope_heads, unpermute_qk_rows
 
@@ -617,19 +617,24 @@ def run_exports(args) -> int:
     outtype = getattr(args, "outtype", None) or "f16"
     explicit = _explicit_outtype(args)
     small = "f16" if explicit == "f16" else "f32"
+    merge = _merge_spec(args)
     jobs = []
     if args.export_lora:
         jobs.append(
             (
                 "export-lora",
-                lambda p: export_lora(base, loaded, args.export_lora, dtype=small, progress=p),
+                lambda p: export_lora(
+                    base, loaded, args.export_lora, dtype=small, progress=p, merge=merge
+                ),
             )
         )
     if args.export_peft:
         jobs.append(
             (
                 "export-peft",
-                lambda p: export_peft(base, loaded, args.export_peft, dtype=small, progress=p),
+                lambda p: export_peft(
+                    base, loaded, args.export_peft, dtype=small, progress=p, merge=merge
+                ),
             )
         )
     if args.export_merged:
@@ -637,7 +642,7 @@ def run_exports(args) -> int:
             (
                 "export-merged",
                 lambda p: export_merged(
-                    base, loaded, args.export_merged, outtype=outtype, progress=p
+                    base, loaded, args.export_merged, outtype=outtype, progress=p, merge=merge
                 ),
             )
         )
@@ -649,6 +654,28 @@ def run_exports(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _merge_spec(args) -> MergeSpec | None:
+    """--merge-method and its parameters as a checked MergeSpec (None: plain linear,
+    the exact stacking). A parameter the method does not use is an error rather than
+    silently ignored: --merge-density with svd most likely means another method."""
+    method = getattr(args, "merge_method", None) or "linear"
+    given = {
+        "density": getattr(args, "merge_density", None),
+        "rank": getattr(args, "merge_rank", None),
+        "seed": getattr(args, "merge_seed", None),
+        "majority_sign_method": getattr(args, "merge_sign", None),
+    }
+    spec = MergeSpec.make(method, **given)
+    unused = [k for k, v in given.items() if v is not None and getattr(spec, k) is None]
+    if unused:
+        flags = {"density": "--merge-density", "rank": "--merge-rank", "seed": "--merge-seed"}
+        flags["majority_sign_method"] = "--merge-sign"
+        raise MergeError(
+            f"--merge-method {method} does not use {', '.join(flags[k] for k in unused)}"
+        )
+    return None if spec == MergeSpec() else spec
 
 
 def _explicit_outtype(args) -> str | None:
