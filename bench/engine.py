@@ -257,6 +257,22 @@ def rss_split() -> str:
         return "n/a"
 
 
+def peak_rss_mb(reset: bool = False) -> float | None:
+    """The process's peak resident memory since start or the last reset (VmHWM), in MB;
+    ``reset`` then starts a new peak (writing 5 to /proc/self/clear_refs), so each bench
+    section's own peak can be told apart. None where Linux's files are missing."""
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+        kb = next(
+            int(v.split()[0]) for k, _, v in (s.partition(":") for s in status) if k == "VmHWM"
+        )
+        if reset:
+            Path("/proc/self/clear_refs").write_text("5")
+        return kb / 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 # Further sections live in their own modules, each a ``run(ctx: BenchContext)`` that
 # prints its lines (speeds next to ratios measured in the same run). They run in this
 # order after the engine figures above, on the same loaded engine.
@@ -497,8 +513,10 @@ def main() -> None:
     eng.scheduler.draft_max = 0
 
     ctx = BenchContext(eng, path, args, ids, prompt, n_decode, n_prefill)
+    peaks = {"serving figures above": peak_rss_mb(reset=True)}
     for name in SECTIONS:
         importlib.import_module(name).run(ctx)
+        peaks[name.removeprefix("bench.")] = peak_rss_mb(reset=True)
 
     # the target is SmolLM2's 1536 MB: its float32 weights (0.5 GB) and 1 GB of the rest
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -507,6 +525,8 @@ def main() -> None:
         f"peak RSS: {rss:.0f} MB (target <= {rss_target:.0f} MB with three adapters: "
         f"the float32 weights + 1 GB); now {rss_split()}"
     )
+    if all(v is not None for v in peaks.values()):
+        print("peak RSS by section: " + ", ".join(f"{k} {v:.0f} MB" for k, v in peaks.items()))
     eng.stop()
 
 
