@@ -49,7 +49,10 @@ TICKS = 100  # slider steps per 1.0
 DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
 DETENT_PULL = 0.04  # ~2 px of a 200 px fader: 1.00 is reachable with the mouse
 FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
-FADER_MIN_WIDTH = 160  # the throw: 4.0 of scale over at least 160 px
+# the throw: 4.0 of scale over at least 100 px (0.04 a pixel; the detents still catch
+# 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
+# wide for a 1024 px window's desk, which then scrolled sideways.
+FADER_MIN_WIDTH = 100
 HISTORY = 200  # undo steps kept
 
 
@@ -122,8 +125,9 @@ class Strip:
         self.solo.setToolTip("Solo: hear only soloed adapters")
         self.name = ElidedLabel(info["name"])
         self.name.setObjectName("stripName")
-        self.name.setMinimumWidth(48)
-        self.name.setToolTip(info.get("path", ""))
+        self.name.setMinimumWidth(44)  # elided ("lora_a…") where the desk is narrow
+        path = info.get("path", "")
+        self.name.setToolTip(f"{info['name']}\n{path}" if path else info["name"])
         self.slider = Fader()
         self.slider.setRange(int(SCALE_MIN * TICKS), int(SCALE_MAX * TICKS))
         self.slider.setTickPosition(QSlider.TicksBelow)
@@ -138,7 +142,7 @@ class Strip:
             decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX
         )
         self.spin.setKeyboardTracking(False)
-        self.spin.setFixedWidth(78)
+        self.spin.setFixedWidth(70)  # "-2.000" and the arrows, as Fusion measures it
         self.eff = QLabel()
         self.eff.setObjectName("effLabel")
         self.eff.setMinimumWidth(56)  # "+1.500" to "-12.000" without the column jumping
@@ -291,11 +295,14 @@ class MixerPanel(QWidget):
 
         self.grid_host = QWidget()
         self.grid = QGridLayout(self.grid_host)
-        self.grid.setContentsMargins(4, 4, 4, 4)
-        self.grid.setHorizontalSpacing(8)
+        # narrow margins and spacing: at 1024 px (and with a vertical scroll bar) the
+        # rows must fit the desk's ~400 px without a sideways scroll
+        self.grid.setContentsMargins(2, 4, 2, 4)
+        self.grid.setHorizontalSpacing(6)
         self.grid.setColumnStretch(3, 1)
         self.headers = []
-        for text in ("Mute", "Solo", "Adapter", "Scale", "", "Effective"):
+        # "Name", not "Adapter": that header alone set the column 15 px wider than its names
+        for text in ("Mute", "Solo", "Name", "Scale", "", "Effective"):
             h = QLabel(text)
             h.setObjectName("gridHeader")
             self.headers.append(h)

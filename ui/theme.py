@@ -45,6 +45,7 @@ class Theme:
     accent_hover: str
     accent_soft: str  # selected menu item
     accent_disabled: str
+    on_accent_disabled: str  # a disabled primary button's label: muted, not on_accent
     on_accent: str  # text on an accent (or danger) background
     groove: str  # slider groove
     danger: str
@@ -83,6 +84,7 @@ LIGHT = Theme(
     accent_hover="#3049d6",
     accent_soft="#e8ecff",
     accent_disabled="#a9b5f7",
+    on_accent_disabled="#ffffff",  # on the pale fill white is already faint
     on_accent="#ffffff",
     groove="#dde1ec",
     danger="#d64545",
@@ -121,6 +123,7 @@ DARK = Theme(
     accent_hover="#7489ff",
     accent_soft="#333d6b",
     accent_disabled="#3a4270",
+    on_accent_disabled="#767d99",
     on_accent="#ffffff",
     groove="#3b404e",
     danger="#d65656",

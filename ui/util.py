@@ -123,7 +123,10 @@ class ElidedLabel(QLabel):
 
     def sizeHint(self):  # noqa: N802
         hint = super().sizeHint()
-        hint.setWidth(self.fontMetrics().horizontalAdvance(self.full_text) + 4)
+        # the stylesheet's padding (the mixer's #stripName) is in the contents margins
+        m = self.contentsMargins()
+        text = self.fontMetrics().horizontalAdvance(self.full_text) + 4
+        hint.setWidth(text + m.left() + m.right())
         return hint
 
     def minimumSizeHint(self):  # noqa: N802
@@ -136,5 +139,7 @@ class ElidedLabel(QLabel):
         self._elide()
 
     def _elide(self) -> None:
-        shown = self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(self.width(), 0))
+        # the room inside the padding: elided to the width, a padded label clipped its text
+        room = self.contentsRect().width()
+        shown = self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(room, 0))
         super().setText(shown if self.width() > 0 else self.full_text)

@@ -39,7 +39,8 @@ def test_double_click_alt_click_and_home_reset_to_zero(loaded, qtbot):
 def test_a_drag_stops_at_the_detents_and_reaches_one(loaded, qtbot):
     w, aid = loaded, loaded.ids["lora_attn"]
     s = w.mixer.strips[aid]
-    assert s.slider.minimumWidth() >= 160  # the longer throw
+    # the throw: 160 px made the desk scroll sideways at 1024 px; 100 still hits 1.00
+    assert s.slider.minimumWidth() >= 100
     y = s.slider.height() // 2
     qtbot.mousePress(s.slider, Qt.LeftButton, pos=QPoint(s.slider.width() // 2, y))
     qtbot.mouseMove(s.slider, QPoint(fader_x(s.slider, 1.02), y))

@@ -3,11 +3,13 @@ follows the system's colour scheme, the choice persists, and the chat's colours 
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QGuiApplication, QPalette
+from PySide6.QtGui import QColor, QGuiApplication, QPalette
 
 from core.settings import Settings
 from ui import theme as T
@@ -97,3 +99,53 @@ def test_every_theme_fills_the_stylesheet_and_keeps_text_readable(theme):
 
 def test_the_stylesheet_template_hard_codes_no_colour():
     assert not re.findall(r"#[0-9a-fA-F]{6}\b|#[0-9a-fA-F]{3}\b", T.QSS.read_text())
+
+
+def _centre(button) -> list[QColor]:
+    """The pixels of the middle half of the button as drawn (its label and fill)."""
+    img = button.grab().toImage()
+    w, h = img.width(), img.height()
+    return [
+        QColor(img.pixel(x, y))
+        for y in range(h // 4, h - h // 4)
+        for x in range(w // 4, w - w // 4)
+    ]
+
+
+def _mean(pixels: list[QColor]) -> tuple[float, float, float]:
+    n = len(pixels)
+    return tuple(sum(getattr(p, c)() for p in pixels) / n for c in ("red", "green", "blue"))
+
+
+def _label_contrast(pixels: list[QColor]) -> float:
+    """Contrast of the label on the fill: the commonest colour is the fill, the pixel
+    that differs most from it is the label's ink."""
+    fill = QColor(Counter(p.rgb() for p in pixels).most_common(1)[0][0])
+    return max(T.contrast(p, fill) for p in pixels)
+
+
+@pytest.mark.parametrize("mode", ["dark", "light"])
+def test_a_disabled_send_button_looks_disabled(window, qtbot, mode):
+    """Before: in the dark theme a disabled Send (while a reply streams) kept its bright
+    white label, the primary button's colour winning over QPushButton:disabled, so on
+    its darker fill it read as enabled (more prominent, even, than when enabled)."""
+    w = window
+    w.theme_actions[mode].trigger()
+    qtbot.wait(20)
+    send = w.chat.send_btn
+    send.setEnabled(True)
+    on = _centre(send)
+    send.setEnabled(False)  # as ChatPane._update_buttons does while generating
+    off = _centre(send)
+    send.setEnabled(True)
+    (r0, g0, b0), (r1, g1, b1) = _mean(on), _mean(off)
+    assert math.dist((r0, g0, b0), (r1, g1, b1)) >= 40  # a clearly different button
+    assert _label_contrast(on) >= 3  # the enabled label reads well
+    assert _label_contrast(off) <= 2.5  # the disabled one is muted
+    # a tool button (the grid's Export…) had no :disabled rule at all
+    export = w.grid.export_btn
+    export.resize(export.sizeHint())
+    export.setEnabled(True)
+    on = _label_contrast(_centre(export))
+    export.setEnabled(False)
+    assert _label_contrast(_centre(export)) <= 2.5 < on

@@ -1,13 +1,16 @@
 """The window at a laptop's 1280x800 and a small 1024x700 (issue #17): the mixer shows
-every column without a sideways scrollbar, whatever the chat's status line says, and
-a reply's long code line wraps inside its block instead of widening the transcript."""
+every column without a sideways scrollbar at both, whatever the chat's status line
+says, and a reply's long code line wraps inside its block instead of widening the
+transcript."""
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import QScrollArea
 
 from core.lora.adapter import effective_scale
+from ui.mixer import FADER_MIN_WIDTH
 
 # what the chat's status line says while a reply streams (ChatPane._live)
 STREAMING_STATUS = "First token after 0.32 s · 12.3 tok/s"
@@ -31,6 +34,12 @@ def _shown_in(widget, viewport) -> bool:
     """widget lies wholly inside the viewport (not clipped, not scrolled away)."""
     top_left = widget.mapTo(viewport, QPoint(0, 0))
     return viewport.rect().contains(QRect(top_left, widget.size()))
+
+
+def _across(widget, viewport) -> bool:
+    """widget lies inside the viewport's width (it may be scrolled down out of sight)."""
+    left = widget.mapTo(viewport, QPoint(0, 0)).x()
+    return left >= 0 and left + widget.width() <= viewport.width()
 
 
 def test_every_mixer_column_fits_at_1280x800(loaded, qtbot):
@@ -66,14 +75,67 @@ def test_the_mixer_still_works_at_1024x700(loaded, qtbot):
     scroll = _mixer_scroll(w)
     attn = w.mixer.strips[w.ids["lora_attn"]]
     for widget in (attn.on, attn.solo, attn.slider, attn.spin, attn.eff):
-        # every column is reachable: scroll to it (the desk may scroll sideways here)
-        centre = widget.mapTo(w.mixer.grid_host, widget.rect().center())
-        scroll.ensureVisible(centre.x(), centre.y(), widget.width() // 2 + 1, 0)
         assert _shown_in(widget, scroll.viewport()), widget.objectName()
     attn.spin.setValue(0.5)
     assert w.engine.get_mix()[w.ids["lora_attn"]] == 0.5
     a, r = attn.info.get("alpha"), attn.info.get("rank")
     assert attn.eff.text() == f"{effective_scale(0.5, a, r):+.3f}"
+
+
+LONG_NAME = "a-rather-long-adapter-file-name-for-the-attention-layers"
+
+
+@pytest.mark.parametrize(
+    "size, extra",
+    [((1024, 700), 0), ((1280, 800), 0), ((1024, 700), 5)],
+    ids=["1024x700", "1280x800", "1024x700-8-adapters"],
+)
+def test_the_mixer_rows_fit_without_a_sideways_scrollbar(
+    window, qtbot, ref_dir, tmp_path, size, extra
+):
+    """Before: at 1024x700 the rows (M, S, name, a fader of at least 160 px, the number,
+    the effective scale) were ~75 px wider than the desk, which scrolled sideways.
+    With 8 adapters the desk scrolls down, and its vertical bar takes 10 px more."""
+    w = window
+    src = ref_dir / "adapters"
+    long = tmp_path / f"{LONG_NAME}.gguf"  # a long name must elide, not widen the row
+    long.write_bytes((src / "lora_attn.gguf").read_bytes())
+    paths = [src / "lora_all_q8.gguf", long, src / "lora_ffn.gguf"]
+    for i in range(extra):
+        paths.append(tmp_path / f"extra_{i}.gguf")
+        paths[-1].write_bytes((src / "lora_attn.gguf").read_bytes())
+    w.adapters.add_paths(paths)
+    qtbot.waitUntil(lambda: len(w.mixer.strips) == len(paths), timeout=10000)
+    w.resize(*size)
+    w.chat.status.setText(STREAMING_STATUS)
+    for strip in w.mixer.strips.values():
+        strip.set_value(-1.25)  # the widest scale and effective texts
+    _settle(qtbot)
+    assert (w.width(), w.height()) == size
+    scroll = _mixer_scroll(w)
+    bar = scroll.horizontalScrollBar()
+    assert not bar.isVisible() and bar.maximum() == 0
+    assert scroll.verticalScrollBar().isVisible() == bool(extra)
+    viewport = scroll.viewport()
+    shown = _across if extra else _shown_in  # 8 rows: the last ones are below the fold
+    for header in w.mixer.headers:
+        assert shown(header, viewport), header.text()
+    for strip in w.mixer.strips.values():
+        for widget in strip.widgets():
+            assert shown(widget, viewport), widget.objectName()
+            if widget is not strip.name:  # the name elides; nothing else is squeezed
+                least = widget.minimumWidth() or widget.minimumSizeHint().width()
+                assert widget.width() >= least, widget.objectName()
+        assert strip.slider.width() >= FADER_MIN_WIDTH
+        name = strip.name  # elided inside its padding, never clipped ("pirat")
+        assert name.fontMetrics().horizontalAdvance(name.text()) <= name.contentsRect().width()
+        if size == (1280, 800) and strip.info["name"] != LONG_NAME:
+            assert name.text() == strip.info["name"]  # short names whole where there is room
+    named = [s for s in w.mixer.strips.values() if s.info["name"] == LONG_NAME]
+    assert len(named) == 1
+    label = named[0].name
+    assert label.text() != LONG_NAME and label.text().endswith("…")  # elided on the desk
+    assert LONG_NAME in label.toolTip()  # the full name, one hover away
 
 
 def test_a_long_code_line_wraps_inside_its_block_at_1280x800(window, qtbot):
