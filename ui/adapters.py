@@ -29,7 +29,7 @@ from . import theme
 from .bridge import EngineBridge
 from .util import FileDropMixin, file_size, human_bytes, is_model_gguf
 
-COLUMNS = ("Adapter", "Rank", "Alpha", "Size", "Task", "Base check", "Targets")
+COLUMNS = ("Adapter", "Rank", "α", "Size", "Task", "Check", "Targets")
 SIZE_COL, BASE_COL, TARGETS_COL = 3, 5, 6
 ERROR_ROLE = Qt.UserRole + 1
 
@@ -98,8 +98,17 @@ class AdapterPanel(FileDropMixin, QWidget):
         self.tree.setSelectionMode(QAbstractItemView.ExtendedSelection)
         self.tree.setWordWrap(False)
         hdr = self.tree.header()
-        hdr.setStretchLastSection(True)
         hdr.setSectionResizeMode(QHeaderView.ResizeToContents)
+        # Targets (the last) takes the room left, elided (the full list is its tooltip):
+        # sized to its contents it made the list scroll sideways in a 1024x700 window.
+        # A stretched last section never gets narrower than its size when the stretch
+        # was turned on (100 px by default), so that size is made the minimum first.
+        hdr.setSectionResizeMode(TARGETS_COL, QHeaderView.Interactive)
+        hdr.resizeSection(TARGETS_COL, hdr.minimumSectionSize())
+        hdr.setStretchLastSection(True)
+        self.tree.setTextElideMode(Qt.ElideRight)
+        self.tree.headerItem().setToolTip(2, "LoRA alpha: the effective scale is scale × α / rank")
+        self.tree.headerItem().setToolTip(BASE_COL, "whether the adapter fits the loaded model")
         self.tree.setToolTip("Drop .gguf LoRA files or PEFT folders here")
 
         lay = QVBoxLayout(self)

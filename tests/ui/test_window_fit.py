@@ -163,3 +163,27 @@ def test_a_long_code_line_wraps_inside_its_block_at_1280x800(window, qtbot):
     assert line in text and token in text  # wrapped on screen, not cut or split
     assert list(w.chat.codes.values()) == [line + "\n", token + "\n"]  # Copy per block
     assert text.count("Copy") >= 4  # two messages and two code blocks
+
+
+def test_the_adapter_list_fits_at_1024x700_with_targets_elided(loaded, qtbot):
+    """Before: every column sized to its contents, so at 1024x700 the list under the
+    mixer scrolled sideways to show the Targets column. Now Targets takes the room
+    that is left, elided, with the full list in its tooltip; the other columns stay
+    whole."""
+    from ui.adapters import COLUMNS, TARGETS_COL
+
+    w = loaded
+    w.resize(1024, 700)
+    _settle(qtbot)
+    tree = w.adapters.tree
+    assert not tree.horizontalScrollBar().isVisible()
+    assert tree.horizontalScrollBar().maximum() == 0
+    hdr = tree.header()
+    for col in range(len(COLUMNS)):
+        if col != TARGETS_COL:  # whole: at least its contents' width
+            assert hdr.sectionSize(col) >= tree.sizeHintForColumn(col), COLUMNS[col]
+    targets = {a["name"]: a["targets"] for a in w.engine.adapters()}
+    assert tree.topLevelItemCount() == len(targets) == 3
+    for i in range(tree.topLevelItemCount()):
+        item = tree.topLevelItem(i)
+        assert item.toolTip(TARGETS_COL) == ", ".join(targets[item.text(0)])  # one hover away
