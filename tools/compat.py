@@ -70,6 +70,8 @@ MODEL = os.environ["MIXDESK_MODEL"]
 FIM_MODEL = os.environ.get("MIXDESK_FIM_MODEL") or MODEL
 LORA = os.environ["MIXDESK_LORA"]
 PYTHON = os.environ["MIXDESK_PYTHON"]
+# set by --vs-llama-server: the same tests, presets and model through llama-server itself
+SERVER_BIN = os.environ.get("MIXDESK_SERVER_BIN", "")
 DROP_WITH_VALUE = {"--hf-repo", "--hf-file", "-hf", "-hff"}
 DROP = {"--offline"}
 
@@ -104,6 +106,8 @@ def _translate(args):
         out += ["--model", FIM_MODEL if "infill" in hf else MODEL]
     if "bert-bge" in hf and "--pooling" not in out:
         out += ["--pooling", "cls"]  # what the preset's own file says (pooling_type 2)
+    if SERVER_BIN:
+        return [SERVER_BIN, *out]
     return [PYTHON, os.path.join(MIXDESK, "main.py"), "--headless", *out]
 
 
@@ -213,12 +217,55 @@ def fim_model() -> Path | None:
     return catalog.model_path(name)
 
 
-def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Path:
+def build_llama_server(sdist: Path) -> Path:
+    """llama-server itself, built once from the same sdist's vendored llama.cpp (CPU,
+    Release, no web UI download: the machine may be offline) into build/compat/; the
+    comparison then runs llama.cpp's tests against the real thing on the same model,
+    presets and adapter. Nothing of it is committed."""
+    binary = WORK / "llama-server-build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    src = WORK / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        prefix = "vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            for m in tar.getmembers():
+                _, _, rel = m.name.partition("/")
+                if not rel.startswith(prefix) or not (m.isfile() or m.isdir()):
+                    continue
+                target = src / rel[len(prefix) :]
+                if not target.resolve().is_relative_to(src.resolve()):
+                    continue  # a hostile member name
+                if m.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(m).read())
+                target.chmod(m.mode & 0o755 | 0o600)
+    build = binary.parents[1]
+    subprocess.run(
+        ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+        check=True,
+    )  # fmt: skip
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True
+    )
+    return binary
+
+
+def run(
+    tests: Path, files: list[str], keyword: str | None, timeout: int, server_bin: Path | None
+) -> Path:
     from core.default_model import ensure_default_model
 
     model = ensure_default_model(log=print)
     fim = fim_model()
-    report = WORK / "report.xml"
+    report = WORK / ("report-llama-server.xml" if server_bin else "report.xml")
+    report.unlink(missing_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(WORK / "site"), str(tests)]),
@@ -227,6 +274,7 @@ def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Pat
         "MIXDESK_FIM_MODEL": str(fim) if fim else "",
         "MIXDESK_LORA": str(REPO / "tests/data/llamacpp/adapters/lora_attn.gguf"),
         "MIXDESK_PYTHON": sys.executable,
+        "MIXDESK_SERVER_BIN": str(server_bin or ""),
         "PORT": os.environ.get("PORT", "18080"),
     }
     targets = [f"unit/{f}" for f in files] if files else ["unit"]
@@ -249,29 +297,56 @@ def run(tests: Path, files: list[str], keyword: str | None, timeout: int) -> Pat
     return report
 
 
-def table(report: Path) -> str:
-    counts: dict[str, list[int]] = {}
+def outcomes(report: Path) -> dict[tuple[str, str], str]:
+    """(file, test name) -> "passed" | "failed" | "skipped", from pytest's junit report."""
+    out: dict[tuple[str, str], str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         # classname "unit.test_basic" (the case pytest was in when interrupted has none)
         parts = [p for p in (case.get("classname") or "").split(".") if p.startswith("test_")]
         if not parts:
             continue
-        f = parts[0] + ".py"
-        c = counts.setdefault(f, [0, 0, 0])
         if case.find("skipped") is not None:
-            c[2] += 1
+            result = "skipped"
         elif case.find("failure") is not None or case.find("error") is not None:
-            c[1] += 1
+            result = "failed"
         else:
-            c[0] += 1
-    rows = ["| file | passed | failed | skipped |", "|---|---:|---:|---:|"]
-    total = [0, 0, 0]
-    for f in sorted(counts):
-        p, x, s = counts[f]
-        total = [total[0] + p, total[1] + x, total[2] + s]
-        rows.append(f"| {f} | {p} | {x} | {s} |")
-    rows.append(f"| **total** | **{total[0]}** | **{total[1]}** | **{total[2]}** |")
+            result = "passed"
+        out[(parts[0] + ".py", case.get("name") or "")] = result
+    return out
+
+
+def table(runs: dict[str, dict[tuple[str, str], str]]) -> str:
+    """A per-file passed/failed/skipped table, one group of columns per server."""
+    names = list(runs)
+    files = sorted({f for r in runs.values() for f, _ in r})
+    kinds = ("passed", "failed", "skipped")
+    multi = len(names) > 1
+    head = [f"{n} {k}" if multi else k for n in names for k in kinds]
+    rows = ["| file | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    total = [0] * len(head)
+    for f in files:
+        cells = [
+            sum(1 for (ff, _), v in runs[n].items() if ff == f and v == k)
+            for n in names
+            for k in kinds
+        ]
+        total = [a + b for a, b in zip(total, cells, strict=True)]
+        rows.append(f"| {f} | " + " | ".join(map(str, cells)) + " |")
+    rows.append("| **total** | " + " | ".join(f"**{t}**" for t in total) + " |")
     return "\n".join(rows)
+
+
+def differences(ours: dict, theirs: dict) -> str:
+    """The tests llama-server passes and Mixdesk does not, and the other way round."""
+    lines = []
+    for title, a, b in (
+        ("llama-server passes, Mixdesk does not", theirs, ours),
+        ("Mixdesk passes, llama-server does not", ours, theirs),
+    ):
+        diff = sorted(k for k, v in a.items() if v == "passed" and b.get(k) != "passed")
+        lines.append(f"{title} ({len(diff)}):")
+        lines += [f"  {f}::{name} ({b.get((f, name), 'not run')})" for f, name in diff]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,17 +357,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--all", action="store_true", help="every unit test file of the sdist")
     ap.add_argument("-k", dest="keyword", help="pytest -k expression")
-    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole run")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds for each run")
+    ap.add_argument(
+        "--vs-llama-server",
+        action="store_true",
+        help="also run the tests against llama-server itself (built once from the sdist, "
+        "or --llama-server-bin) on the same model and adapter, and compare",
+    )
+    ap.add_argument("--llama-server-bin", help="a llama-server binary to compare against")
+    ap.add_argument(
+        "--only-llama-server", action="store_true", help="run llama-server's column only"
+    )
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    tests = extract_tests(fetch_sdist(a.sdist))
+    sdist = fetch_sdist(a.sdist)
+    tests = extract_tests(sdist)
     ensure_deps()
     files = a.files or ([] if a.all else FILES)
-    report = run(tests, files, a.keyword, a.timeout)
-    if not report.exists():
+    runs: dict[str, dict] = {}
+    if a.vs_llama_server or a.llama_server_bin or a.only_llama_server:
+        binary = Path(a.llama_server_bin) if a.llama_server_bin else build_llama_server(sdist)
+        report = run(tests, files, a.keyword, a.timeout, binary)
+        if report.exists():
+            runs["llama-server"] = outcomes(report)
+    if not a.only_llama_server:
+        report = run(tests, files, a.keyword, a.timeout, None)
+        if report.exists():
+            runs["Mixdesk"] = outcomes(report)
+    if not runs:
         print("compat: no report (pytest did not run)")
         return 1
-    print(table(report))
+    print(table(runs))
+    if len(runs) == 2:
+        print(differences(runs["Mixdesk"], runs["llama-server"]))
     return 0
 
 

@@ -47,7 +47,7 @@ from .util import ElidedLabel
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
 DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
-DETENT_PULL = 0.04  # ~2 px of a 200 px fader: 1.00 is reachable with the mouse
+DETENT_PULL = 0.04  # 1 px at FADER_MIN_WIDTH, ~2 px at 200 px: a drag a pixel off lands
 FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
 # the throw: 4.0 of scale over at least 100 px (0.04 a pixel; the detents still catch
 # 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
