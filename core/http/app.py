@@ -41,6 +41,7 @@ from ..serve.scheduler import DoneEvent, TokenEvent
 from . import embeddings as EMB
 from . import endpoints as E
 from . import responses as R
+from . import streams as S
 from .build_info import build_info
 from .responses import HttpError
 from .security import (
@@ -205,6 +206,7 @@ ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
 METRICS = web.AppKey("metrics", E.Metrics)
 RELAY = web.AppKey("relay", LoopRelay)  # engine events to this app's loop, once per step
+STREAMS = web.AppKey("streams", S.StreamSessions)  # resumable streams by X-Conversation-Id
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TOKENIZE_INLINE_CHARS = 16384
@@ -234,6 +236,8 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     app[TEXT_POOL] = BlockingPool("text", workers=2, queue=64, timeout=60.0)
     app[METRICS] = E.Metrics()
     app[RELAY] = LoopRelay()  # bound to the serving loop by the first generation
+    app[STREAMS] = S.StreamSessions()
+    app.on_shutdown.append(_close_streams)
     app.on_response_prepare.append(add_cors_on_prepare)
     r = app.router
     r.add_get("/health", health)
@@ -264,6 +268,9 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     for path in ("/embedding", "/embeddings", "/v1/embeddings"):
         r.add_post(path, embeddings)
     r.add_post("/infill", infill)
+    r.add_get("/v1/stream", stream_replay)
+    r.add_delete("/v1/stream", stream_delete)
+    r.add_post("/v1/streams/lookup", streams_lookup)
     from .grid import grid  # imported here: core/http/grid.py builds on this module
 
     r.add_post("/mixdesk/grid", grid)  # the X/Y grid of mixes (#21)
@@ -272,6 +279,10 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     if settings.webui:
         add_webui_routes(r)  # the chat page at / (llama-server's web UI)
     return app
+
+
+async def _close_streams(app: web.Application) -> None:
+    app[STREAMS].close()  # producers cancelled, replay readers woken
 
 
 def set_engine(app: web.Application, engine) -> None:
@@ -975,6 +986,84 @@ def _oai_final(
     return [R.sse(last), R.sse({**tail, "choices": [], **extra}), R.SSE_DONE]
 
 
+class _SseOut:
+    """Where a stream's SSE bytes go: the client's response and, when the request
+    carries an X-Conversation-Id, a resumable session (core/http/streams.py) that
+    outlives the client. Without a session a write to a gone client raises
+    ConnectionError (the request is cancelled); with one the bytes go on into the
+    session and the client is simply no longer written to."""
+
+    def __init__(self, request: web.Request, session: S.StreamSession | None):
+        self.request, self.session = request, session
+        self.resp: web.StreamResponse | None = None
+        self.attached = True
+
+    async def open(self) -> None:
+        self.resp = await _open_sse(self.request)
+
+    async def write(self, data: bytes) -> None:
+        if self.session is not None:
+            self.session.append(data)
+        if not self.attached:
+            return
+        try:
+            await self.resp.write(data)
+        except ConnectionError:
+            if self.session is None:
+                raise
+            self.detach()
+
+    def detach(self) -> None:
+        self.attached = False
+        self.request[DISCONNECTED] = True
+
+    def client_gone(self) -> bool:
+        """Whether a gone client should cancel the generation (never with a session)."""
+        if self.session is not None:
+            return False
+        t = self.request.transport
+        return t is None or t.is_closing()
+
+
+def _sse_out(request: web.Request) -> _SseOut:
+    """The request's output; a new session if it names a conversation (a live one under
+    the same id is cancelled, as in llama-server). A bad id is a 400."""
+    try:
+        cid = S.conversation_id(request.headers)
+    except ValueError as e:
+        raise HttpError(str(e)) from None
+    session = request.app[STREAMS].create_or_replace(cid) if cid is not None else None
+    return _SseOut(request, session)
+
+
+async def _produce(out: _SseOut, body) -> web.StreamResponse:
+    """Run a stream's body. With a session it runs as its own task, shielded from the
+    handler: when the client goes away aiohttp cancels the handler, and the
+    generation goes on into the session (DELETE /v1/stream cancels the task)."""
+    if out.session is None:
+        await body
+        return out.resp
+    streams = out.request.app[STREAMS]
+    session = out.session
+
+    async def producer():
+        try:
+            await body
+        finally:
+            streams.finish(session)
+
+    task = session.task = asyncio.get_running_loop().create_task(producer())
+    streams.adopt(task)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # the handler: its client went away
+            out.detach()  # the task goes on without it
+            raise
+        # the producer was stopped (DELETE /v1/stream): this response simply ends
+    return out.resp
+
+
 async def _stream(
     request: web.Request,
     gen,
@@ -984,34 +1073,44 @@ async def _stream(
     progress: Callable[[Any], dict] | None = None,
 ) -> web.StreamResponse:
     """Write one SSE chunk per event until the request is done. A client that goes
-    away cancels the request, which frees its slot in the batch. ``progress`` makes
-    the chunk sent per prompt chunk evaluated (``return_progress``, R.progress_chunk)."""
-    resp = await _open_sse(request)
+    away cancels the request, which frees its slot in the batch, unless the request
+    names a conversation (X-Conversation-Id): then it runs on into its session.
+    ``progress`` makes the chunk sent per prompt chunk evaluated (``return_progress``,
+    R.progress_chunk)."""
     try:
-        if first is not None:
-            await resp.write(R.sse(first))
-        while True:
-            ev = await gen.next()
-            if ev.kind == "progress":
-                if progress is not None:
-                    await resp.write(R.sse(progress(ev)))
-                continue
-            if isinstance(ev, DoneEvent):
-                if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse(_stream_error(ev)))
-                else:
-                    _verbose(request, "content", lambda ev=ev: ev.content)
-                    for chunk in final_chunks(ev):
-                        await resp.write(chunk)
-                break
-            chunk = token_chunk(ev)
-            if chunk is not None:
-                await resp.write(R.sse(chunk))
-    except ConnectionError:
-        request[DISCONNECTED] = True
-    finally:
+        out = _sse_out(request)
+        await out.open()
+    except BaseException:
         gen.cancel()
-    return resp
+        raise
+
+    async def body() -> None:
+        try:
+            if first is not None:
+                await out.write(R.sse(first))
+            while True:
+                ev = await gen.next(watch_client=out.session is None)
+                if ev.kind == "progress":
+                    if progress is not None:
+                        await out.write(R.sse(progress(ev)))
+                    continue
+                if isinstance(ev, DoneEvent):
+                    if ev.stop_type in ("error", "cancel"):
+                        await out.write(R.sse(_stream_error(ev)))
+                    else:
+                        _verbose(request, "content", lambda ev=ev: ev.content)
+                        for chunk in final_chunks(ev):
+                            await out.write(chunk)
+                    break
+                chunk = token_chunk(ev)
+                if chunk is not None:
+                    await out.write(R.sse(chunk))
+        except ConnectionError:
+            request[DISCONNECTED] = True
+        finally:
+            gen.cancel()
+
+    return await _produce(out, body())
 
 
 async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.StreamResponse:
@@ -1428,49 +1527,115 @@ async def _stream_many(
 ) -> web.StreamResponse:
     """_stream for several generations at once: their events interleave as the batch
     produces them, each chunk tagged with its choice index by the callbacks. An error
-    in any of them ends the stream with the error; a client that goes away cancels all."""
-    resp = await _open_sse(request)
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, g: _Generation) -> None:
-        while True:
-            ev = await g.next(watch_client=False)
-            merged.put_nowait((i, ev))
-            if isinstance(ev, DoneEvent):
-                return
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    dones: list[DoneEvent | None] = [None] * len(gens)
+    in any of them ends the stream with the error; a client that goes away cancels all
+    (unless the request names a conversation, as in _stream)."""
     try:
-        if first is not None:
-            for i in range(len(gens)):
-                await resp.write(R.sse(first(i)))
-        while any(d is None for d in dones):
-            try:
-                i, ev = await asyncio.wait_for(merged.get(), POLL_S)
-            except TimeoutError:
-                if gens[0]._client_gone():
-                    raise ConnectionResetError("client disconnected") from None
-                continue
-            if isinstance(ev, DoneEvent):
-                dones[i] = ev
-                if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse(_stream_error(ev)))
-                    break
-                for c in final_chunks(i, ev):
-                    await resp.write(c)
-                continue
-            c = token_chunk(i, ev)
-            if c is not None:
-                await resp.write(R.sse(c))
-        else:
-            for c in closing(dones) if closing is not None else []:
-                await resp.write(c)
-    except ConnectionError:
-        request[DISCONNECTED] = True
-    finally:
-        for t in tasks:
-            t.cancel()
+        out = _sse_out(request)
+        await out.open()
+    except BaseException:
         for g in gens:
             g.cancel()
+        raise
+
+    async def body() -> None:
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, g: _Generation) -> None:
+            while True:
+                ev = await g.next(watch_client=False)
+                merged.put_nowait((i, ev))
+                if isinstance(ev, DoneEvent):
+                    return
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        dones: list[DoneEvent | None] = [None] * len(gens)
+        try:
+            if first is not None:
+                for i in range(len(gens)):
+                    await out.write(R.sse(first(i)))
+            while any(d is None for d in dones):
+                try:
+                    i, ev = await asyncio.wait_for(merged.get(), POLL_S)
+                except TimeoutError:
+                    if out.client_gone():
+                        raise ConnectionResetError("client disconnected") from None
+                    continue
+                if isinstance(ev, DoneEvent):
+                    dones[i] = ev
+                    if ev.stop_type in ("error", "cancel"):
+                        await out.write(R.sse(_stream_error(ev)))
+                        break
+                    for c in final_chunks(i, ev):
+                        await out.write(c)
+                    continue
+                c = token_chunk(i, ev)
+                if c is not None:
+                    await out.write(R.sse(c))
+            else:
+                for c in closing(dones) if closing is not None else []:
+                    await out.write(c)
+        except ConnectionError:
+            request[DISCONNECTED] = True
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                g.cancel()
+
+    return await _produce(out, body())
+
+
+# ---- resumable streams (llama-server's /v1/stream routes) -------------------------------
+
+
+def _conv_param(request: web.Request) -> str:
+    cid = request.query.get("conv_id", "")
+    if not cid:
+        raise HttpError("Missing conversation id in path")
+    return cid
+
+
+async def stream_replay(request: web.Request) -> web.StreamResponse:
+    """GET /v1/stream?conv_id=…&from=N: the session's SSE bytes from offset N, then the
+    live ones until its generation ends (404 when unknown or expired)."""
+    cid = _conv_param(request)
+    session = request.app[STREAMS].get(cid)
+    if session is None:
+        raise HttpError("Stream not found or expired", 404, "not_found_error")
+    raw = request.query.get("from", "0") or "0"
+    if not raw.isdigit() or len(raw) > 18:
+        raise HttpError("Invalid 'from' offset")
+    offset = int(raw)
+    if offset < session.dropped_prefix:
+        raise HttpError("Stream offset lost, please restart")
+    resp = await _open_sse(request)
+    try:
+        while True:
+            try:
+                data = session.read(offset)
+            except S.OffsetLost:  # the writer outran this reader past the cap
+                break
+            if data:
+                offset += len(data)
+                await resp.write(data)
+                continue
+            if session.done:
+                break
+            await session.changed()
+    except ConnectionError:
+        request[DISCONNECTED] = True
     return resp
+
+
+async def streams_lookup(request: web.Request) -> web.Response:
+    """POST /v1/streams/lookup {"conversation_ids": [...]}: only the ids named."""
+    body = await _body(request)
+    ids = body.get("conversation_ids") if isinstance(body, dict) else None
+    wanted = [i for i in ids if isinstance(i, str) and i] if isinstance(ids, list) else []
+    return web.json_response(request.app[STREAMS].lookup(wanted[: S.MAX_SESSIONS]))
+
+
+async def stream_delete(request: web.Request) -> web.Response:
+    """DELETE /v1/stream?conv_id=…: the explicit Stop; 204 even when already gone."""
+    request.app[STREAMS].evict_and_cancel(_conv_param(request))
+    return web.Response(status=204)

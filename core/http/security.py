@@ -351,8 +351,8 @@ def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
     if preflight:
         h.update(
             {
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Api-Key",
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Api-Key, X-Conversation-Id",
                 "Access-Control-Max-Age": "600",
             }
         )
