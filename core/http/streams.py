@@ -12,8 +12,8 @@ The rules are llama-server's (tools/server/server-stream.cpp in the pinned sdist
 live session per id (a new request with the same id cancels the old one), at most
 4 MiB kept per session (the oldest bytes go first; an offset below them is "lost"),
 a finished session kept 300 s. One thing is ours: at most MAX_SESSIONS sessions are
-kept; past that the oldest finished one goes first, so ids invented by a client
-cannot pile up buffers.
+kept (256 MiB at most); past that the oldest finished one goes first, so ids invented
+by a client cannot pile up buffers.
 
 Everything here runs on the server's event loop thread: no locks, futures wake the
 readers.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 TTL_S = 300.0  # a finished session is kept this long for a replay (llama-server's)
 MAX_BYTES = 4 * 1024 * 1024  # SSE bytes kept per session (llama-server's)
-MAX_SESSIONS = 256
+MAX_SESSIONS = 64  # x MAX_BYTES: at most 256 MiB of kept streams, whatever clients send
 MAX_ID_CHARS = 512
 HEADER = "X-Conversation-Id"
 
