@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -26,6 +27,12 @@ BATCH = 4  # requests in flight at once (two engine slots)
 CONTROL_EVERY = 10  # batches between control requests
 N_VOCAB = 49152
 GENERATION = ("/completion", "/v1/completions", "/v1/chat/completions")
+
+# resumable streams: the conversation ids requests name (X-Conversation-Id) and the
+# /v1/stream routes, drawn from their own generator so the cases above stay the same
+CONV_IDS = ["fuzz", "fuzz::org/model:Q8_0", "x" * 600, "a b", "%00", "fuzz"]
+OFFSETS = ["0", "1", "-1", "x", "99999999999999999999", "", "5e3"]
+STREAM_CASES = 40
 
 ROUTES = [
     ("GET", "/health"),
@@ -213,6 +220,17 @@ def sane_generation(rng: random.Random, path: str) -> dict:
     return body
 
 
+def stream_case(rng: random.Random) -> tuple[str, str, bytes | None]:
+    conv = quote(rng.choice(CONV_IDS), safe="")
+    kind = rng.random()
+    if kind < 0.4:
+        return "GET", f"/v1/stream?conv_id={conv}&from={rng.choice(OFFSETS)}", None
+    if kind < 0.6:
+        return "DELETE", f"/v1/stream?conv_id={conv}" if rng.random() < 0.8 else "/v1/stream", None
+    ids = rng.choice([[rng.choice(CONV_IDS)], CONV_IDS, fuzz_value(rng), None])
+    return "POST", "/v1/streams/lookup", json.dumps({"conversation_ids": ids}).encode()
+
+
 def make_case(rng: random.Random) -> tuple[str, str, bytes | None]:
     method, path = rng.choice(ROUTES)
     if method == "GET":
@@ -275,9 +293,11 @@ async def control(session, url) -> list[int]:
         return body["tokens"]
 
 
-async def send(session, url, method, path, raw) -> tuple[int, str | None]:
+async def send(session, url, method, path, raw, conv=None) -> tuple[int, str | None]:
     """(status, None) if the answer is acceptable, else (status, what was wrong)."""
     headers = {"Content-Type": "application/json"}
+    if conv is not None:
+        headers["X-Conversation-Id"] = conv
     try:
         async with session.request(method, url + path, data=raw, headers=headers) as r:
             text = await r.text(errors="replace")
@@ -306,6 +326,10 @@ async def send(session, url, method, path, raw) -> tuple[int, str | None]:
 def test_fuzz_the_api(server):
     rng = random.Random(SEED)
     cases = [make_case(rng) for _ in range(CASES)]
+    srng = random.Random(SEED + 1)
+    convs = [srng.choice(CONV_IDS) if srng.random() < 0.3 else None for _ in cases]
+    cases += [stream_case(srng) for _ in range(STREAM_CASES)]
+    convs += [None] * STREAM_CASES
 
     async def go():
         timeout = aiohttp.ClientTimeout(total=60)
@@ -316,7 +340,10 @@ def test_fuzz_the_api(server):
             for n, i in enumerate(range(0, len(cases), BATCH)):
                 batch = cases[i : i + BATCH]
                 results = await asyncio.gather(
-                    *(send(session, server.url, m, p, raw) for m, p, raw in batch)
+                    *(
+                        send(session, server.url, m, p, raw, conv)
+                        for (m, p, raw), conv in zip(batch, convs[i : i + BATCH], strict=True)
+                    )
                 )
                 for (m, p, raw), (status, bad) in zip(batch, results, strict=True):
                     generated += status == 200 and p in GENERATION
