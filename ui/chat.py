@@ -31,7 +31,7 @@ from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
-from .util import ElidedLabel, format_mix
+from .util import ElidedLabel, format_mix, run_controls
 
 RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
@@ -149,12 +149,7 @@ class ChatPane(QWidget):
         self.input.setPlaceholderText("Message…   (Ctrl+Enter to send, Esc to stop)")
         self.input.setMaximumHeight(110)
 
-        self.send_btn = QPushButton("Send")
-        self.send_btn.setObjectName("primaryButton")
-        self.send_btn.clicked.connect(lambda: self.send())
-        self.stop_btn = QPushButton("Stop")
-        self.stop_btn.setObjectName("stopButton")
-        self.stop_btn.clicked.connect(self.stop)
+        self.send_btn, self.stop_btn = run_controls(self, "Send", self.send, self.stop)
         self.regen_btn = QPushButton("Regenerate")
         self.regen_btn.setToolTip("A new reply; the earlier ones stay as versions (Ctrl+R)")
         self.regen_btn.clicked.connect(self.regenerate)
@@ -185,9 +180,6 @@ class ChatPane(QWidget):
         lay.addWidget(self.input)
         lay.addLayout(buttons)
 
-        for seq in ("Ctrl+Return", "Ctrl+Enter"):
-            QShortcut(QKeySequence(seq), self, self.send, context=Qt.WidgetWithChildrenShortcut)
-        QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
         # window-wide, as in LM Studio and Jan
         QShortcut(QKeySequence("Ctrl+N"), self, self.new_conversation, context=Qt.WindowShortcut)
         QShortcut(QKeySequence("Ctrl+R"), self, self.regenerate, context=Qt.WindowShortcut)

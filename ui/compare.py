@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QKeySequence, QShortcut, QTextCharFormat, QTextCursor
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox,
     QGridLayout,
@@ -33,7 +33,7 @@ from .chat import palette_colors
 from .markdown import render as render_md
 from .mixer import MixerPanel
 from .sampling import SamplingForm
-from .util import format_mix
+from .util import format_mix, run_controls
 
 CURRENT = "(current desk mix)"
 BASE = "(base model, no adapters)"
@@ -121,13 +121,7 @@ class ComparePane(QWidget):
         self.prompt = QPlainTextEdit()
         self.prompt.setPlaceholderText("One prompt, two mixes…   (Ctrl+Enter to run)")
         self.prompt.setMaximumHeight(80)
-        self.run_btn = QPushButton("Run A/B")
-        self.run_btn.setObjectName("primaryButton")
-        self.run_btn.clicked.connect(lambda: self.run())
-        self.stop_btn = QPushButton("Stop")
-        self.stop_btn.setObjectName("stopButton")
-        self.stop_btn.clicked.connect(self.stop)
-        self.stop_btn.setEnabled(False)
+        self.run_btn, self.stop_btn = run_controls(self, "Run A/B", self.run, self.stop)
         self.diff_btn = QPushButton("Diff")
         self.diff_btn.setCheckable(True)
         self.diff_btn.setEnabled(False)
@@ -167,13 +161,6 @@ class ComparePane(QWidget):
         lay.addWidget(self.diff_hint)
         lay.addLayout(row)
 
-        QShortcut(
-            QKeySequence("Ctrl+Return"),
-            self,
-            lambda: self.run(),
-            context=Qt.WidgetWithChildrenShortcut,
-        )
-        QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
         self._timer = QTimer(self, singleShot=True, interval=60)
         self._timer.timeout.connect(self._render)
         mixer.presets_changed.connect(self.refresh_presets)

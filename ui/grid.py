@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -36,6 +35,7 @@ from core import grid as G
 from .bridge import EngineBridge, Generation
 from .mixer import MixerPanel
 from .sampling import SamplingForm
+from .util import run_controls
 
 NONE = "(none)"
 KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
@@ -220,13 +220,7 @@ class GridPane(QWidget):
         self.prompt = QPlainTextEdit()
         self.prompt.setPlaceholderText("One prompt, X × Y mixes…   (Ctrl+Enter to run)")
         self.prompt.setMaximumHeight(70)
-        self.run_btn = QPushButton("Run grid")
-        self.run_btn.setObjectName("primaryButton")
-        self.run_btn.clicked.connect(lambda: self.run())
-        self.stop_btn = QPushButton("Stop")
-        self.stop_btn.setObjectName("stopButton")
-        self.stop_btn.clicked.connect(self.stop)
-        self.stop_btn.setEnabled(False)
+        self.run_btn, self.stop_btn = run_controls(self, "Run grid", self.run, self.stop)
         self.export_btn = QToolButton(text="Export")
         self.export_btn.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(self.export_btn)
@@ -266,13 +260,6 @@ class GridPane(QWidget):
         lay.addWidget(scroll, 1)
         lay.addLayout(row)
 
-        QShortcut(
-            QKeySequence("Ctrl+Return"),
-            self,
-            lambda: self.run(),
-            context=Qt.WidgetWithChildrenShortcut,
-        )
-        QShortcut(QKeySequence("Escape"), self, self.stop, context=Qt.WidgetWithChildrenShortcut)
         bridge.adapters_changed.connect(lambda _: self._adapters_changed())
         self._adapters_changed()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QMimeData, Qt
-from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import QLabel, QPushButton, QSizePolicy, QWidget
 
 from core.paths import resources_dir
 
@@ -95,6 +96,24 @@ def is_model_gguf(path: str | Path) -> bool:
     except Exception:
         return False
     return gf.metadata.get("general.type") != "adapter" and "token_embd.weight" in gf.tensors
+
+
+def run_controls(pane: QWidget, run_label: str, run, stop) -> tuple[QPushButton, QPushButton]:
+    """A pane's primary button and its Stop button, with the keys every pane shares:
+    Ctrl+Enter (either Enter key) runs, Esc stops, while focus is inside the pane.
+    Stop starts disabled; the pane enables it while something runs."""
+    run_btn = QPushButton(run_label)
+    run_btn.setObjectName("primaryButton")
+    run_btn.clicked.connect(lambda: run())  # clicked's bool must not reach run()
+    stop_btn = QPushButton("Stop")
+    stop_btn.setObjectName("stopButton")
+    stop_btn.clicked.connect(stop)
+    stop_btn.setEnabled(False)
+    within = Qt.WidgetWithChildrenShortcut
+    for seq in ("Ctrl+Return", "Ctrl+Enter"):  # the main Enter key and the keypad's
+        QShortcut(QKeySequence(seq), pane, lambda: run(), context=within)
+    QShortcut(QKeySequence("Escape"), pane, stop, context=within)
+    return run_btn, stop_btn
 
 
 def format_mix(mix, names: dict[int, str]) -> str:
