@@ -112,18 +112,21 @@ QWEN2_BLOCK: tuple[Norm | Matrix, ...] = (
     ),
     *LLAMA_BLOCK[2:],
 )
+# Q/K/V with their rows in Hugging Face order (no rope permutation) and no biases:
+# Qwen3's and Gemma 3's
+QKV_HF_ORDER = Matrix(
+    "wqkv",
+    (
+        Part("attn_q", "q", "self_attn.q_proj"),
+        Part("attn_k", "kv", "self_attn.k_proj"),
+        Part("attn_v", "kv", "self_attn.v_proj"),
+    ),
+    "dim",
+)
 # Qwen3: llama's block with per-head RMS norms on Q and K (before rope), no biases
 QWEN3_BLOCK: tuple[Norm | Matrix, ...] = (
     Norm("attn_norm"),
-    Matrix(
-        "wqkv",
-        (
-            Part("attn_q", "q", "self_attn.q_proj"),
-            Part("attn_k", "kv", "self_attn.k_proj"),
-            Part("attn_v", "kv", "self_attn.v_proj"),
-        ),
-        "dim",
-    ),
+    QKV_HF_ORDER,
     Norm("attn_q_norm", "hd"),
     Norm("attn_k_norm", "hd"),
     *LLAMA_BLOCK[2:],
@@ -132,15 +135,7 @@ QWEN3_BLOCK: tuple[Norm | Matrix, ...] = (
 # converter already stores Gemma's (1 + w) RMS norm weights as 1 + w)
 GEMMA3_BLOCK: tuple[Norm | Matrix, ...] = (
     Norm("attn_norm"),
-    Matrix(
-        "wqkv",
-        (
-            Part("attn_q", "q", "self_attn.q_proj"),
-            Part("attn_k", "kv", "self_attn.k_proj"),
-            Part("attn_v", "kv", "self_attn.v_proj"),
-        ),
-        "dim",
-    ),
+    QKV_HF_ORDER,
     Norm("attn_q_norm", "hd"),
     Norm("attn_k_norm", "hd"),
     LLAMA_BLOCK[2],  # wo
