@@ -1142,6 +1142,21 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
         e = R.completion_probability(tok, token, logprob, top, merged)
         return R.as_post_sampling(e) if post else e
 
+    def final(done, probs=None, streaming=False):
+        """The last object of a /completion answer (the whole body when not streaming)."""
+        return R.completion_final(
+            done,
+            prompt_n=len(prompt),
+            model=mid,
+            all_ids=all_ids,
+            return_tokens=opts.return_tokens,
+            probs=probs,
+            settings=settings_for(done),
+            streaming=streaming,
+            prompt_text=prompt_text,
+            n_ctx=eng.ctx_size,
+        )
+
     if not opts.stream:
         done, toks = await gen.collect()
         _raise_for_done(done)
@@ -1153,17 +1168,7 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
                 merged = merger.push(t.token)
                 if merged is not None:  # None: ends inside a UTF-8 character
                     probs.append(probability(t.token, t.logprob, t.top, merged))
-        out = R.completion_final(
-            done,
-            prompt_n=len(prompt),
-            model=mid,
-            all_ids=all_ids,
-            return_tokens=opts.return_tokens,
-            probs=probs,
-            settings=settings_for(done),
-            prompt_text=prompt_text,
-            n_ctx=eng.ctx_size,
-        )
+        out = final(done, probs)
         body = dict(R.select_fields(out, opts.extra["response_fields"]))
         if opts.extra["verbose"]:
             body["__verbose"] = out  # a copy of the whole answer, not itself
@@ -1188,22 +1193,7 @@ async def completion(request: web.Request, prompt_field: Any = "prompt") -> web.
         return R.completion_chunk(ev.text, [], [] if n_probs else None, ev.slot)
 
     def final_chunks(ev):
-        return [
-            R.sse(
-                R.completion_final(
-                    ev,
-                    prompt_n=len(prompt),
-                    model=mid,
-                    all_ids=all_ids,
-                    return_tokens=opts.return_tokens,
-                    probs=None,
-                    settings=settings_for(ev),
-                    streaming=True,
-                    prompt_text=prompt_text,
-                    n_ctx=eng.ctx_size,
-                )
-            )
-        ]
+        return [R.sse(final(ev, streaming=True))]
 
     base = {
         **R.completion_chunk("", [], None),
