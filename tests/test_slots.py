@@ -209,3 +209,24 @@ def test_a_slot_busy_past_the_wait_is_409(smollm_path, tmp_path):
     finally:
         srv.stop()
         eng.stop()
+
+
+def test_a_failed_save_keeps_the_old_file_and_leaves_no_partial_one(tmp_path):
+    """A save that fails half-way (here the V cache cannot be written; on a user's
+    machine, a full disk) must leave the earlier save under that name untouched and no
+    temporary file beside it."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model)
+    cfg = ModelConfig.from_metadata(GGUFFile(model).metadata)
+    ident = slots.model_identity(model, cfg)
+    shape = (cfg.n_layers, cfg.n_kv_heads, 2, cfg.head_dim)
+    saves = tmp_path / "saves"
+    saves.mkdir()
+    dest = saves / "s.bin"
+    slots.write_file(dest, ident, [], slots.SlotImage([1, 2], np.ones(shape), np.ones(shape), ()))
+    before = dest.read_bytes()
+    ragged = [[1.0], [1.0, 2.0]]  # not an array: fails after the header and K are written
+    with pytest.raises(ValueError):
+        slots.write_file(dest, ident, [], slots.SlotImage([1, 2], np.ones(shape), ragged, ()))
+    assert dest.read_bytes() == before
+    assert sorted(p.name for p in saves.iterdir()) == ["s.bin"]

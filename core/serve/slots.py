@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..fileio import write_atomically
 from ..lora.mix import MixKey, mix_key
 from .scheduler import SlotTask
 
@@ -131,18 +131,19 @@ def mix_from_file(entries, adapters: list[dict]) -> MixKey:
 
 
 def write_file(path: Path, identity: dict, mix: list[dict], img: SlotImage) -> int:
-    """Write a slot file (to a temporary name first: a failed write never leaves half
-    a file under the real name); returns the bytes written."""
+    """Write a slot file atomically (core.fileio: a failed write leaves the earlier
+    file of that name and no partial one); returns the bytes written."""
     n = len(img.tokens)
     meta = json.dumps({"model": identity, "mix": mix, "n_tokens": n}).encode()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+
+    def fill(f) -> None:
         f.write(_HEAD.pack(MAGIC, VERSION, len(meta)))
         f.write(meta)
         f.write(np.asarray(img.tokens, dtype="<i4").tobytes())  # (n,)
         f.write(np.ascontiguousarray(img.k, dtype="<f4").tobytes())  # (L, n_kv, n, hd)
         f.write(np.ascontiguousarray(img.v, dtype="<f4").tobytes())
-    os.replace(tmp, path)
+
+    write_atomically(path, fill)
     return path.stat().st_size
 
 
