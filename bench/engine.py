@@ -296,15 +296,20 @@ class BenchContext:
     n_prefill: int
 
 
-def main() -> None:
+def bench_args() -> tuple[argparse.Namespace, Path, int, int]:
+    """The flags every bench takes (-m, --quick): (args, model path, n_decode, n_prefill);
+    prints the BLAS header."""
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model")
     ap.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
     args = ap.parse_args()
     path = Path(args.model) if args.model else ensure_default_model(log=lambda m: None)
-    n_decode = 32 if args.quick else 128
-    n_prefill = 128 if args.quick else 512
     print(blas_header())
+    return args, path, (32 if args.quick else 128), (128 if args.quick else 512)
+
+
+def main() -> None:
+    args, path, n_decode, n_prefill = bench_args()
     print(f"model: {path.name}   cores: {os.cpu_count()}")
 
     # -- load -------------------------------------------------------------------

@@ -18,7 +18,6 @@ client on a 2-core machine pays its share of the CPU.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import json
@@ -246,18 +245,10 @@ def _run(ctx, srv) -> None:
 def main() -> None:
     import numpy as np
 
-    from bench.engine import BenchContext, bench_adapters, blas_header
-    from core.default_model import ensure_default_model
+    from bench.engine import BenchContext, bench_adapters, bench_args
     from core.serve.engine import Engine
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-m", "--model")
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
-    args = ap.parse_args()
-    path = Path(args.model) if args.model else ensure_default_model(log=lambda m: None)
-    n_decode = 32 if args.quick else 128
-    n_prefill = 128 if args.quick else 512
-    print(blas_header())
+    args, path, n_decode, n_prefill = bench_args()
     eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
     eng.load_model(path)
     eng.start()
