@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from urllib.parse import quote
 
@@ -21,8 +22,9 @@ import pytest
 from core.http import ServerSettings, ServerThread
 from core.serve.engine import Engine
 
-SEED = 1515
-CASES = 240
+# MIXDESK_FUZZ_SEED / MIXDESK_FUZZ_CASES explore beyond the suite's fixed run
+SEED = int(os.environ.get("MIXDESK_FUZZ_SEED", "1515"))
+CASES = int(os.environ.get("MIXDESK_FUZZ_CASES", "240"))
 BATCH = 4  # requests in flight at once (two engine slots)
 CONTROL_EVERY = 10  # batches between control requests
 N_VOCAB = 49152
