@@ -204,6 +204,7 @@ SETTINGS = web.AppKey("settings", ServerSettings)
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
+MIX_POOL = web.AppKey("mix_pool", BlockingPool)
 METRICS = web.AppKey("metrics", E.Metrics)
 RELAY = web.AppKey("relay", LoopRelay)  # engine events to this app's loop, once per step
 STREAMS = web.AppKey("streams", S.StreamSessions)  # resumable streams by X-Conversation-Id
@@ -234,6 +235,10 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     )
     # chat templates stop themselves (RenderLimits); the timeout is a backstop
     app[TEXT_POOL] = BlockingPool("text", workers=2, queue=64, timeout=60.0)
+    # merge-method builds: one at a time (each already keeps both cores busy in BLAS),
+    # a bounded queue (a client sending new seeds cannot pile up threads), and a build
+    # that outlasts the timeout still lands in the mix cache for the retry
+    app[MIX_POOL] = BlockingPool("mix build", workers=1, queue=16, timeout=600.0)
     app[METRICS] = E.Metrics()
     app[RELAY] = LoopRelay()  # bound to the serving loop by the first generation
     app[STREAMS] = S.StreamSessions()
@@ -372,6 +377,16 @@ async def _render_chat(request: web.Request, eng, body: dict) -> str:
             defaults=eng.chat_defaults,
         )
     )
+
+
+async def _mixes_ready(request: web.Request, eng, mixes: list) -> None:
+    """Build, on the mix-build pool's thread, any of these mixes (None: the global mix)
+    that is not built yet, so that the submit that follows finds them built. A merge
+    method's build takes seconds (27 s for ties on Qwen2.5-0.5B): run inside the
+    submit, on this loop, it stopped every other client (and, in the window, the GUI)
+    until it ended."""
+    if not eng.mixes_built(mixes):
+        await request.app[MIX_POOL].run(eng.prepare_mixes, mixes)
 
 
 def _resolve_mix(eng, opts: R.GenOptions, oai: bool) -> dict[int, float] | None:
@@ -659,6 +674,7 @@ async def embeddings(request: web.Request) -> web.Response:
     b64 = EMB.parse_encoding(body)
     norm = EMB.parse_normalize_field(body)
     mix = eng.parse_mix(body["lora"], "lora") if body.get("lora") is not None else None
+    await _mixes_ready(request, eng, [mix])
     t0 = time.perf_counter()
     hidden = await asyncio.wrap_future(eng.embed(inputs, mix))  # (n_i, d) per input
     request.app[METRICS].record_embedding(
@@ -919,9 +935,11 @@ async def _start(request: web.Request, prompt_field: Any, oai: bool, chat: bool 
         if R.is_multi_prompt(body["prompt"]):
             R.check_choices(len(body["prompt"]), opts.extra["n"])
             prompts = [await _encode_prompt(request, eng, p) for p in body["prompt"]]
+            await _mixes_ready(request, eng, [mix])
             return eng, opts, prompts, _start_many(request, eng, opts, prompts, mix)
         prompt = await _encode_prompt(request, eng, body["prompt"])
         _verbose(request, "prompt", lambda: eng.tokenizer.decode(prompt))
+    await _mixes_ready(request, eng, [mix])
     if opts.extra["n"] > 1:
         return eng, opts, [prompt], _start_many(request, eng, opts, [prompt], mix)
     gen = _Generation(

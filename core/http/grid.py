@@ -35,6 +35,7 @@ from .app import (
     _body,
     _encode_prompt,
     _engine,
+    _mixes_ready,
     _open_sse,
     _raise_for_done,
     _refused,
@@ -86,6 +87,7 @@ async def grid(request: web.Request) -> web.StreamResponse:
     def on_event(i: int, ev) -> None:  # the engine thread
         send((i, ev))
 
+    await _mixes_ready(request, eng, [c.mix for c in cells])  # a method axis builds off the loop
     run = None
     try:
         run = G.submit_grid(eng, cells, prompt, on_event, source="http", cache_prompt=cache_prompt)

@@ -183,6 +183,10 @@ class MixCache:
         self._cache: OrderedDict[MixKey, MixWeights] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        # one lock per key being built: a second thread asking for the same new mix
+        # waits for the first one's build (a merge method's takes seconds) instead of
+        # running its own beside it
+        self._building: dict[MixKey, threading.Lock] = {}
 
     @property
     def nbytes(self) -> int:
@@ -195,14 +199,34 @@ class MixCache:
         to ``progress``; a linear mix's takes milliseconds and reports nothing)."""
         if not key:
             return None
+        mw = self.cached(key)
+        if mw is not None:
+            return mw
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        try:
+            with building:
+                mw = self.cached(key)  # built while this thread waited for the lock
+                if mw is None:
+                    mw = build_mix(self.cfg, key, adapters, progress)
+                    self._put(key, mw)
+        finally:
+            with self._lock:
+                if self._building.get(key) is building:
+                    del self._building[key]
+        return mw
+
+    def cached(self, key: MixKey) -> MixWeights | None:
+        """The built mix of ``key`` if it is in the cache (marked recently used)."""
         with self._lock:
             mw = self._cache.get(key)
             if mw is not None:
                 self._cache.move_to_end(key)
-                return mw
-        mw = build_mix(self.cfg, key, adapters, progress)
+            return mw
+
+    def _put(self, key: MixKey, mw: MixWeights) -> None:
         with self._lock:
-            old = self._cache.pop(key, None)  # built twice by two threads: keep one
+            old = self._cache.pop(key, None)
             self._bytes -= old.nbytes if old is not None else 0
             self._cache[key] = mw
             self._bytes += mw.nbytes
@@ -211,7 +235,6 @@ class MixCache:
             ):
                 _, dropped = self._cache.popitem(last=False)
                 self._bytes -= dropped.nbytes
-        return mw
 
     def forget_adapter(self, aid: int) -> None:
         with self._lock:

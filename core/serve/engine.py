@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -561,8 +561,8 @@ class Engine:
         tokenizer = self.tokenizer
         return self.run_on_engine(lambda model: score_many(model, tokenizer, built, top_k)).result()
 
-    def _built_mix(self, mix: Mapping[int, float] | None) -> tuple[MixKey, Any]:
-        """A mix (None: the global mix, snapshotted now) as its key and built weights."""
+    def _mix_key(self, mix: Mapping[int, float] | None):
+        """A mix (None: the global mix, snapshotted now) as (key, adapters, method)."""
         with self._lock:
             scales = dict(self._scales) if mix is None else dict(mix)
             # the global mix's method; a mix given without one (a plain dict, a request's
@@ -572,10 +572,37 @@ class Engine:
                 if aid not in self._adapters:
                     raise EngineError(f"no adapter with id {aid}")
             adapters = dict(self._adapters)
-        key = mix_key(scales, merge)
+        return mix_key(scales, merge), adapters, merge
+
+    def _built_mix(self, mix: Mapping[int, float] | None) -> tuple[MixKey, Any]:
+        """A mix (None: the global mix, snapshotted now) as its key and built weights."""
+        key, adapters, merge = self._mix_key(mix)
         # built outside the lock: a first build takes tens of ms (a merge method's,
         # seconds), and set_mix (the GUI thread) must never wait for it
         return key, self.mixes.get(key, adapters, self._build_progress(merge))
+
+    def mixes_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:
+        """Whether every mix (None: the global mix) is built already, so that a submit
+        under them builds nothing. An unknown adapter counts as built: the submit
+        itself refuses it, at once."""
+        try:
+            return all(
+                not key or self.mixes.cached(key) is not None
+                for key, _, _ in map(self._mix_key, mixes)
+            )
+        except EngineError:
+            return True
+
+    def prepare_mixes(self, mixes: Iterable[Mapping[int, float] | None]) -> None:
+        """Build every mix that is not built yet, in the calling thread. A merge
+        method's build takes seconds, so the HTTP server calls this in a worker
+        thread before it submits (core/http/app.py ``_mixes_ready``): its event loop,
+        the GUI's too, keeps answering meanwhile. Errors are left to the submit."""
+        for mix in mixes:
+            try:
+                self._built_mix(mix)
+            except EngineError:
+                pass
 
     def _build_progress(self, merge: MergeSpec | None):
         """Listeners hear how a merged mix's first build goes (MixBuilding events)."""
