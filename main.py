@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.get_model:
             return get_model(args.get_model)
         if args.export_lora or args.export_merged or args.export_peft:
-            from core.lora.export import run_exports
+            from core.export_cli import run_exports
 
             return run_exports(args)
         if args.prompt is not None:

@@ -481,8 +481,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.api_key and os.environ.get("LLAMA_API_KEY", "").strip():
         args.api_key = [os.environ["LLAMA_API_KEY"].strip()]
     if args.api_key_file:
-        from .http.security import read_api_key_file
-
         try:
             args.api_key += read_api_key_file(args.api_key_file)
         except UserError as e:
@@ -608,3 +606,18 @@ def _template_kwargs(parser: argparse.ArgumentParser, text: str | None) -> dict:
     if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
         parser.error("--chat-template-kwargs: enable_thinking must be true or false")
     return value
+
+
+def read_api_key_file(path: str | Path) -> list[str]:
+    """--api-key-file: one key per line; blank lines and surrounding spaces ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--api-key-file: {p} is not a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--api-key-file: cannot read {p}: {type(e).__name__}") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    if not keys:
+        raise UserError(f"--api-key-file: {p} holds no key")
+    return keys

@@ -24,3 +24,12 @@ class UserError(MixdeskError):
 
     code = 400
     type = "invalid_request_error"
+
+
+class EngineError(UserError):
+    """A request the engine (or its adapter registry) refuses; ``type`` and ``code``
+    mirror llama-server's error types."""
+
+    def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400):
+        super().__init__(message)
+        self.type, self.code = type, code

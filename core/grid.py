@@ -30,8 +30,8 @@ from typing import Any
 from .errors import UserError
 from .lora.merge import MergeSpec
 from .lora.mix import Mix
+from .lora.registry import LORA_SCALE_MAX
 from .options import is_finite_number
-from .serve.engine import LORA_SCALE_MAX
 from .serve.sampling import SamplingParams
 from .serve.scheduler import DoneEvent, Event, Request
 

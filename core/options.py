@@ -12,12 +12,12 @@ for "a finite number" that the engine, sampling and exports apply is
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import UserError
+from .values import BIG, is_finite_number  # noqa: F401 (imported from here too)
 
 if TYPE_CHECKING:  # core.cli imports this module: keep --help free of jinja2 and numpy
     from .chat_template import ChatDefaults
@@ -29,17 +29,6 @@ DEFAULT_PARALLEL = 4  # -np/--parallel: sequences batched at once
 DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
 DEFAULT_UBATCH = 512  # -ub/--ubatch-size: prompt tokens per step, the most of one embedding input
 DEFAULT_BATCH = 2048  # -b/--batch-size: llama-server's; the physical batch is at most this
-BIG = 1e300  # past this an int overflows math.isfinite() itself
-
-
-def is_finite_number(value: Any, limit: float = BIG) -> bool:
-    """An int or float (not a bool), finite, with ``|value| <= limit``."""
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and abs(value) <= limit  # before isfinite(): a huge int would overflow it
-        and math.isfinite(value)
-    )
 
 
 class OptionsError(UserError):

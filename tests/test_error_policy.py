@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 
 import main
+from core.cli import read_api_key_file
 from core.errors import UserError
 from core.http import ServerSettings, ServerThread
-from core.http.security import read_api_key_file
 from core.serve.engine import Engine
 
 
@@ -59,23 +59,23 @@ def test_api_key_file_errors_are_user_errors(tmp_path):
 
 def test_main_lets_an_internal_value_error_through(monkeypatch, tmp_path):
     """A plain ValueError is a bug: main() must not turn it into 'error: ...' + exit 1."""
-    import core.lora.export
+    import core.export_cli
 
     def broken(args):
         raise ValueError("internal")
 
-    monkeypatch.setattr(core.lora.export, "run_exports", broken)
+    monkeypatch.setattr(core.export_cli, "run_exports", broken)
     with pytest.raises(ValueError, match="internal"):
         main.main(["--export-lora", str(tmp_path / "x.gguf"), "--lora", "a.gguf"])
 
 
 def test_main_prints_a_user_error_in_one_line(monkeypatch, tmp_path, capsys):
-    import core.lora.export
+    import core.export_cli
 
     def refused(args):
         raise UserError("nothing to export")
 
-    monkeypatch.setattr(core.lora.export, "run_exports", refused)
+    monkeypatch.setattr(core.export_cli, "run_exports", refused)
     assert main.main(["--export-lora", str(tmp_path / "x.gguf"), "--lora", "a.gguf"]) == 1
     assert capsys.readouterr().err.strip() == "mixdesk: error: nothing to export"
 

@@ -16,10 +16,9 @@ import pytest
 from core.gguf.reader import GGUFFile
 from core.lora.adapter import AdapterError
 from core.lora.export import ExportError, export_lora, export_merged, export_peft
-from core.lora.mix import mix_key
-from core.model.llama import BatchItem
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
+from tests.mixing import mix_logits
 from tests.tiny_gguf import write_lora_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +31,7 @@ MIX = {"lora_attn.gguf": 0.6, "lora_ffn.gguf": -0.4, "lora_all_q8.gguf": 1.0}
 
 def logits(eng: Engine, mix: dict[int, float], tokens: list[int]) -> np.ndarray:
     """All-position logits of ``tokens`` under ``mix`` (the engine's own forward)."""
-    mw = eng.mixes.get(mix_key(mix), eng._adapters)
-    cache = eng.model.new_cache(len(tokens) + 8)
-    return eng.model.forward([BatchItem(np.asarray(tokens), cache, mw, all_logits=True)])[0]
+    return mix_logits(eng, mix, tokens)
 
 
 def greedy(eng: Engine, mix: dict[int, float], tokens: list[int], n: int = N_PREDICT) -> list[int]:

@@ -276,7 +276,7 @@ def test_release_with_scrub_zeroes_only_the_rows_written(tmp_path):
     pool = model.new_pool(2, 32)
     a = pool.acquire()
     model([BatchItem(np.arange(3, 10), a)])
-    a.truncate(2)  # rows past the length were still written: they are scrubbed too
+    a.trim(5)  # rows past the length were still written: they are scrubbed too
     assert a.written == 7
     pool.k[:, a.slot, :, :7] = np.nan
     pool.release(a, scrub=True)

@@ -17,6 +17,7 @@ from core.lora.adapter import AdapterError, load_adapter
 from core.model import weights
 from core.model.weights import LoadCancelled, ModelLoadError, load_weights, open_model_file
 from core.serve.engine import Engine
+from tests.mixing import mix_logits
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 
@@ -272,21 +273,11 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
         tmp_path / "embd.gguf", {"token_embd.weight.lora_a": a, "token_embd.weight.lora_b": b}
     )
     aid = tiny_engine.add_adapter(p)
-    from core.lora.mix import mix_key
     from core.model.llama import BatchItem
 
     m = tiny_engine.model
     toks = np.array([7, 8, 9])
-    with_mix = m(
-        [
-            BatchItem(
-                toks,
-                m.new_cache(8),
-                tiny_engine.mixes.get(mix_key({aid: 0.5}), {aid: tiny_engine.adapter(aid)}),
-                all_logits=True,
-            )
-        ]
-    )[0]
+    with_mix = mix_logits(tiny_engine, {aid: 0.5}, toks)
     # reference: same forward with the embedding matrix itself patched
     saved = m.w.tok_embd
     try:

@@ -372,8 +372,10 @@ def test_merged_mix_survives_export_and_reload(smol, prompt, spec, tmp_path):
     assert building and building[-1]["progress"] == 1.0 and building[0]["method"] == spec.method
     key = mix_key(mix)
     assert isinstance(key, MergedKey)
-    merged_w = smol.mixes.get(key, smol._adapters)
-    linear_w = smol.mixes.get(mix_key(dict(mix)), smol._adapters)
+    merged_w = smol.lora.mixes.get(key, {a: smol.adapter(a) for a in smol.lora.ids()})
+    linear_w = smol.lora.mixes.get(
+        mix_key(dict(mix)), {a: smol.adapter(a) for a in smol.lora.ids()}
+    )
     assert merged_w is not linear_w and merged_w.adapter_ids == {a, b}
 
     lora = smol.add_adapter(export_lora(smol, mix, tmp_path / "m.gguf").path, scale=0.0)

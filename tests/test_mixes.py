@@ -11,9 +11,11 @@ import pytest
 
 from core.lora.adapter import effective_scale
 from core.lora.mix import build_mix, mix_key
+from core.lora.runtime import AdapterStacks
 from core.model.llama import BatchItem
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
+from tests.mixing import forward
 from tests.tiny_gguf import write_lora_gguf
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -74,13 +76,14 @@ def test_mix_weights_equal_sum_of_adapter_deltas(engine):
 def test_different_mixes_in_one_batch_equal_each_alone(engine, reference):
     ads = adapters_of(engine)
     cases = reference["greedy"][:8]  # one prompt, 8 different mixes
-    items, alone = [], []
+    items, alone, mws = [], [], []
     for c in cases:
-        mw = engine.mixes.get(mix_key({e["id"]: e["scale"] for e in c["lora"]}), ads)
+        mw = engine.lora.mixes.get(mix_key({e["id"]: e["scale"] for e in c["lora"]}), ads)
         toks = np.array(c["prompt_tokens"])
-        alone.append(engine.model([BatchItem(toks, engine.model.new_cache(32), mw)])[0])
-        items.append(BatchItem(toks, engine.model.new_cache(32), mw))
-    batched = engine.model(items)
+        alone.append(forward(engine.model, [BatchItem(toks, engine.model.new_cache(32))], [mw])[0])
+        items.append(BatchItem(toks, engine.model.new_cache(32)))
+        mws.append(mw)
+    batched = forward(engine.model, items, mws)
     for a, b in zip(alone, batched):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
@@ -171,7 +174,7 @@ def test_mix_switch_builds_nothing(engine, monkeypatch):
     def no_build(*a, **kw):
         raise AssertionError("set_mix built mix weights")
 
-    monkeypatch.setattr(engine.mixes, "get", no_build)
+    monkeypatch.setattr(engine.lora.mixes, "get", no_build)
     for i in range(100):
         engine.set_mix({0: i / 100, 1: -i / 100, 2: 0.5})
     assert engine.get_mix() == {0: 0.99, 1: -0.99, 2: 0.5}
@@ -242,15 +245,19 @@ def test_decode_step_under_many_mixes_equals_each_alone(engine, regime):
 
     def prefilled(i, mw):
         cache = model.new_cache(32)
-        model([BatchItem(prompts[i], cache, mw)])
+        forward(model, [BatchItem(prompts[i], cache)], [mw])
         return cache
 
-    mws = [engine.mixes.get(k, ads) for k in keys]
+    mws = [engine.lora.mixes.get(k, ads) for k in keys]
     nxt = [np.array([int(rng.integers(100, 20000))]) for _ in keys]
-    alone = [model([BatchItem(nxt[i], prefilled(i, mw), mw)])[0] for i, mw in enumerate(mws)]
-    model.stacks.clear()
-    batch = model([BatchItem(nxt[i], prefilled(i, mw), mw) for i, mw in enumerate(mws)])
-    assert len(model.stacks) == 1  # the stacked path ran
+    alone = [
+        forward(model, [BatchItem(nxt[i], prefilled(i, mw))], [mw])[0] for i, mw in enumerate(mws)
+    ]
+    stacks = AdapterStacks(model.cfg)
+    batch = forward(
+        model, [BatchItem(nxt[i], prefilled(i, mw)) for i, mw in enumerate(mws)], mws, stacks
+    )
+    assert len(stacks) == 1  # the stacked path ran
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
@@ -279,21 +286,22 @@ def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, t
     keys = [mix_key({part: 1.0}), mix_key({part: -0.5, attn: 0.5}), mix_key({attn: 1.0}), ()]
     model, rng = eng.model, np.random.default_rng(2)
     prompts = [rng.integers(100, 20000, size=4 + i) for i in range(len(keys))]
-    mws = [eng.mixes.get(k, ads) for k in keys]
+    mws = [eng.lora.mixes.get(k, ads) for k in keys]
     nxt = [np.array([int(rng.integers(100, 20000))]) for _ in keys]
 
     def step(i_s):
         caches = []
         for i in i_s:
             c = model.new_cache(16)
-            model([BatchItem(prompts[i], c, mws[i])])
+            forward(model, [BatchItem(prompts[i], c)], [mws[i]])
             caches.append(c)
-        return model([BatchItem(nxt[i], c, mws[i]) for i, c in zip(i_s, caches)])
+        items = [BatchItem(nxt[i], c) for i, c in zip(i_s, caches)]
+        return forward(model, items, [mws[i] for i in i_s], stacks)
 
+    stacks = AdapterStacks(model.cfg)
     alone = [step([i])[0] for i in range(len(keys))]
-    model.stacks.clear()
     batch = step(list(range(len(keys))))
-    assert len(model.stacks) == 1
+    assert len(stacks) == 1
     for a, b in zip(alone, batch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
     # the partial adapter really changes the output
@@ -305,7 +313,7 @@ def test_submit_many_admits_its_requests_in_the_same_step(engine):
     to build), yet both sides start in the same scheduler step; a refused job comes
     back as its error and does not stop the other."""
     ids = sorted(adapters_of(engine))
-    engine.mixes._cache.clear()  # both mixes must be built now
+    engine.lora.mixes._cache.clear()  # both mixes must be built now
     events = {0: [], 1: []}
     prompt = engine.tokenizer.encode("Say something about rivers.")
     p = SamplingParams(n_predict=4, **GREEDY)

@@ -19,6 +19,7 @@ from core.model.kv_cache import KVCache
 from core.model.llama import BatchItem
 from core.model.primitives import RopeTable, rope_neox
 from core.model.weights import ModelLoadError, load_weights, open_model_file
+from tests.mixing import forward
 from tests.tiny_gguf import write_tiny_llama
 
 GEMMA = dict(arch="gemma3", dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn=80)
@@ -138,9 +139,8 @@ def test_window_attention_equals_a_brute_force_mask(p0, n):
         n_layers, n_kv_heads, head_dim = 1, KV, hd
 
     cache = KVCache(Cfg, L)
-    cache.store(0, 0, keys[:p0], vals[:p0])
-    cache.tokens = [0] * p0
-    got = attend(0, cache, q, keys[p0:], vals[p0:], causal_mask(p0, n), H, 0.5, window)
+    cache.update_and_fetch(0, keys[:p0], vals[:p0], [0] * p0)
+    got = attend(0, cache, [0] * n, q, keys[p0:], vals[p0:], causal_mask(p0, n), H, 0.5, window)
     m = window_mask(p0, L, 0, L, window)  # (n, L)
     kh = np.repeat(keys, H // KV, axis=1)  # (L, H, hd)
     vh = np.repeat(vals, H // KV, axis=1)
@@ -233,9 +233,9 @@ def engine_logits(eng, mix, tokens) -> np.ndarray:
     from core.lora.mix import mix_key
 
     adapters = {a["id"]: eng.adapter(a["id"]) for a in eng.adapters()}
-    mw = eng.mixes.get(mix_key(mix), adapters)
+    mw = eng.lora.mixes.get(mix_key(mix), adapters)
     cache = eng.model.new_cache(len(tokens))
-    return eng.model([BatchItem(np.array(tokens), cache, mw, all_logits=True)])[0]
+    return forward(eng.model, [BatchItem(np.array(tokens), cache, all_logits=True)], [mw])[0]
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import pytest
 from core.lora.mix import mix_key
 from core.model.llama import BatchItem
 from core.serve.sampling import SamplingParams, log_softmax
+from tests.mixing import forward
 
 N_CASES = 32
 
@@ -41,12 +42,12 @@ def test_reference_has_32_cases(reference):
 @pytest.mark.parametrize("i", range(N_CASES))
 def test_teacher_forced_logprobs(engine, reference, i):
     case = reference["greedy"][i]
-    mw = engine.mixes.get(
+    mw = engine.lora.mixes.get(
         mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
     )
     cache = engine.model.new_cache(64)
     toks = np.array(case["prompt_tokens"] + case["tokens"])
-    logits = engine.model([BatchItem(toks, cache, mix=mw, all_logits=True)])[0]
+    logits = forward(engine.model, [BatchItem(toks, cache, all_logits=True)], [mw])[0]
     n = len(case["prompt_tokens"])
     for step, top in enumerate(case["top_logprobs"]):
         lp = log_softmax(logits[n - 1 + step])
@@ -85,10 +86,10 @@ def test_q4_reference_is_only_noise(engine, reference_q4):
     for case in reference_q4["greedy"][:8]:
         cache = engine.model.new_cache(64)
         toks = np.array(case["prompt_tokens"] + case["tokens"])
-        mw = engine.mixes.get(
+        mw = engine.lora.mixes.get(
             mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
         )
-        logits = engine.model([BatchItem(toks, cache, mix=mw, all_logits=True)])[0]
+        logits = forward(engine.model, [BatchItem(toks, cache, all_logits=True)], [mw])[0]
         n = len(case["prompt_tokens"])
         for step, top in enumerate(case["top_logprobs"]):
             agree += int(np.argmax(logits[n - 1 + step])) == top[0][0]

@@ -23,6 +23,7 @@ import pytest
 from core.lora.mix import mix_key
 from core.model.llama import BatchItem
 from core.serve.sampling import SamplingParams, log_softmax
+from tests.mixing import forward
 
 N_CASES = 12  # 3 prompts x (base, adapter 0, adapter 1, 0.5/0.5 mix) per family
 TOL = 0.05
@@ -69,10 +70,10 @@ def case_mix(case) -> dict[int, float]:
 def teacher_forced(engine, case) -> np.ndarray:
     """Logits (n_prompt + n_ref, vocab) of one forward over prompt + reference tokens."""
     adapters = {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
-    mw = engine.mixes.get(mix_key(case_mix(case)), adapters)
+    mw = engine.lora.mixes.get(mix_key(case_mix(case)), adapters)
     toks = np.array(case["prompt_tokens"] + case["tokens"])
     cache = engine.model.new_cache(len(toks))
-    return engine.model([BatchItem(toks, cache, mix=mw, all_logits=True)])[0]
+    return forward(engine.model, [BatchItem(toks, cache, all_logits=True)], [mw])[0]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"], indirect=True)

@@ -17,10 +17,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from core.lora.adapter import AdapterError
-from core.lora.mix import mix_key
-from core.model.llama import BatchItem
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
+from tests.mixing import mix_logits
 from tests.tiny_gguf import write_lora_gguf
 
 PROMPT = [1, 504, 3426, 314, 253, 9357, 436]
@@ -188,9 +187,7 @@ def base_logits(engine):
 
 
 def logits(eng: Engine, mix: dict[int, float]) -> np.ndarray:
-    mw = eng.mixes.get(mix_key(mix), eng._adapters)
-    cache = eng.model.new_cache(len(PROMPT) + 4)
-    return eng.model.forward([BatchItem(np.asarray(PROMPT), cache, mw, all_logits=True)])[0]
+    return mix_logits(eng, mix, PROMPT)
 
 
 def compare(

@@ -136,21 +136,6 @@ def _inside(p: Path, roots: list[Path]) -> bool:
     return any(p == r or p.is_relative_to(r) for r in roots)
 
 
-def read_api_key_file(path: str | Path) -> list[str]:
-    """--api-key-file: one key per line; blank lines and surrounding spaces ignored."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--api-key-file: {p} is not a file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--api-key-file: cannot read {p}: {type(e).__name__}") from None
-    keys = [line.strip() for line in text.splitlines() if line.strip()]
-    if not keys:
-        raise UserError(f"--api-key-file: {p} holds no key")
-    return keys
-
-
 def split_host(host_header: str) -> str:
     """The host part of a Host header (``[::1]:8080`` -> ``::1``), lower-cased."""
     h = host_header.strip().lower()

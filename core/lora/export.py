@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
 from .adapter import Adapter, load_adapter
-from .merge import MergeError, MergeSpec
+from .merge import MergeSpec
 from .mix import merged_adapter, mix_key
 from .naming import gguf_to_hf_module, rope_heads, unpermute_qk_rows
 
@@ -175,12 +174,12 @@ def _merged(
     """The mix's merged adapter: the engine's own when the mix runs there (built once,
     kept in its MixCache: exporting the mix just used costs no second merge), else
     merged here."""
-    if engine is not None and engine.mixes is not None:
+    if engine is not None and engine.lora.mixes is not None:
         loaded = {a["id"] for a in engine.adapters()}
         own = {ad.id: ad for ad, _ in chosen if ad.id in loaded}
         if len(own) == len(chosen) and all(engine.adapter(i) is ad for i, ad in own.items()):
             key = mix_key({ad.id: s for ad, s in chosen}, merge)
-            return engine.mixes.get(key, own, progress).sources[0][0]
+            return engine.lora.mixes.get(key, own, progress).sources[0][0]
     return merged_adapter(chosen, merge, progress)
 
 
@@ -572,118 +571,3 @@ def export_peft(
         max(ranks.values()),
         sum(p.stat().st_size for p in (st_path, cfg_path)),
     )
-
-
-# ---- the command line ----------------------------------------------------------
-
-
-def _cli_progress(label: str) -> Progress:
-    tty = sys.stderr.isatty()
-    last = [-1]
-
-    def show(frac: float, msg: str) -> None:
-        pct = int(frac * 100)
-        if tty:
-            sys.stderr.write(f"\rmixdesk: {label}: {pct:3d}% {msg[:60]:<60}")
-            if frac >= 1.0:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif pct // 10 > last[0] // 10 or (frac >= 1.0 and last[0] < 100):
-            print(f"mixdesk: {label}: {pct:3d}% {msg}", file=sys.stderr, flush=True)
-        last[0] = pct
-
-    return show
-
-
-def run_exports(args) -> int:
-    """main.py's export mode: -m BASE, --lora/--lora-scaled, one or more of
-    --export-lora/--export-merged/--export-peft. Raises ValueError subclasses
-    (printed as one line by main.py); returns the exit status."""
-    from ..default_model import ensure_default_model
-
-    adapters = list(getattr(args, "adapters", None) or [])
-    if not adapters:
-        raise ExportError("nothing to export: give adapters with --lora or --lora-scaled")
-    base = (
-        Path(args.model)
-        if getattr(args, "model", None)
-        else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
-    )
-    # Load every adapter once (clear errors before any file is written).
-    _, cfg = open_model_file(base)
-    loaded = [(load_adapter(p, cfg), s) for p, s in adapters]
-    # --outtype is documented for the merged model; it picks f16 LoRA/PEFT only
-    # when it was given explicitly (its parser default is for --export-merged).
-    outtype = getattr(args, "outtype", None) or "f16"
-    explicit = _explicit_outtype(args)
-    small = "f16" if explicit == "f16" else "f32"
-    merge = _merge_spec(args)
-    jobs = []
-    if args.export_lora:
-        jobs.append(
-            (
-                "export-lora",
-                lambda p: export_lora(
-                    base, loaded, args.export_lora, dtype=small, progress=p, merge=merge
-                ),
-            )
-        )
-    if args.export_peft:
-        jobs.append(
-            (
-                "export-peft",
-                lambda p: export_peft(
-                    base, loaded, args.export_peft, dtype=small, progress=p, merge=merge
-                ),
-            )
-        )
-    if args.export_merged:
-        jobs.append(
-            (
-                "export-merged",
-                lambda p: export_merged(
-                    base, loaded, args.export_merged, outtype=outtype, progress=p, merge=merge
-                ),
-            )
-        )
-    for label, job in jobs:
-        res = job(_cli_progress(label))
-        print(
-            f"mixdesk: {label}: wrote {res.path} ({res.nbytes / 1e6:.1f} MB, "
-            f"{res.n_tensors} tensors, rank up to {res.rank})",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _merge_spec(args) -> MergeSpec | None:
-    """--merge-method and its parameters as a checked MergeSpec (None: plain linear,
-    the exact stacking). A parameter the method does not use is an error rather than
-    silently ignored: --merge-density with svd most likely means another method."""
-    method = getattr(args, "merge_method", None) or "linear"
-    given = {
-        "density": getattr(args, "merge_density", None),
-        "rank": getattr(args, "merge_rank", None),
-        "seed": getattr(args, "merge_seed", None),
-        "majority_sign_method": getattr(args, "merge_sign", None),
-    }
-    spec = MergeSpec.make(method, **given)
-    unused = [k for k, v in given.items() if v is not None and getattr(spec, k) is None]
-    if unused:
-        flags = {"density": "--merge-density", "rank": "--merge-rank", "seed": "--merge-seed"}
-        flags["majority_sign_method"] = "--merge-sign"
-        raise MergeError(
-            f"--merge-method {method} does not use {', '.join(flags[k] for k in unused)}"
-        )
-    return None if spec == MergeSpec() else spec
-
-
-def _explicit_outtype(args) -> str | None:
-    try:
-        from ..cli import build_parser
-
-        default = build_parser().get_default("outtype")
-    except Exception:
-        default = None
-    val = getattr(args, "outtype", None)
-    return val if val != default else None

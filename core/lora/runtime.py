@@ -1,11 +1,12 @@
 """The LoRA work at run time: built mixes, adapter stacks, and the deltas of a forward.
 
-The forward pass (core/model/llama.py) knows no LoRA policy: it asks a
-:class:`LoraDeltas` for each fused product (``project``), for the embedding rows
-(``embed``) and for the logits (``logits``). This module decides how: per mix on
-its own rows, or, for a few rows under several mixes, through one stack of the
-batch's distinct adapters. :class:`MixCache` keeps built mixes for the engine;
-:class:`AdapterStacks` keeps the stacks for the model.
+The forward pass (core/model/llama.py) knows no LoRA policy: the caller hands it a
+:class:`LoraDeltas` (a core/model/deltas.py ``Deltas``), which it asks for each fused
+product (``project``), for the embedding rows (``embed``) and for the logits
+(``logits``). This module decides how: per mix on its own rows, or, for a few rows
+under several mixes, through one stack of the batch's distinct adapters.
+:class:`MixCache` keeps built mixes and :class:`AdapterStacks` the stacks, both owned
+by the engine beside its adapters (as vLLM's model manager owns its caches).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..model.config import ModelConfig
+from ..model.deltas import Deltas, batch_spans
 from ..model.linear import SMALL_ROWS, Linear
 from .adapter import Adapter
 from .mix import AdapterStack, MixKey, MixWeights, Progress, build_mix, stack_adapters
@@ -69,7 +71,7 @@ def _mix_groups(mixes, spans) -> list[tuple[int, int, MixWeights]]:
     return groups
 
 
-class LoraDeltas:
+class LoraDeltas(Deltas):
     """The LoRA work of one forward, for every sequence under its own mix.
 
     One mix in the batch, or many rows (prefill): ``(x Aᵀ) Bᵀ`` per mix on its
@@ -79,14 +81,17 @@ class LoraDeltas:
     target costs two small matmuls however many mixes run, and each adapter's
     weights are read once per step."""
 
-    def __init__(self, mixes, spans, stacks: AdapterStacks):
-        """``mixes[i]`` (or None) runs on rows ``spans[i]`` = (start, end) of the batch."""
+    def __init__(self, mixes, spans, stacks: AdapterStacks | None = None):
+        """``mixes[i]`` (or None) runs on rows ``spans[i]`` = (start, end) of the batch.
+        Without ``stacks`` every mix runs on its own rows (a one-off forward: scoring,
+        embeddings, tests)."""
         self.mixes, self.spans = mixes, spans
         self.groups = groups = _mix_groups(mixes, spans)
         n_rows = spans[-1][1] if spans else 0
         self.stack = None
         if (
-            len(groups) > 1
+            stacks is not None
+            and len(groups) > 1
             and n_rows <= SMALL_ROWS
             and not any(mw.embd is not None or mw.output is not None for _, _, mw in groups)
         ):
@@ -98,6 +103,15 @@ class LoraDeltas:
                 for ad, sc in mw.sources:
                     self.scale[s:e, index[id(ad)]] += sc
             self._spread: dict[tuple, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, items, mixes, stacks: AdapterStacks | None = None) -> Deltas:
+        """The deltas of a batch of forward items (BatchItem: ``tokens`` each), item i
+        under ``mixes[i]`` (None: the base model); the plain base products when no item
+        has a mix."""
+        if all(m is None for m in mixes):
+            return Deltas()
+        return cls(mixes, batch_spans([len(it.tokens) for it in items]), stacks)
 
     def embed(self, x: np.ndarray, tokens: np.ndarray) -> None:
         """x (T, d): the embedding rows of ``tokens`` (T,), each mix's delta added in place."""

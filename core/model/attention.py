@@ -66,6 +66,7 @@ def causal_mask(p0: int, n: int) -> np.ndarray | None:
 def attend(
     li: int,
     cache: KVCache,
+    tokens,
     q,
     k,
     v,
@@ -76,21 +77,21 @@ def attend(
     softcap: float = 0.0,
 ) -> np.ndarray:
     """Causal GQA attention of n new queries (n, H, hd) of one sequence over its cache,
-    after storing their keys/values (n, KV, hd) at positions length..length+n-1.
+    after appending the keys/values (n, KV, hd) of its n new ``tokens`` to it.
     ``window`` > 0: a sliding-window layer, where the query at position p sees only
     keys at p-window+1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD). ``softcap``: see sdpa."""
     n, KV, hd = k.shape
     g = n_heads // KV
     p0 = cache.length
     L = p0 + n
-    cache.store(li, p0, k, v)
+    keys, values = cache.update_and_fetch(li, k, v, tokens)  # (KV, L, hd) each
     if window or softcap:
-        return _attend_window(li, cache, q, n, L, n_heads, scale, window or L, softcap)
+        return _attend_window(keys, values, q, n, n_heads, scale, window or L, softcap)
     if n == 1:
         # Decoding: one query, no mask, no blocks. Half the numpy calls of the
         # general path, which matters when 8 streams run 30 layers per step.
         q3 = (q * scale).reshape(KV, g, hd)  # (KV, g, hd)
-        o = sdpa(q3, cache.keys(li, L), cache.values(li, L))  # (KV, g, hd)
+        o = sdpa(q3, keys, values)  # (KV, g, hd)
         return o.reshape(1, n_heads * hd)  # (1, H*hd)
     # Query head h reads kv head h // g, so group the g query heads per kv head.
     q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
@@ -108,9 +109,7 @@ def attend(
             d0 = p0 + i0
             s.reshape(KV, g, nb, Lb)[..., d0:] += mask[i0:i1, d0:Lb]  # (nb, nb) broadcast
 
-        o = sdpa(
-            qb, cache.keys(li, Lb), cache.values(li, Lb), diagonal if mask is not None else None
-        )
+        o = sdpa(qb, keys[:, :Lb], values[:, :Lb], diagonal if mask is not None else None)
         out[:, :, i0:i1] = o.reshape(KV, g, nb, hd)  # from (KV, g*nb, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
 
@@ -125,12 +124,12 @@ def window_mask(q0: int, q1: int, k0: int, k1: int, window: int) -> np.ndarray:
 
 
 def _attend_window(
-    li: int, cache: KVCache, q, n: int, L: int, n_heads: int, scale, window, softcap=0.0
+    keys: np.ndarray, values: np.ndarray, q, n: int, n_heads: int, scale, window, softcap=0.0
 ):
-    """attend() for a sliding-window layer (or a soft-capped one, window = all keys):
-    each query block reads only the keys its window reaches (the cache keeps them all;
-    the window is a view into it)."""
-    KV, hd = cache.k.shape[1], cache.k.shape[3]
+    """attend() for a sliding-window layer (or a soft-capped one, window = all keys) over
+    one layer's keys/values (KV, L, hd), the n new queries last: each query block reads
+    only the keys its window reaches (the cache keeps them all; the window is a view)."""
+    KV, L, hd = keys.shape
     g = n_heads // KV
     p0 = L - n
     q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
@@ -145,8 +144,8 @@ def _attend_window(
         def masked(s, m=m, nb=nb, n_k=Lb - k0):
             s.reshape(KV, g, nb, n_k)[...] += m
 
-        kc = cache.keys(li, Lb)[:, k0:]  # (KV, Lb-k0, hd)
-        vc = cache.values(li, Lb)[:, k0:]
+        kc = keys[:, k0:Lb]  # (KV, Lb-k0, hd)
+        vc = values[:, k0:Lb]
         out[:, :, i0:i1] = sdpa(qb, kc, vc, masked, softcap).reshape(KV, g, nb, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
 
@@ -157,6 +156,8 @@ class PooledDecode:
 
     pool: KVPool
     items: frozenset[int]  # item indices
+    caches: list[KVCache]  # their caches, slots of ``pool``
+    tokens: np.ndarray  # (n,) the token each one runs
     rows: np.ndarray  # (n,) their rows in the batch
     slots: np.ndarray  # (n,) their pool slots
     pos: np.ndarray  # (n,) the position each one writes
@@ -182,6 +183,8 @@ class PooledDecode:
         return PooledDecode(
             items[idx[0]].cache.pool,
             frozenset(idx),
+            [items[i].cache for i in idx],
+            np.array([items[i].tokens[0] for i in idx]),
             np.array([spans[i][0] for i in idx]),
             slots,
             pos,
@@ -201,11 +204,13 @@ class PooledDecode:
         more than ``window`` before it)."""
         n, KV, hd = k.shape
         g = n_heads // KV
-        self.pool.store(li, self.slots, self.pos, k, v)
+        kc, vc = self.pool.update_and_fetch(
+            li, self.caches, k, v, self.tokens, self.s0, self.s1, self.L
+        )  # (S', KV, L, hd) each
         q4 = np.zeros((self.s1 - self.s0, KV, g, hd), dtype=np.float32)  # (S', KV, g, hd)
         q4[self.at] = (q * scale).reshape(n, KV, g, hd)
         hidden = self._windowed(window) if window else self.hidden
-        o = self._product(li, q4, hidden, softcap)[self.at]  # (n, KV, g, hd)
+        o = self._product(kc, vc, q4, hidden, softcap)[self.at]  # (n, KV, g, hd)
         if not np.isfinite(o).all():
             # Masked scores become exact zeros, but 0 x NaN is NaN: stale rows past a
             # slot's length holding NaN/inf (left by whatever failed in it before)
@@ -215,7 +220,7 @@ class PooledDecode:
             # keys/values are non-finite stays non-finite, alone, and fails alone.
             for slot, pos in zip(self.slots, self.pos):
                 self.pool.clear(li, slot, pos + 1, self.L)
-            o = self._product(li, q4, hidden, softcap)[self.at]
+            o = self._product(kc, vc, q4, hidden, softcap)[self.at]
         return o.reshape(n, n_heads * hd)  # (n, H*hd)
 
     def _windowed(self, window: int) -> np.ndarray:
@@ -228,9 +233,8 @@ class PooledDecode:
             got[window] = h
         return got[window]
 
-    def _product(self, li: int, q4: np.ndarray, hidden: np.ndarray, softcap=0.0) -> np.ndarray:
-        """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer."""
+    @staticmethod
+    def _product(kc, vc, q4: np.ndarray, hidden: np.ndarray, softcap=0.0) -> np.ndarray:
+        """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer, keys/values (S', KV, L, hd)."""
         hide = lambda s: np.copyto(s, np.float32(-np.inf), where=hidden)  # (S',1,1,L)
-        kc = self.pool.keys(li, self.s0, self.s1, self.L)  # (S', KV, L, hd)
-        vc = self.pool.values(li, self.s0, self.s1, self.L)
         return sdpa(q4, kc, vc, hide, softcap)  # (S', KV, g, hd)

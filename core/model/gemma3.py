@@ -19,8 +19,7 @@ import math
 
 import numpy as np
 
-from ..lora.runtime import LoraDeltas
-from .attention import PooledDecode, attend, causal_mask
+from .attention import attend
 from .llama import LlamaModel
 from .primitives import RopeTable, gelu_mul, rms_norm, rms_norm_heads, rope_neox
 from .weights import LayerWeights
@@ -38,28 +37,17 @@ class Gemma3Model(LlamaModel):
         self.swa = frozenset(cfg.swa_layers)
         self.embed_scale = np.float32(math.sqrt(cfg.dim))
 
-    def forward(self, items):
-        spans, tokens, positions = self.pack(items)
+    def rope_cis(self, positions: np.ndarray):
         glob = self.rope.get(positions)  # (T, 1, hd/2)
         local = glob if self.rope_local is self.rope else self.rope_local.get(positions)
-        cis = (glob, local)
-        with self.lin.small_batch(self.lin.regime(len(tokens))):
-            return self._forward(items, spans, tokens, cis)
+        return glob, local
 
-    def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:
-        lora = LoraDeltas([it.mix for it in items], spans, self.stacks)
-        x = self.w.tok_embd[tokens]  # (T, d) copy
-        lora.embed(x, tokens)  # llama.cpp adds the LoRA delta before the scaling
+    def embed(self, tokens: np.ndarray, deltas) -> np.ndarray:
+        x = super().embed(tokens, deltas)  # llama.cpp adds the LoRA delta before the scaling
         x *= self.embed_scale
-        pooled = PooledDecode.plan(items, spans)
-        masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
-        for li, lw in enumerate(self.w.layers):
-            x = self._block(li, lw, x, items, spans, lora, cis, masks, pooled)
-        for it in items:
-            it.cache.extend(it.tokens)
-        return self._logits(items, spans, x, lora)
+        return x
 
-    def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks, pooled):
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, deltas, cis, masks, pooled):
         cfg = self.cfg
         T = x.shape[0]
         H, KV, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
@@ -67,7 +55,7 @@ class Gemma3Model(LlamaModel):
         cs = cis[1] if li in self.swa else cis[0]  # (T, 1, hd/2)
 
         h = rms_norm(x, lw.attn_norm, eps)  # (T, d)
-        qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
+        qkv = deltas.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
         q = qkv[:, self.qk_rows][:, : H * hd].reshape(T, H, hd)  # (T, H, hd)
         k = qkv[:, self.qk_rows][:, H * hd :].reshape(T, KV, hd)  # (T, KV, hd)
         if lw.attn_q_norm is not None:  # gemma3
@@ -83,20 +71,30 @@ class Gemma3Model(LlamaModel):
         for i, (it, (s, e), mask) in enumerate(zip(items, spans, masks)):
             if pooled is None or i not in pooled.items:
                 attn[s:e] = attend(
-                    li, it.cache, q[s:e], k[s:e], v[s:e], mask, H, self.scale, window, cap
+                    li,
+                    it.cache,
+                    it.tokens,
+                    q[s:e],
+                    k[s:e],
+                    v[s:e],
+                    mask,
+                    H,
+                    self.scale,
+                    window,
+                    cap,
                 )
 
-        o = lora.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
+        o = deltas.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
         x = x + rms_norm(o, lw.post_attention_norm, eps)
 
         h = rms_norm(x, lw.ffn_norm, eps)  # (T, d)
-        gu = lora.project(self.lin, h, lw.w_gate_up, li, "w_gate_up")  # (T, 2f)
+        gu = deltas.project(self.lin, h, lw.w_gate_up, li, "w_gate_up")  # (T, 2f)
         act = gelu_mul(gu[:, self.gate_rows], gu[:, self.up_rows])  # (T, f)
-        d = lora.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
+        d = deltas.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
         return x + rms_norm(d, lw.post_ffw_norm, eps)
 
-    def _logits(self, items, spans, x, lora) -> list[np.ndarray]:
-        out = super()._logits(items, spans, x, lora)
+    def _logits(self, items, spans, x, deltas) -> list[np.ndarray]:
+        out = super()._logits(items, spans, x, deltas)
         c = self.cfg.final_softcap
         if c:  # gemma2: after the output LoRA, as llama.cpp does
             for lg in (lg for it, lg in zip(items, out) if not it.hidden):

@@ -23,11 +23,18 @@ class ContextOverflow(UserError):
 
 
 class KVCache:
-    """Keys/values of one sequence for every layer.
+    """Keys/values of one sequence for every layer, written only through its methods.
 
     ``k``/``v`` are (n_layers, n_kv_heads, capacity, head_dim) float32 (own arrays,
     or views of a pool slot). ``tokens`` lists the token ids whose keys are stored,
     which is what the prefix cache matches on.
+
+    The forward pass appends with one call per layer, ``update_and_fetch`` (mlx-lm's
+    shape): it stores the layer's new keys/values after the cached ones and returns
+    the layer's keys/values so far; the new tokens join ``tokens`` when the last
+    layer's are stored, so a forward that fails half-way leaves the sequence as it
+    was. ``trim`` drops tokens from the end; ``state``/``from_state`` copy a sequence
+    out and back (slot save and restore, the prefix cache).
     """
 
     def __init__(
@@ -47,9 +54,37 @@ class KVCache:
         self.pool, self.slot = pool, slot
         self.origin: tuple[int, int] = (-1, -1)  # prefix-cache copies: (pool slot, generation)
         self.tokens: list[int] = []
-        # positions ever written (high-water mark, kept across truncation): what
-        # KVPool.scrub must clear; truncated positions keep their old rows
+        # positions ever written (high-water mark, kept across trims): what
+        # KVPool.scrub must clear; trimmed positions keep their old rows
         self.written = 0
+
+    @classmethod
+    def from_state(
+        cls,
+        cfg: ModelConfig,
+        tokens: list[int],
+        k: np.ndarray,
+        v: np.ndarray,
+        capacity: int | None = None,
+        origin: tuple[int, int] = (-1, -1),
+    ) -> KVCache:
+        """A standalone cache holding ``tokens`` with keys/values (L, n_kv, n, hd)
+        (a restored slot, a prefix-cache copy); ``origin``: the pool slot and its
+        generation they came from, whose rows may still hold them."""
+        n = len(tokens)
+        cache = cls(cfg, max(n, capacity or n))
+        cache.k[:, :, :n] = k  # (L, n_kv, n, hd)
+        cache.v[:, :, :n] = v
+        cache.tokens = [int(t) for t in tokens]
+        cache.written = n
+        cache.origin = origin
+        return cache
+
+    @property
+    def state(self) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """(tokens, keys, values): copies of what the cache holds, (L, n_kv, n, hd) each."""
+        n = self.length
+        return list(self.tokens), self.k[:, :, :n].copy(), self.v[:, :, :n].copy()
 
     @property
     def length(self) -> int:
@@ -66,34 +101,41 @@ class KVCache:
                 f"in a context of {self.capacity}"
             )
 
-    def reserve(self, n_new: int) -> None:
-        """Make room for n_new positions after the current length (ContextOverflow when
-        they do not fit); they count as written from now on (see ``written``)."""
-        self.check_room(n_new)
-        self.written = max(self.written, self.length + n_new)
-
-    def store(self, li: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Keys/values (n, n_kv, hd) of layer li at positions p0..p0+n-1."""
-        if k.shape[0] == 1:
+    def update_and_fetch(
+        self, li: int, k: np.ndarray, v: np.ndarray, tokens
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Store layer li's keys/values (n, n_kv, hd) of the n new ``tokens`` at the
+        positions after the cached ones; return the layer's keys and values up to and
+        including them, (n_kv, length+n, hd) views. Storing the last layer's makes the
+        tokens part of the cache. ContextOverflow when they do not fit."""
+        n, p0 = k.shape[0], self.length
+        if li == 0:
+            self.check_room(n)
+            self.written = max(self.written, p0 + n)  # from now on, see ``written``
+        if n == 1:
             self.k[li, :, p0] = k[0]  # (n_kv, hd)
             self.v[li, :, p0] = v[0]
         else:
-            self.k[li, :, p0 : p0 + k.shape[0]] = k.transpose(1, 0, 2)  # (n_kv, n, hd)
-            self.v[li, :, p0 : p0 + k.shape[0]] = v.transpose(1, 0, 2)
+            self.k[li, :, p0 : p0 + n] = k.transpose(1, 0, 2)  # (n_kv, n, hd)
+            self.v[li, :, p0 : p0 + n] = v.transpose(1, 0, 2)
+        if li == self.k.shape[0] - 1:
+            self.tokens.extend(int(t) for t in tokens)
+        return self.k[li, :, : p0 + n], self.v[li, :, : p0 + n]  # (n_kv, p0+n, hd) views
 
-    def keys(self, li: int, n: int) -> np.ndarray:
-        return self.k[li, :, :n]  # (n_kv, n, hd) view
+    def trim(self, n: int) -> list[int]:
+        """Drop the last n tokens (their rows are simply overwritten later); returns them,
+        for ``untrim``."""
+        n = max(0, min(n, self.length))
+        dropped = self.tokens[self.length - n :]
+        del self.tokens[self.length - n :]
+        return dropped
 
-    def values(self, li: int, n: int) -> np.ndarray:
-        return self.v[li, :, :n]  # (n_kv, n, hd) view
-
-    def extend(self, tokens) -> None:
-        """The tokens whose keys/values were just stored after the current length."""
-        self.tokens.extend(int(t) for t in tokens)
-
-    def truncate(self, n: int) -> None:
-        """Forget everything after the first n tokens (their KV is simply overwritten later)."""
-        del self.tokens[n:]
+    def untrim(self, tokens: list[int]) -> None:
+        """Take back tokens just trimmed whose rows were not written since (speculative
+        decoding verifies a draft one token at a time after trimming it)."""
+        if self.length + len(tokens) > self.written:
+            raise ValueError("untrim: these positions hold no keys/values")
+        self.tokens.extend(tokens)
 
     def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Take the first n positions of another cache (used to share cached prefixes)."""
@@ -116,6 +158,7 @@ class KVPool:
     """
 
     def __init__(self, cfg: ModelConfig, n_slots: int, capacity: int):
+        self.cfg = cfg
         shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k, self.v = _zero_pages(shape), _zero_pages(shape)
         self.capacity = capacity
@@ -219,16 +262,37 @@ class KVPool:
         cache.tokens = []
         self._free.append(cache.slot)
 
-    def store(self, li: int, slots: np.ndarray, pos: np.ndarray, k, v) -> None:
-        """One key/value (n, n_kv, hd) of layer li per slot, at that slot's position."""
+    def update_and_fetch(
+        self, li: int, caches: list[KVCache], k: np.ndarray, v: np.ndarray, tokens, s0, s1, L
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One new key/value (n, n_kv, hd) of layer li for each of n decoding sequences
+        (``caches``, slots of this pool, each at its own length), and their tokens (n,);
+        returns the keys/values of slots s0..s1 up to position L, (s1-s0, n_kv, L, hd)
+        views. As KVCache.update_and_fetch: the tokens join their caches when the last
+        layer's keys are stored."""
+        slots = np.array([c.slot for c in caches])  # (n,)
+        pos = np.array([c.length for c in caches])  # (n,)
+        if li == 0:
+            for c in caches:
+                c.check_room(1)
+                c.written = max(c.written, c.length + 1)
         self.k[li][slots, :, pos] = k  # (n, n_kv, hd)
         self.v[li][slots, :, pos] = v
+        if li == self.k.shape[0] - 1:
+            for c, t in zip(caches, tokens):
+                c.tokens.append(int(t))
+        return self.k[li, s0:s1, :, :L], self.v[li, s0:s1, :, :L]  # (s1-s0, n_kv, L, hd)
 
-    def keys(self, li: int, s0: int, s1: int, n: int) -> np.ndarray:
-        return self.k[li, s0:s1, :, :n]  # (s1-s0, n_kv, n, hd) view
-
-    def values(self, li: int, s0: int, s1: int, n: int) -> np.ndarray:
-        return self.v[li, s0:s1, :, :n]  # (s1-s0, n_kv, n, hd) view
+    def snapshot(self, cache: KVCache, capacity: int) -> KVCache:
+        """A compact standalone copy of a slot's sequence (the prefix cache keeps these),
+        remembering the slot and generation it came from: while the slot is not handed
+        out again, ``reclaim`` takes the rows back without copying."""
+        assert self.holds(cache)
+        n = cache.length
+        return KVCache.from_state(
+            self.cfg, cache.tokens, cache.k[:, :, :n], cache.v[:, :, :n],
+            capacity, origin=(cache.slot, self._gen[cache.slot]),
+        )  # fmt: skip
 
     def clear(self, li: int, slot: int, p0: int, p1: int) -> None:
         """Zero layer li's positions p0..p1-1 of one slot (rows past its length)."""

@@ -2,10 +2,11 @@
 the same block plus Q/K/V biases (qwen2) or per-head Q/K norms (qwen3), and NeoX rope,
 all read from the layout and the config).
 
-Each sequence in a batch brings its own new tokens, its own start position, its
-own KV cache and its own LoRA mix. The base matmuls run once over all tokens of
-the batch (that is where the time goes); each sequence then adds its low-rank
-deltas ``(x Aᵀ) Bᵀ`` on its own rows, so different mixes share one forward.
+Each sequence in a batch brings its own new tokens, its own start position and its
+own KV cache. The base matmuls run once over all tokens of the batch (that is where
+the time goes). Whatever adds to the products (each sequence's LoRA mix on its own
+rows, core/lora/runtime.py) comes in as one ``Deltas`` object built by the caller:
+the model knows no LoRA policy (core/model/deltas.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..lora.mix import MixWeights
-from ..lora.runtime import AdapterStacks, LoraDeltas
 from ..paths import cache_dir
 from . import layout
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
+from .deltas import NO_DELTAS, Deltas, batch_spans
 from .kv_cache import KVCache, KVPool
 from .linear import STEP_ROWS, Linear, calibration_matrices
 from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
@@ -32,7 +32,6 @@ from .weights import LayerWeights, Weights
 class BatchItem:
     tokens: np.ndarray  # (n,) int token ids to run
     cache: KVCache  # positions [cache.length, cache.length+n) get written
-    mix: MixWeights | None = None  # None: base model only
     all_logits: bool = False  # False: logits of the last token only
     # True: instead of logits, every token's final hidden state after the output norm
     # (n, d): what llama.cpp pools into an embedding (t_embd)
@@ -61,7 +60,6 @@ class LlamaModel:
         # every x @ W.T goes through here; small batches in the regime per row count
         # that calibrate() picks for this CPU ("gemm" for all until then)
         self.lin = Linear(threads)
-        self.stacks = AdapterStacks(cfg)  # LoRA weights of several mixes, stacked
         self.rope = RopeTable(cfg, weights.rope_freqs)
         # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
         self.rope_qk = rope_neox if cfg.rope_neox else rope
@@ -112,15 +110,16 @@ class LlamaModel:
         # a pool of its own, built directly: phi3's new_pool re-picks the model's rope
         pool = KVPool(replace(self.cfg, n_layers=k), rows, ctx + 1)
         caches = [pool.acquire() for _ in range(rows)]
-        for c in caches:
-            c.reserve(ctx)
-            c.extend([0] * ctx)
+        zeros = np.zeros((ctx, self.cfg.n_kv_heads, self.cfg.head_dim), dtype=np.float32)
+        for c in caches:  # ctx tokens of history: the pool's rows are zeros already
+            for li in range(k):
+                c.update_and_fetch(li, zeros, zeros, [0] * ctx)
         tokens = [np.array([i + 1]) for i in range(rows)]  # (1,) each
 
         def run() -> None:
             probe.forward([BatchItem(t, c, hidden=True) for t, c in zip(tokens, caches)])
             for c in caches:
-                c.truncate(ctx)
+                c.trim(1)
 
         return run
 
@@ -130,50 +129,51 @@ class LlamaModel:
     def new_pool(self, n_slots: int, capacity: int) -> KVPool:
         return KVPool(self.cfg, n_slots, capacity)
 
-    def __call__(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
-        return self.forward(items)
+    def __call__(self, items: Sequence[BatchItem], deltas: Deltas = NO_DELTAS) -> list[np.ndarray]:
+        return self.forward(items, deltas)
 
     @staticmethod
     def pack(items: Sequence[BatchItem]) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
-        """Reserve each item's cache for its new tokens and lay the batch out as one:
-        (spans: item i's rows [s, e), tokens (T,), positions (T,) in its own sequence)."""
-        spans, start = [], 0
+        """Check each item's cache has room for its new tokens (ContextOverflow before
+        anything is written) and lay the batch out as one: (spans: item i's rows [s, e),
+        tokens (T,), positions (T,) in its own sequence)."""
         for it in items:
-            n = len(it.tokens)
-            it.cache.reserve(n)
-            spans.append((start, start + n))
-            start += n
+            it.cache.check_room(len(it.tokens))
+        spans = batch_spans([len(it.tokens) for it in items])
         tokens = np.concatenate([np.asarray(it.tokens, dtype=np.int64) for it in items])  # (T,)
         positions = np.concatenate(
             [np.arange(it.cache.length, it.cache.length + len(it.tokens)) for it in items]
         )  # (T,)
         return spans, tokens, positions
 
-    def forward(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+    def forward(self, items: Sequence[BatchItem], deltas: Deltas = NO_DELTAS) -> list[np.ndarray]:
         """Run new tokens of every item; return logits per item:
-        (n, vocab) when ``all_logits`` else (1, vocab) for its last token."""
+        (n, vocab) when ``all_logits`` else (1, vocab) for its last token. ``deltas``
+        adds to the products (every row's LoRA delta under its own sequence's mix,
+        built by the caller for this batch's layout, ``batch_spans``)."""
         spans, tokens, positions = self.pack(items)
-        cis = self.rope.get(positions)
+        cis = self.rope_cis(positions)
         # the regime calibrated for this many rows (blocked products on our threads
         # hold BLAS at one thread for the whole forward)
         with self.lin.small_batch(self.lin.regime(len(tokens))):
-            return self._forward(items, spans, tokens, cis)
+            x = self.embed(tokens, deltas)  # (T, d)
+            pooled = PooledDecode.plan(items, spans)
+            masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
+            for li, lw in enumerate(self.w.layers):
+                x = self._block(li, lw, x, items, spans, deltas, cis, masks, pooled)
+            return self._logits(items, spans, x, deltas)
 
-    def _forward(self, items, spans, tokens, cis) -> list[np.ndarray]:
-        # every LoRA delta of this batch, each row under its own sequence's mix
-        lora = LoraDeltas([it.mix for it in items], spans, self.stacks)
+    def rope_cis(self, positions: np.ndarray):
+        """The rotations of these positions (T,), as the blocks take them."""
+        return self.rope.get(positions)  # (T, 1, hd/2)
+
+    def embed(self, tokens: np.ndarray, deltas: Deltas) -> np.ndarray:
+        """The embedding rows of ``tokens`` (T,) with their deltas, (T, d)."""
         x = self.w.tok_embd[tokens]  # (T, d) copy
-        lora.embed(x, tokens)
-        pooled = PooledDecode.plan(items, spans)
-        masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
-        for li, lw in enumerate(self.w.layers):
-            x = self._block(li, lw, x, items, spans, lora, cis, masks, pooled)
+        deltas.embed(x, tokens)
+        return x
 
-        for it in items:
-            it.cache.extend(it.tokens)
-        return self._logits(items, spans, x, lora)
-
-    def _logits(self, items, spans, x, lora: LoraDeltas) -> list[np.ndarray]:
+    def _logits(self, items, spans, x, deltas: Deltas) -> list[np.ndarray]:
         """Final norm and output matrix on the rows each item wants logits for; an
         item with ``hidden`` gets its normed rows themselves (no output matrix)."""
         cfg = self.cfg
@@ -187,18 +187,18 @@ class LlamaModel:
         if all(it.hidden for it in items):  # an embedding batch: no vocab-sized product
             return [h[a:b] for a, b in zip(starts[:-1], starts[1:])]
         logits = self.lin(h, self.w.output)  # (R, vocab)
-        lora.logits(logits, h, [len(r) for r in rows])
+        deltas.logits(logits, h, [len(r) for r in rows])
         return [
             h[a:b] if it.hidden else logits[a:b] for it, a, b in zip(items, starts[:-1], starts[1:])
         ]
 
-    def _block(self, li: int, lw: LayerWeights, x, items, spans, lora, cis, masks, pooled):
+    def _block(self, li: int, lw: LayerWeights, x, items, spans, deltas, cis, masks, pooled):
         cfg = self.cfg
         T = x.shape[0]
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)  # (T, d)
-        qkv = lora.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
+        qkv = deltas.project(self.lin, h, lw.wqkv, li, "wqkv")  # (T, q+2kv)
         if lw.wqkv_bias is not None:
             qkv += lw.wqkv_bias  # (q+2kv,) qwen2
         qk = qkv[:, self.qk_rows].reshape(T, H + KV, hd)  # (T, H+KV, hd)
@@ -216,13 +216,15 @@ class LlamaModel:
             attn[r] = pooled.attend(li, q[r], k[r], v[r], H, self.scale)
         for i, (it, (s, e), mask) in enumerate(zip(items, spans, masks)):
             if pooled is None or i not in pooled.items:
-                attn[s:e] = attend(li, it.cache, q[s:e], k[s:e], v[s:e], mask, H, self.scale)
+                attn[s:e] = attend(
+                    li, it.cache, it.tokens, q[s:e], k[s:e], v[s:e], mask, H, self.scale
+                )
 
-        o = lora.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
+        o = deltas.project(self.lin, attn, lw.wo, li, "wo")  # (T, d)
         x = x + o
 
         h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)  # (T, d)
-        gu = lora.project(self.lin, h, lw.w_gate_up, li, "w_gate_up")  # (T, 2f)
+        gu = deltas.project(self.lin, h, lw.w_gate_up, li, "w_gate_up")  # (T, 2f)
         act = silu_mul(gu[:, self.gate_rows], gu[:, self.up_rows])  # (T, f)
-        d = lora.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
+        d = deltas.project(self.lin, act, lw.w_down, li, "w_down")  # (T, d)
         return x + d

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..lora.mix import MixWeights
+from ..lora.runtime import LoraDeltas
 from ..model.config import POOLING_TYPES
 from ..model.llama import BatchItem
 from ..options import DEFAULT_UBATCH
@@ -112,8 +113,8 @@ def hidden_states(
         items = []
         for ids in group:
             tokens = np.asarray(ids, dtype=np.int64)  # (n,)
-            items.append(BatchItem(tokens, model.new_cache(len(tokens)), mix, hidden=True))
-        out += model(items)  # (n_i, d) per item
+            items.append(BatchItem(tokens, model.new_cache(len(tokens)), hidden=True))
+        out += model(items, LoraDeltas.of(items, [mix] * len(items)))  # (n_i, d) per item
     return out
 
 

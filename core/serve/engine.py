@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ..chat_template import DEFAULT_CHAT, ChatDefaults, ChatTemplate, build_prompt, encode_prompt
-from ..errors import UserError
-from ..lora.adapter import Adapter, AdapterError, load_adapter
-from ..lora.merge import LINEAR, MergeSpec
-from ..lora.mix import Mix, MixKey, build_mix, mix_key
-from ..lora.runtime import MixCache
+from ..errors import EngineError, UserError
+from ..lora.adapter import Adapter, AdapterError
+from ..lora.merge import MergeSpec
+from ..lora.mix import Mix, MixKey
+from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry, check_scale
 from ..model.config import ModelConfig
 from ..model.families import model_class
 from ..model.kv_cache import ContextOverflow
 from ..model.llama import LlamaModel
 from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
-from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL, is_finite_number
+from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL
 from ..tokenizer import Tokenizer
 from .embeddings import EmbeddingOptions, check_inputs, hidden_states
 from .events import (
@@ -50,18 +50,13 @@ from .events import (
     RequestStarted,
 )
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, shown, validate
+from .sampling import SamplingParams, validate
 from .scheduler import DoneEvent, Event, PromptProgressEvent, Request, Scheduler, TokenEvent
 from .score import ScoreError, ScoreJob, TokenScore, check_job, score_many
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]
-# |scale| bound for every LoRA scale (global mix, per-request "lora", --lora-scaled).
-# Useful scales are O(1) (the mixer's faders span -2..2); 100 leaves room for adapters
-# trained with a small alpha/rank, while 1e20 or 1e308 (accepted before) overflow
-# float32 in the forward pass, and a global mix like that broke every request.
-LORA_SCALE_MAX = 100.0
 LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
 # A model load's progress bar: the weights fill it up to LOAD_WEIGHTS_DONE (a cold load
 # dequantizes for tens of seconds); weights mapped from the cache take ~no time, so the
@@ -71,14 +66,6 @@ LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raise
 # shown before the model is in service.
 LOAD_OPENED, LOAD_WEIGHTS_DONE, LOAD_CACHED_WEIGHTS = 0.02, 0.8, 0.05
 LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
-
-
-class EngineError(UserError):
-    """A request the engine refuses; ``type`` mirrors llama-server's error types."""
-
-    def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400):
-        super().__init__(message)
-        self.type, self.code = type, code
 
 
 class Engine:
@@ -114,14 +101,11 @@ class Engine:
         self.loading = False
         self.load_progress = 0.0
         self.load_ms = 0.0
-        self._adapters: dict[int, Adapter] = {}
-        self._scales: dict[int, float] = {}  # the global mix: adapter id -> scale
-        self._merge: MergeSpec = LINEAR  # and how its adapters combine (core/lora/merge.py)
-        self._next_id = 0
+        # the adapters, the global mix, built mixes and adapter stacks (core/lora/registry.py)
+        self.lora = AdapterRegistry()
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
         self.prefix = PrefixCache(prefix_cache_bytes)
-        self.mixes: MixCache | None = None
         self.scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[int, Request] = {}
@@ -211,9 +195,9 @@ class Engine:
             try:
                 report(LOAD_CALIBRATED, "reserving the KV cache")
                 scheduler = self._new_scheduler(model, tok, path, cfg, ctx)
-                if self._adapters:
+                if self.lora:
                     report(LOAD_KV_DONE, "checking the adapters against the model")
-                kept, dropped = self._refit_adapters(cfg, check)
+                kept, dropped = self.lora.refit(cfg, check)
                 check()  # the last point where Cancel is honoured
             except BaseException:
                 model.lin.close()  # its helper threads would outlive a failed load
@@ -232,14 +216,11 @@ class Engine:
                 self.model.lin.close()
             self.model = model
             self.tokenizer, self.chat_template = tok, template
-            self.mixes = MixCache(cfg)
             self.prefix.clear()
             # ids stay: an adapter removed while the model loaded is not brought back
-            before = set(self._adapters)
-            kept = {aid: ad for aid, ad in kept.items() if aid in before}
+            before = self.lora.bind(cfg, kept)
             dropped = [d for d in dropped if d["id"] in before]
-            self._adapters = kept
-            self._scales = {aid: self._scales.get(aid, 0.0) for aid in kept}
+            scheduler.stacks = self.lora.stacks
             self.scheduler = scheduler
         self.load_ms = (time.perf_counter() - t0) * 1e3
         log.info(
@@ -282,34 +263,6 @@ class Engine:
                 f"-np/--parallel."
             ) from None
 
-    def _refit_adapters(
-        self, cfg: ModelConfig, check: Callable[[], None] = lambda: None
-    ) -> tuple[dict[int, Adapter], list[dict]]:
-        """The registered adapters re-read and re-checked against the model being loaded:
-        ({id: adapter} of those that fit it, under their old ids, so that a client's
-        ``{"id": 0}`` keeps naming the same adapter across a reload; and an entry
-        {id, name, path, error} for each one that does not fit it). Re-read from the
-        file, not reused: the new model may differ in shapes, layers or architecture."""
-        with self._lock:
-            registered = dict(self._adapters)
-        kept: dict[int, Adapter] = {}
-        dropped: list[dict] = []
-        for aid, old in registered.items():
-            check()
-            try:
-                adapter = load_adapter(old.path, cfg)
-                adapter.name, adapter.id = old.name, aid
-                self._check_usable(adapter, 0.0, cfg)
-            except UserError as e:
-                dropped.append(_dropped(aid, old, str(e)))
-            except Exception as e:  # a file that changed on disk in a way we did not foresee
-                log.exception("adapter %s failed its checks on reload", old.path)
-                why = f"cannot be read again ({type(e).__name__})"
-                dropped.append(_dropped(aid, old, f"adapter {Path(old.path).name}: {why}"))
-            else:
-                kept[aid] = adapter
-        return kept, dropped
-
     def model_info(self) -> dict[str, Any]:
         if self.config is None:
             return {}
@@ -338,78 +291,34 @@ class Engine:
                 code=503,
             )
 
-    # -- adapters -------------------------------------------------------------------
+    # -- adapters (core/lora/registry.py; the engine adds events and the prefix cache) ----
     def add_adapter(self, path: str | Path, scale: float = 0.0, name: str | None = None) -> int:
         """Load and validate an adapter; returns its id (stable for the session).
         Raises AdapterError naming the adapter; nothing changes on failure."""
         self.require_ready()
-        scale = _check_scale(scale, "scale")
-        adapter = load_adapter(path, self.config)
-        if name:
-            adapter.name = name
-        self._check_usable(adapter, scale)
-        with self._lock:
-            adapter.id = self._next_id
-            self._next_id += 1
-            self._adapters[adapter.id] = adapter
-            self._scales[adapter.id] = scale
+        aid = self.lora.add(path, scale, name).id
         self._notify(AdaptersChanged(adapters=self.adapters()))
-        return adapter.id
-
-    def _check_usable(self, adapter: Adapter, scale: float, cfg: ModelConfig | None = None) -> None:
-        """Everything the engine will later do with an adapter, done once before it is
-        registered: its listing entry, and its low-rank weights built into a mix. An
-        adapter that gets past loading but fails here (a validation gap) is refused
-        now, as an AdapterError naming it, instead of breaking GET /lora-adapters or
-        every request under the global mix later. Nothing is registered before this
-        passes, so a failure leaves the adapters and the mix exactly as they were."""
-        try:
-            adapter.info()
-            adapter.effective_scale(scale)
-            build_mix(cfg or self.config, ((-1, 1.0),), {-1: adapter})  # built, then dropped
-        except AdapterError:
-            raise
-        except Exception as e:
-            log.exception("adapter %s failed its checks", adapter.path)
-            raise AdapterError(
-                f"adapter {Path(adapter.path).name}: cannot be applied to this model "
-                f"({type(e).__name__}: {e})"
-            ) from None
+        return aid
 
     def remove_adapter(self, aid: int) -> None:
         with self._lock:
-            if aid not in self._adapters:
-                raise EngineError(f"no adapter with id {aid}")
-            del self._adapters[aid]
-            del self._scales[aid]
-            if self.mixes:
-                self.mixes.forget_adapter(aid)
+            self.lora.remove(aid)
             self.prefix.forget_adapter(aid)
         self._notify(AdaptersChanged(adapters=self.adapters()))
-        self._notify(MixChanged(mix=self.get_mix(), source="unload", merge=self._merge.as_dict()))
+        mix = self.get_mix()
+        self._notify(MixChanged(mix=mix, source="unload", merge=mix.merge.as_dict()))
 
     def adapter(self, aid: int) -> Adapter:
-        with self._lock:
-            if aid not in self._adapters:
-                raise EngineError(f"no adapter with id {aid}")
-            return self._adapters[aid]
+        return self.lora.get(aid)
 
     def adapters(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters entries, plus our extra info fields."""
-        with self._lock:
-            out = []
-            for aid, ad in sorted(self._adapters.items()):
-                info = ad.info()
-                info["scale"] = self._scales[aid]
-                info["effective_scale"] = ad.effective_scale(self._scales[aid])
-                out.append(info)
-            return out
+        return self.lora.listing()
 
     # -- the global mix ---------------------------------------------------------------
     def get_mix(self) -> Mix:
         """The global mix: {id: scale} (a dict) with its method as ``.merge``."""
-        with self._lock:
-            return Mix(self._scales, self._merge)
+        return self.lora.get_mix()
 
     def parse_mix(self, entries: Any, what: str = "lora") -> dict[int, float]:
         """Validate llama-server's [{"id", "scale"}] list (unlisted ids are 0), or our
@@ -430,8 +339,7 @@ class Engine:
                 '(or {"adapters": [...], "method": ...})'
             )
         out: dict[int, float] = {}
-        with self._lock:
-            known = set(self._adapters)
+        known = self.lora.ids()
         for e in entries:
             if not isinstance(e, dict) or "id" not in e:
                 raise EngineError(f'each {what} entry must be an object with "id" and "scale"')
@@ -440,7 +348,7 @@ class Engine:
                 raise EngineError(f"{what}: adapter id must be an integer, got {aid!r}")
             if aid not in known:
                 raise EngineError(f"{what}: no adapter with id {aid}")
-            out[aid] = _check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
+            out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
         return {aid: out.get(aid, 0.0) for aid in known}
 
     def set_mix(
@@ -454,18 +362,7 @@ class Engine:
         None, a Mix's own ``.merge``) sets its method; neither keeps the method it has.
         O(#adapters): nothing model-sized happens here (a merged mix is built on first use)."""
         merge = merge if merge is not None else getattr(scales, "merge", None)
-        with self._lock:
-            for aid in scales:
-                if aid not in self._adapters:
-                    raise EngineError(f"no adapter with id {aid}")
-            checked = {aid: _check_scale(s, f"scale of adapter {aid}") for aid, s in scales.items()}
-            if replace:
-                self._scales = {aid: checked.get(aid, 0.0) for aid in self._adapters}
-            else:
-                self._scales.update(checked)
-            if merge is not None:
-                self._merge = merge
-            mix, spec = dict(self._scales), self._merge
+        mix, spec = self.lora.set_mix(scales, replace, merge)
         self._notify(MixChanged(mix=mix, source=source, merge=spec.as_dict()))
 
     def stats(self) -> dict[str, Any]:
@@ -561,37 +458,15 @@ class Engine:
         tokenizer = self.tokenizer
         return self.run_on_engine(lambda model: score_many(model, tokenizer, built, top_k)).result()
 
-    def _mix_key(self, mix: Mapping[int, float] | None):
-        """A mix (None: the global mix, snapshotted now) as (key, adapters, method)."""
-        with self._lock:
-            scales = dict(self._scales) if mix is None else dict(mix)
-            # the global mix's method; a mix given without one (a plain dict, a request's
-            # "lora" list) is a weighted sum, as in llama-server
-            merge = self._merge if mix is None else getattr(mix, "merge", None)
-            for aid in scales:
-                if aid not in self._adapters:
-                    raise EngineError(f"no adapter with id {aid}")
-            adapters = dict(self._adapters)
-        return mix_key(scales, merge), adapters, merge
-
     def _built_mix(self, mix: Mapping[int, float] | None) -> tuple[MixKey, Any]:
         """A mix (None: the global mix, snapshotted now) as its key and built weights."""
-        key, adapters, merge = self._mix_key(mix)
-        # built outside the lock: a first build takes tens of ms (a merge method's,
-        # seconds), and set_mix (the GUI thread) must never wait for it
-        return key, self.mixes.get(key, adapters, self._build_progress(merge))
+        return self.lora.built(mix, self._build_progress)
 
     def mixes_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:
         """Whether every mix (None: the global mix) is built already, so that a submit
         under them builds nothing. An unknown adapter counts as built: the submit
         itself refuses it, at once."""
-        try:
-            return all(
-                not key or self.mixes.cached(key) is not None
-                for key, _, _ in map(self._mix_key, mixes)
-            )
-        except EngineError:
-            return True
+        return self.lora.is_built(mixes)
 
     def prepare_mixes(self, mixes: Iterable[Mapping[int, float] | None]) -> None:
         """Build every mix that is not built yet, in the calling thread. A merge
@@ -820,21 +695,9 @@ class Engine:
         return self.complete(self.chat_prompt(messages), p, mix=mix).content
 
 
-def _dropped(aid: int, adapter: Adapter, error: str) -> dict[str, Any]:
-    return {"id": aid, "name": adapter.name, "path": str(adapter.path), "error": error}
-
-
-def _check_scale(value: Any, what: str) -> float:
-    if not is_finite_number(value, LORA_SCALE_MAX):
-        raise EngineError(
-            f"{what} must be a finite number in [-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], "
-            f"got {shown(value)}"
-        )
-    return float(value)
-
-
 __all__ = [
     "Engine",
+    "LORA_SCALE_MAX",
     "EngineError",
     "AdapterError",
     "ModelLoadError",

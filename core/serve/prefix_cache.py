@@ -61,7 +61,7 @@ class PrefixCache:
                 return None, 0
             self.hits += 1
             entry = self._entries.pop(best)
-        entry.cache.truncate(best_n)
+        entry.cache.trim(entry.cache.length - best_n)
         return entry.cache, best_n
 
     def put(self, key: MixKey, cache: KVCache) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MixdeskError, UserError
-from ..options import is_finite_number
+from ..values import is_finite_number, shown
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
@@ -185,12 +185,6 @@ def _bias_tokens(key, tokenizer, from_map: bool) -> list[int]:
             raise SamplingError("logit_bias: a token given as text must not be empty")
         return tokenizer.encode(key)
     raise SamplingError(f"logit_bias: token {shown(key)} must be a token id or a string")
-
-
-def shown(v, limit: int = 32) -> str:
-    """A value for an error message: its repr, cut short (a JSON int may have 400 digits)."""
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

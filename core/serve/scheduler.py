@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..lora.mix import MixKey, MixWeights
+from ..lora.runtime import AdapterStacks, LoraDeltas
 from ..model.kv_cache import ContextOverflow, KVCache
 from ..model.llama import BatchItem, LlamaModel
 from .grammar import Constraint, ConstraintError
@@ -227,8 +228,11 @@ class Scheduler:
         draft_max: int = 0,
         context_shift: bool = False,
         prefill_chunk: int = PREFILL_CHUNK,
+        stacks: AdapterStacks | None = None,
     ):
         self.model = model
+        # several mixes' adapters stacked, for decode steps mixing them (the engine's)
+        self.stacks = stacks if stacks is not None else AdapterStacks(model.cfg)
         # prompt tokens per sequence per step: llama-server's physical batch, min(-b, -ub)
         self.prefill_chunk = max(1, prefill_chunk)
         self.context_shift = context_shift  # --context-shift: a full context drops old tokens
@@ -386,13 +390,11 @@ class Scheduler:
         seqs = sorted(self.active, key=lambda s: s.req.mix)
         if self.draft_max and len(seqs) == 1:
             self._propose(seqs[0])
-        items = [
-            BatchItem(s.inputs(), s.cache, s.req.mix_weights, all_logits=bool(s.draft))
-            for s in seqs
-        ]
+        items = [BatchItem(s.inputs(), s.cache, all_logits=bool(s.draft)) for s in seqs]
         t0 = time.perf_counter()
         try:
-            logits = self.model(items)
+            deltas = LoraDeltas.of(items, [s.req.mix_weights for s in seqs], self.stacks)
+            logits = self.model(items, deltas)
         except Exception as e:  # a bug must not kill the engine thread: fail these requests
             log.exception("forward failed")
             self._fail(seqs, f"internal error in the forward pass: {type(e).__name__}: {e}")
@@ -462,14 +464,12 @@ class Scheduler:
         """Accept draft tokens while the sampler would have chosen them anyway; the first
         disagreement becomes the next token, so output equals plain greedy decoding."""
         draft, s.draft = s.draft, []
-        full = list(s.cache.tokens)  # base + [next_token] + draft
-        base = len(full) - len(draft) - 1
         self.drafted += len(draft)
-        s.cache.truncate(base + 1)
+        verified = s.cache.trim(len(draft))  # the cache holds base + [next_token] again
         for i in range(len(draft) + 1):
             # KV up to inputs[i] is valid for predicting the token after it
             if i:
-                s.cache.extend(full[base + i : base + 1 + i])
+                s.cache.untrim(verified[i - 1 : i])
             if not self._sample(s, logits[i]):
                 return
             if i == len(draft) or s.next_token != draft[i]:
@@ -619,7 +619,7 @@ class Scheduler:
             return False
         s.pending = toks[:n_keep] + toks[n_keep + n_discard :] + [tok]
         s.recompute = len(s.pending)
-        s.cache.truncate(0)
+        s.cache.trim(s.cache.length)
         s.next_token = None
         return True
 
@@ -663,11 +663,8 @@ class Scheduler:
             self._emit(s, TokenEvent(-1, tail, kind="text", slot=s.cache.slot))
         if s.req.cache_prompt and stop_type != "error" and s.cache.length:
             # the slot goes back to the pool; the prefix cache keeps a compact copy
-            n = s.cache.length
-            entry = self.model.new_cache(-(-n // CAPACITY_ROUND) * CAPACITY_ROUND)
-            entry.copy_prefix_from(s.cache, n)
-            entry.origin = (s.cache.slot, self.pool.generation(s.cache))
-            self.prefix.put(s.req.mix, entry)
+            capacity = -(-s.cache.length // CAPACITY_ROUND) * CAPACITY_ROUND
+            self.prefix.put(s.req.mix, self.pool.snapshot(s.cache, capacity))
         if self.pool.holds(s.cache):
             t = s.timings
             self.slot_last[s.cache.slot] = SlotTask(

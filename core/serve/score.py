@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..lora.mix import MixWeights
+from ..lora.runtime import LoraDeltas
 from ..model.llama import BatchItem
 from .sampling import log_softmax, top_logprobs
 from .scheduler import PREFILL_CHUNK
@@ -91,15 +92,16 @@ def score_many(model, tokenizer, jobs: Sequence[ScoreJob], top_k: int = DEFAULT_
         live = [i for i, c in enumerate(caches) if c.length < len(inputs[i])]
         if not live:
             return out
-        items, firsts = [], []
+        items, mixes, firsts = [], [], []
         for i in live:
             p0 = caches[i].length
             rows = inputs[i][p0 : p0 + chunk]  # (c,)
             # logits are wanted for rows at positions >= start - 1 (they predict the reply)
             want = p0 + len(rows) - 1 >= jobs[i].start - 1
-            items.append(BatchItem(rows, caches[i], jobs[i].mix, all_logits=want))
+            items.append(BatchItem(rows, caches[i], all_logits=want))
+            mixes.append(jobs[i].mix)
             firsts.append(p0)
-        logits = model(items)  # per item (c, vocab) or (1, vocab)
+        logits = model(items, LoraDeltas.of(items, mixes))  # per item (c, vocab) or (1, vocab)
         for i, it, p0, lg in zip(live, items, firsts, logits):
             if not it.all_logits:
                 continue

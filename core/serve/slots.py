@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import UserError
 from ..fileio import write_atomically
 from ..lora.mix import MixKey, mix_key
+from ..model.kv_cache import KVCache
 from .scheduler import SlotTask
 
 MAGIC = b"MXDKSLOT"
@@ -229,12 +230,7 @@ def put_image(sched, model, slot: int, img: SlotImage) -> None:
     sched.slot_last[slot] = SlotTask(-1, img.mix, n, 0, 0, 0)  # a later save keeps the mix
     if n == 0:
         return
-    entry = model.new_cache(n)
-    entry.k[:, :, :n] = img.k  # (L, n_kv, n, hd)
-    entry.v[:, :, :n] = img.v
-    entry.tokens = list(img.tokens)
-    entry.written = n
-    entry.origin = (slot, gen)
+    entry = KVCache.from_state(model.cfg, img.tokens, img.k, img.v, origin=(slot, gen))
     sched.prefix.put(img.mix, entry)
 
 

@@ -10,17 +10,14 @@ import pytest
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QPushButton
 
 from core.lora.adapter import load_adapter
-from core.lora.mix import mix_key
-from core.model.llama import BatchItem
+from tests.mixing import mix_logits
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def logits(eng, mix: dict[int, float], tokens: list[int]) -> np.ndarray:
     """All-position logits of ``tokens`` under ``mix`` (as tests/test_export.py)."""
-    mw = eng.mixes.get(mix_key(mix), eng._adapters)
-    cache = eng.model.new_cache(len(tokens) + 8)
-    return eng.model.forward([BatchItem(np.asarray(tokens), cache, mw, all_logits=True)])[0]
+    return mix_logits(eng, mix, tokens)
 
 
 @pytest.fixture
