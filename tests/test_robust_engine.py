@@ -244,13 +244,13 @@ def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatc
     listed, mix, next_id, info = (
         engine.adapters(),
         engine.get_mix(),
-        engine._next_id,
+        engine.lora._next_id,
         engine.model_info(),
     )
     with pytest.raises(AdapterError, match="lora_attn.gguf: cannot be applied"):
         engine.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.7)
     assert engine.adapters() == listed and engine.get_mix() == mix
-    assert engine._next_id == next_id and engine.model_info() == info
+    assert engine.lora._next_id == next_id and engine.model_info() == info
     (done,) = run_jobs(engine, [job(engine, SHORT, greedy(4))])  # the global mix still runs
     assert done.stop_type == "limit"
     engine.set_mix({})

@@ -1,6 +1,12 @@
 """Write a Llama-3.2-1B-shaped GGUF with random weights, for load and bench figures.
 
-    .venv/bin/python tools/make_1b.py OUT.gguf
+    .venv/bin/python tools/make_1b.py OUT.gguf [--shape 1b|3b|8b]
+
+``--shape 3b`` writes Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 query heads
+and 8 KV heads of 128, FFN 8192, tied, 3.2 B parameters, ~2.0 GB) and ``--shape 8b``
+Llama-3.1-8B's (hidden 4096, 32 layers, 32 and 8 heads of 128, FFN 14336, an untied
+Q6_K output matrix, rope scaling factor 8, 8.0 B parameters, ~4.9 GB); the rest of
+this text speaks of the default, 1B.
 
 The shape is meta-llama/Llama-3.2-1B's config.json: hidden 2048, 16 layers, 32 query
 heads and 8 KV heads of 64, FFN 8192, vocab 128256, tied embeddings, rope_theta
@@ -37,11 +43,26 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# meta-llama/Llama-3.2-1B config.json
-DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN = 2048, 16, 32, 8, 64, 8192
 VOCAB, N_SPECIAL = 128256, 256
 ROPE_THETA, CTX = 500000.0, 131072
-ROPE_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original=8192)
+# the config.json of meta-llama/Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B:
+# (hidden, layers, query heads, KV heads, head dim, FFN, tied output, rope scaling factor)
+SHAPES = {
+    "1b": (2048, 16, 32, 8, 64, 8192, True, 32.0),
+    "3b": (3072, 28, 24, 8, 128, 8192, True, 32.0),
+    "8b": (4096, 32, 32, 8, 128, 14336, False, 8.0),
+}
+DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN, TIED, _FACTOR = SHAPES["1b"]
+ROPE_SCALING = dict(factor=_FACTOR, low_freq_factor=1.0, high_freq_factor=4.0, original=8192)
+
+
+def use_shape(name: str) -> None:
+    """Make the module's shape constants those of ``name`` (a key of SHAPES)."""
+    global DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN, TIED
+    DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN, TIED, factor = SHAPES[name]
+    ROPE_SCALING["factor"] = factor
+
+
 WEIGHT_STD = 0.02  # about what a trained 1B's matrices hold
 
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
@@ -136,11 +157,13 @@ def grown_vocab(rng: np.random.Generator) -> tuple[list[str], list[int], list[st
     return tokens, types, merges, template
 
 
-def write(out: Path, seed: int = 0) -> Path:
+def write(out: Path, seed: int = 0, shape: str = "1b") -> Path:
+    use_shape(shape)
     rng = np.random.default_rng(seed)
     tokens, types, merges, template = grown_vocab(rng)
     w = GGUFWriter(str(out), "llama")
-    w.add_name("Llama-3.2-1B-shaped random (tools/make_1b.py)")
+    base = "Llama-3.1-8B" if shape == "8b" else f"Llama-3.2-{shape.upper()}"
+    w.add_name(f"{base}-shaped random (tools/make_1b.py)")
     w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_context_length(CTX)
     w.add_embedding_length(DIM)
@@ -186,6 +209,8 @@ def write(out: Path, seed: int = 0) -> Path:
         matrix(b + "ffn_up.weight", FFN, DIM, Q4_K)
         matrix(b + "ffn_down.weight", DIM, FFN, more)
     norm("output_norm.weight")
+    if not TIED:
+        matrix("output.weight", VOCAB, DIM, Q6_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -197,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the .gguf to write (keep it out of the repo)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     args = ap.parse_args(argv)
-    write(args.out, args.seed)
+    write(args.out, args.seed, args.shape)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
 
 

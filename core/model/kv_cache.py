@@ -22,6 +22,13 @@ class ContextOverflow(UserError):
     pass
 
 
+def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, ctx: int, n_seq: int = 1) -> int:
+    """Bytes of float32 keys and values for n_seq sequences of ctx positions: the one
+    formula behind every RAM figure Mixdesk shows (the model bar, Get a model, the
+    catalogue), as pages a sequence has written (a pool's untouched pages cost none)."""
+    return 2 * n_layers * n_kv_heads * head_dim * 4 * ctx * n_seq
+
+
 class KVCache:
     """Keys/values of one sequence for every layer, written only through its methods.
 

@@ -19,6 +19,11 @@ speculative verification) three regimes compete:
   OpenBLAS runs on one thread, so the caller holds ``single_blas()`` and we split
   the blocks over our own threads (numpy releases the GIL).
 
+A weight matrix kept in its GGUF block format (core/model/quant.py: QuantMatrix,
+FusedMatrix) brings its own product, compiled kernels for every row count (a
+small-batch kernel reads each block once for all rows; prefill dequantizes tiles for
+BLAS), so none of the regimes below applies to it: ``__call__`` hands it over.
+
 Which wins depends on the CPU and the BLAS build, by wide margins either way, so
 ``calibrate`` times them on the model's own matrices when it loads, for 2, 3, 4
 and 8 rows, and keeps a regime per row count. For 8 rows (and so 5..SMALL_ROWS)
@@ -78,6 +83,17 @@ def blas_threads() -> int:
         return max(n) if n else (os.cpu_count() or 1)
     except Exception:  # pragma: no cover - threadpoolctl is a pinned dependency
         return os.cpu_count() or 1
+
+
+def rows_of(w, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` (n,) of a weight matrix as float32 (n, in): an embedding lookup,
+    whether ``w`` is float32 or kept in a GGUF block format."""
+    return w[ids] if isinstance(w, np.ndarray) else w.take(ids)  # (n, in) copy
+
+
+def dense(w) -> np.ndarray:
+    """A weight matrix as float32 (out, in): itself, or dequantized (a copy)."""
+    return w if isinstance(w, np.ndarray) else w.dequantize()
 
 
 def calibration_matrices(
@@ -192,7 +208,7 @@ class Linear:
         if forced:
             self.force(forced)
             return {}
-        mats = [m for m in mats if m.flags.c_contiguous]
+        mats = [m for m in mats if isinstance(m, np.ndarray) and m.flags.c_contiguous]
         if not mats:
             return {}
         key = self._calibration_key(mats, forward is not None) if store is not None else ""
@@ -341,13 +357,16 @@ class Linear:
     def __call__(
         self, x: np.ndarray, w: np.ndarray, side: Callable[[], None] | None = None
     ) -> np.ndarray:
-        """x: (T, in) float32; w: (out, in) C-contiguous -> (T, out).
+        """x: (T, in) float32; w: (out, in) C-contiguous float32, or a quantized
+        matrix (its own compiled product) -> (T, out).
 
         ``side`` is other work that needs only x (a LoRA delta): in the blocked
         regime it runs on this thread while the helpers run their share of the
         product, which then shrinks this thread's share; otherwise after it."""
         T = x.shape[0]
-        if T == 1:
+        if not isinstance(w, np.ndarray):
+            y = w.matmul(x)  # (T, out) compiled kernels on the GGUF blocks
+        elif T == 1:
             y = (w @ x[0])[None]  # (1, out) gemv
         elif T > SMALL_ROWS or not w.flags.c_contiguous:
             y = x @ w.T  # (T, out) packed gemm

@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..paths import cache_dir
-from . import layout
+from . import layout, quant
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .deltas import NO_DELTAS, Deltas, batch_spans
 from .kv_cache import KVCache, KVPool
-from .linear import STEP_ROWS, Linear, calibration_matrices
+from .linear import STEP_ROWS, Linear, calibration_matrices, rows_of
 from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
 
@@ -60,6 +60,8 @@ class LlamaModel:
         # every x @ W.T goes through here; small batches in the regime per row count
         # that calibrate() picks for this CPU ("gemm" for all until then)
         self.lin = Linear(threads)
+        if weights.quantized:  # the compiled kernels run on as many threads as BLAS
+            quant.set_threads(self.lin.threads)
         self.rope = RopeTable(cfg, weights.rope_freqs)
         # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
         self.rope_qk = rope_neox if cfg.rope_neox else rope
@@ -79,6 +81,8 @@ class LlamaModel:
         layers for 8. A choice stored for this machine and these shapes skips the
         timing. ``progress(fraction)`` reports and may raise to cancel the load (the
         helper threads are then closed: they would outlive a cancelled load)."""
+        if self.w.quantized:
+            return  # the products run on the compiled kernels whatever the row count
         mats = calibration_matrices([lw.projections for lw in self.w.layers])
         try:
             forward = self.calibration_step()
@@ -169,7 +173,7 @@ class LlamaModel:
 
     def embed(self, tokens: np.ndarray, deltas: Deltas) -> np.ndarray:
         """The embedding rows of ``tokens`` (T,) with their deltas, (T, d)."""
-        x = self.w.tok_embd[tokens]  # (T, d) copy
+        x = rows_of(self.w.tok_embd, tokens)  # (T, d) copy
         deltas.embed(x, tokens)
         return x
 

@@ -1,5 +1,15 @@
-"""Load a llama GGUF into fused float32 weights, with a memory-mapped cache.
+"""A model's weights: kept in their GGUF block formats (the default), or float32.
 
+Quantized (``map_weights``, the default): every matrix stays in the file's own
+memory map, in its GGUF block format, and the products run on compiled kernels that
+dequantize blocks in registers (core/model/quant.py). A load reads the header and
+checks every tensor's bytes against its shape and type; the OS pages weights in on
+first use, shared with the page cache, never copied: a 1B Q4_K_M serves from 0.8 GB,
+not 4.9 GB. A type without kernels (IQ*, TQ*) is dequantized to float32 in RAM, that
+tensor alone, and the load says so (``Weights.f32_tensors``). Fused matrices (Q|K|V,
+gate|up) are ``FusedMatrix`` of the file's parts, which may differ in type.
+
+Float32 (``load_weights``, ``--weights f32``: for comparison, and the fallback).
 Cold load dequantizes every tensor (any type ``gguf.quants`` supports) straight
 into one float32 file in the platformdirs cache dir, already in the fused layout
 the forward pass wants (Q|K|V stacked, gate|up stacked), in pieces of at most
@@ -27,12 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from ..errors import UserError
 from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant
 from ..paths import cache_dir
 from . import layout
 from .config import ModelConfig
+from .quant import SUPPORTED, FusedMatrix, QuantMatrix
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +69,19 @@ class LoadCancelled(Exception):
 
 
 FROM_CACHE = "loaded from cache"  # the progress message of weights mapped from the cache
+MAPPED = "mapped"  # ... and of quantized weights mapped from the model file itself
+STORAGES = ("quantized", "f32")  # --weights: how a model's matrices are held in memory
+Matrix = np.ndarray | QuantMatrix | FusedMatrix  # (out, in): what Linear multiplies by
 
 
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray  # (dim,)
-    wqkv: np.ndarray  # (q_dim + 2*kv_dim, dim)  fused Q|K|V
-    wo: np.ndarray  # (dim, q_dim)
+    wqkv: Matrix  # (q_dim + 2*kv_dim, dim)  fused Q|K|V
+    wo: Matrix  # (dim, q_dim)
     ffn_norm: np.ndarray  # (dim,)
-    w_gate_up: np.ndarray  # (2*ffn, dim)             fused gate|up
-    w_down: np.ndarray  # (dim, ffn)
+    w_gate_up: Matrix  # (2*ffn, dim)             fused gate|up
+    w_down: Matrix  # (dim, ffn)
     # only the architectures whose block (core/model/layout.py) declares them:
     wqkv_bias: np.ndarray | None = None  # (q_dim + 2*kv_dim,)  qwen2
     attn_q_norm: np.ndarray | None = None  # (head_dim,)  qwen3, gemma3; shared by all heads
@@ -75,22 +90,37 @@ class LayerWeights:
     post_ffw_norm: np.ndarray | None = None  # (dim,)
 
     @property
-    def projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def projections(self) -> tuple[Matrix, Matrix, Matrix, Matrix]:
         """The four matrices a block multiplies by, in the order it uses them."""
         return self.wqkv, self.wo, self.w_gate_up, self.w_down
 
 
 @dataclass
 class Weights:
-    tok_embd: np.ndarray  # (vocab, dim)
+    tok_embd: Matrix  # (vocab, dim)
     layers: list[LayerWeights]
     output_norm: np.ndarray  # (dim,)
-    output: np.ndarray  # (vocab, dim); the same array as tok_embd when tied
+    output: Matrix  # (vocab, dim); the same object as tok_embd when tied
     rope_freqs: np.ndarray | None  # (rope_dim/2,) llama3-style frequency factors
     tied: bool
     # (rope_dim/2,) phi3's LongRoPE factors: long for contexts past the original one
     rope_long: np.ndarray | None = None
     rope_short: np.ndarray | None = None
+    storage: str = "f32"  # "quantized": matrices in their GGUF block formats (STORAGES)
+    # quantized storage: tensors of a type without kernels, held as float32 instead
+    # ({tensor name: type name}); the load log and the model bar name them
+    f32_tensors: dict[str, str] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """True when some matrix is held in a GGUF block format (compiled products)."""
+        return any(not isinstance(m, np.ndarray) for m in self.layers[0].projections)
+
+    def qtypes(self) -> set[str]:
+        """The block types of the matrices held quantized ('Q4_K', 'Q6_K', ...)."""
+        mats = [self.tok_embd, self.output] + [m for lw in self.layers for m in lw.projections]
+        parts = [p for m in mats for p in getattr(m, "parts", [m])]
+        return {p.dtype for p in parts if not isinstance(p, np.ndarray)}
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +160,7 @@ def _cache_key(path: Path) -> str:
     return hashlib.sha1(ident.encode()).hexdigest()[:20]
 
 
-def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
+def _assemble(cfg: ModelConfig, arrays: dict[str, Matrix], **extra) -> Weights:
     layers = [
         LayerWeights(**{f: arrays[f"blk.{i}.{f}"] for f in layout.layer_fields(cfg)})
         for i in range(cfg.n_layers)
@@ -145,6 +175,7 @@ def _assemble(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Weights:
         rope_long=arrays.get("rope_long"),
         rope_short=arrays.get("rope_short"),
         tied=tied,
+        **extra,
     )
 
 
@@ -163,6 +194,94 @@ def _views(
         n = int(np.prod(shape))
         out[name] = buf[off : off + n].reshape(shape)
     return out
+
+
+def map_weights(
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> Weights:
+    """The model's weights served from the GGUF's own memory map: matrices in their
+    block formats (QuantMatrix; FusedMatrix where the model fuses parts), norms,
+    biases and rope factors (small) as float32 copies. Every matrix's bytes are
+    checked against its shape and type before any kernel can index them (a truncated
+    or corrupt file is a ModelLoadError). A type without kernels is dequantized to
+    float32, that tensor alone, and named in ``f32_tensors``."""
+    progress = progress or (lambda f, m: None)
+    check_tensors(cfg, gf)
+    plan = layout.fused_plan(cfg, gf.tensors)
+    arrays: dict[str, Matrix] = {}
+    f32: dict[str, str] = {}
+    for i, (name, shape, sources) in enumerate(plan):
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled()
+        try:
+            if len(shape) == 1:  # norms, biases (Q|K|V's, stacked), rope factors
+                arrays[name] = np.concatenate([gf.dequantize(s).reshape(-1) for s in sources])
+            else:
+                parts = [_matrix(gf, s, f32) for s in sources]
+                arrays[name] = parts[0] if len(parts) == 1 else FusedMatrix(parts, name)
+        except (UnsupportedQuant, GGUFError) as e:
+            raise ModelLoadError(str(e)) from None
+        progress((i + 1) / len(plan), MAPPED)
+    if f32:
+        kinds = sorted(set(f32.values()))
+        log.warning(
+            "%s: %d tensors of type %s have no compiled kernels; they are held as float32",
+            gf.path.name,
+            len(f32),
+            ", ".join(kinds),
+        )
+    note = note_f32_caches()
+    if note:
+        log.info("%s", note)
+    return _assemble(cfg, arrays, storage="quantized", f32_tensors=f32)
+
+
+def f32_caches() -> list[Path]:
+    """The float32 weight caches in the cache dir (written by ``--weights f32``, and by
+    every load before weights stayed quantized): 4 bytes per weight each."""
+    return sorted((cache_dir() / "weights").glob("*.f32"))
+
+
+def note_f32_caches() -> str | None:
+    """One line about float32 caches a quantized load does not use, or None."""
+    found = f32_caches()
+    if not found:
+        return None
+    size = sum(p.stat().st_size for p in found if p.exists())
+    return (
+        f"{len(found)} float32 weight cache(s) take {size / 1e9:.2f} GB in {found[0].parent}: "
+        "weights now stay quantized in memory and only --weights f32 uses them; "
+        "`mixdesk --clear-f32-cache` deletes them"
+    )
+
+
+def clear_f32_caches() -> tuple[int, int]:
+    """Delete every float32 weight cache and its index; (files, bytes) freed."""
+    n = freed = 0
+    for p in f32_caches():
+        try:
+            size = p.stat().st_size
+            p.unlink()
+            p.with_suffix(".json").unlink(missing_ok=True)
+        except OSError:
+            continue
+        n, freed = n + 1, freed + size
+    return n, freed
+
+
+def _matrix(gf: GGUFFile, src: str, f32: dict[str, str]) -> Matrix:
+    """One GGUF matrix as the model holds it: F32 as a read-only view of the file, a
+    type with kernels as a QuantMatrix (its bytes checked), any other dequantized."""
+    info = gf.tensors[src]
+    if info.qtype == GGMLQuantizationType.F32:
+        return gf.raw(src).view(np.float32).reshape(info.shape)  # (out, in), no copy
+    if info.qtype in SUPPORTED:
+        return QuantMatrix(info.qtype, gf.raw(src), info.shape, name=f"{gf.path.name}: {src}")
+    f32[src] = info.qtype.name
+    return gf.dequantize(src)  # (out, in) float32 in RAM
 
 
 def load_weights(
@@ -193,7 +312,7 @@ def load_weights(
                 buf = np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,))
                 if idx.get("sample_crc") == _sample_crc(buf):
                     progress(1.0, FROM_CACHE)
-                    return _assemble(cfg, _views(buf, offsets))
+                    return _assemble(cfg, _views(buf, offsets), storage="f32")
                 log.warning("weight cache %s does not match its index; rebuilding it", bin_path)
                 del buf
         except (OSError, ValueError) as e:
@@ -267,7 +386,7 @@ def load_weights(
         if tmp is not None and tmp.exists():
             tmp.unlink()
     progress(1.0, "loaded")
-    return _assemble(cfg, views)
+    return _assemble(cfg, views, storage="f32")
 
 
 def check_disk(model: Path, cdir: Path, need: int) -> None:

@@ -28,11 +28,21 @@ from ..lora.adapter import Adapter, AdapterError
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix, MixKey
 from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry, check_scale
+from ..model import quant
 from ..model.config import ModelConfig
 from ..model.families import model_class
-from ..model.kv_cache import ContextOverflow
+from ..model.kv_cache import ContextOverflow, kv_bytes
 from ..model.llama import LlamaModel
-from ..model.weights import FROM_CACHE, LoadCancelled, ModelLoadError, load_weights, open_model_file
+from ..model.weights import (
+    FROM_CACHE,
+    MAPPED,
+    STORAGES,
+    LoadCancelled,
+    ModelLoadError,
+    load_weights,
+    map_weights,
+    open_model_file,
+)
 from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL
 from ..tokenizer import Tokenizer
 from .embeddings import EmbeddingOptions, check_inputs, hidden_states
@@ -65,6 +75,7 @@ LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raise
 # LOAD_CALIBRATED; the KV pool and the adapters' checks take the rest. 100% is never
 # shown before the model is in service.
 LOAD_OPENED, LOAD_WEIGHTS_DONE, LOAD_CACHED_WEIGHTS = 0.02, 0.8, 0.05
+LOAD_KERNELS = 0.9  # quantized weights: compiling the kernels (first run) fills it to here
 LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
 
 
@@ -80,9 +91,15 @@ class Engine:
         chat_defaults: ChatDefaults = DEFAULT_CHAT,
         embeddings: EmbeddingOptions | None = None,
         context_shift: bool = False,
+        weights: str = "quantized",
     ):
         """Options as core.options.EngineOptions builds them; ``chat_template`` is a
-        template source that replaces every loaded model's own (--chat-template-file)."""
+        template source that replaces every loaded model's own (--chat-template-file).
+        ``weights``: "quantized" keeps matrices in their GGUF block formats, "f32"
+        dequantizes them (core/model/weights.py)."""
+        if weights not in STORAGES:
+            raise EngineError(f"weights must be one of {', '.join(STORAGES)}, not {weights!r}")
+        self.weights = weights
         self.embeddings = embeddings or EmbeddingOptions()  # --embedding, --pooling, -ub
         self.requested_ctx = ctx_size  # 0: the model's training context
         self.context_shift = context_shift  # a full context drops old tokens (--context-shift)
@@ -165,6 +182,10 @@ class Engine:
         def weights_progress(frac: float, msg: str) -> None:
             if msg == FROM_CACHE:  # mapped, not computed: the work left is all after it
                 report(LOAD_CACHED_WEIGHTS, "weights mapped from the cache")
+            elif msg == MAPPED:  # the file's own blocks: checked, not computed
+                report(
+                    LOAD_OPENED + (LOAD_CACHED_WEIGHTS - LOAD_OPENED) * frac, "mapping the weights"
+                )
             else:
                 report(LOAD_OPENED + (LOAD_WEIGHTS_DONE - LOAD_OPENED) * frac, msg)
 
@@ -180,8 +201,23 @@ class Engine:
             if self.template_source is not None:
                 template = template.with_source(self.template_source)
             check()
-            weights = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
+            load = map_weights if self.weights == "quantized" else load_weights
+            weights = load(gf, cfg, progress=weights_progress, cancel=cancel)
             check()
+            if weights.quantized:
+                lo = self.load_progress
+
+                def compiling(frac: float) -> None:
+                    check()
+                    msg = "preparing the matrix kernels (compiled on first use, then cached)"
+                    report(lo + (LOAD_KERNELS - lo) * frac, msg)
+
+                took = quant.warm_up(weights.qtypes(), compiling)
+                log.info(
+                    "matrix kernels for %s ready in %.2f s",
+                    ", ".join(sorted(weights.qtypes())),
+                    took,
+                )
             ctx = self.requested_ctx or cfg.ctx_len
             lo = self.load_progress
 
@@ -278,7 +314,13 @@ class Engine:
             "n_layers": c.n_layers,
             "dim": c.dim,
             "n_vocab": c.vocab_size,
-            "memory_bytes": self.model.w.nbytes,
+            "memory_bytes": self.model.w.nbytes,  # the weights as held
+            # one sequence's keys and values at n_ctx (kv_bytes, as Get a model counts)
+            "kv_bytes": kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size),
+            # "quantized" (GGUF blocks, compiled kernels) or "f32"; tensors of a type
+            # without kernels that a quantized load holds as float32 {name: type}
+            "weights": self.model.w.storage,
+            "f32_tensors": dict(self.model.w.f32_tensors or {}),
             "load_ms": self.load_ms,
             "chat_template": self.chat_template.source if self.chat_template else "",
         }

@@ -1,0 +1,263 @@
+"""Quantized weights against the float32 path and against llama-server, in one run.
+
+    .venv/bin/python -m bench.weights [-m MODEL] [--vs-llama-server] [--no-f32] [--quick]
+
+Each side runs in its own fresh process, one after the other on the same file, so
+that its peak RSS and its start are its own: Mixdesk with ``--weights quantized``
+(the GGUF's blocks in memory, compiled kernels), Mixdesk with ``--weights f32``
+(today's dequantized path; its float32 cache is written first, untimed), and with
+``--vs-llama-server`` llama-server itself, built from the pinned llama-cpp-python
+sdist as tools/compat.py builds it, run ``-t THREADS -c CTX``. Every figure is
+printed with its ratio to the others measured in this same run.
+
+Measured per side: ready after start (process start to the first request being
+answerable: Mixdesk's ``Engine.load_model``, llama-server's ``/health``), one
+stream's decode (64 greedy tokens, 2 rounds, best), a 512-token prefill, 8 streams
+under 8 different LoRA mixes (Mixdesk only: llama-server batches one mix), and peak
+RSS serving one stream at CTX context. The default model is the 1B-shaped Q4_K_M
+of tools/make_1b.py, written to the cache on first use.
+
+Run it on an idle machine, with OpenBLAS on its native kernels as a user's machine
+has it: ``make bench-weights`` unsets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+PREFILL = 512  # prompt tokens of the prefill figure
+DECODE = 64  # tokens of the decode figure
+THREADS = 2
+
+
+def default_model() -> Path:
+    """The 1B-shaped Q4_K_M of tools/make_1b.py, made once in the cache dir."""
+    from core.paths import cache_dir
+
+    out = cache_dir() / "bench" / "llama-3.2-1b-shaped-q4_k_m.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {out} (tools/make_1b.py, once)", flush=True)
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_1b.py"), str(out)], check=True)
+    return out
+
+
+def prompt_tokens(n: int, vocab: int) -> list[int]:
+    """A fixed prompt of n ordinary token ids (the same for every side)."""
+    rng = np.random.default_rng(7)
+    return [int(t) for t in rng.integers(1000, min(vocab, 30000) - 1, size=n)]
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- one Mixdesk side, in a child process ----------------------------------------------------
+def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
+    """One side's figures; ``t0``: the wall clock when the parent started this process
+    (ready_s counts Python's start and imports too, as llama-server's counts its own)."""
+    from bench.engine import GREEDY, bench_adapters
+    from core.serve.engine import Engine
+    from core.serve.sampling import SamplingParams
+
+    eng = Engine(weights=storage, ctx_size=ctx, n_parallel=8, draft_max=0, threads=THREADS)
+    eng.load_model(model)
+    eng.start()
+    out: dict = {"ready_s": time.time() - t0, "memory_mb": eng.model.w.nbytes / 1e6}
+    if quick is None:  # only load (the float32 cache is written so, untimed)
+        return out
+    vocab = eng.config.vocab_size
+    n_dec = 16 if quick else DECODE
+
+    def one(prompt, n, mix=None):
+        done = eng.complete(
+            prompt, SamplingParams(n_predict=n, **GREEDY), mix=mix, cache_prompt=False
+        )
+        return done.timings
+
+    short = prompt_tokens(16, vocab)
+    one(short, 4)  # warm: first-touch of the weights' pages, the KV pages
+    decode = max(
+        t.predicted_n / (t.predicted_ms / 1e3) for t in (one(short, n_dec) for _ in range(2))
+    )
+    out["decode_tok_s"] = decode
+    pre = one(prompt_tokens(PREFILL, vocab), 1)
+    out["prefill_tok_s"] = pre.prompt_n / (pre.prompt_ms / 1e3)
+    out["peak_rss_mb"] = peak_rss_mb()  # one stream served, the prefill included
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, _ = bench_adapters(eng, Path(tmp))
+        scales = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)
+        mixes = [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(scales)]
+        done, finished = [], threading.Event()
+
+        def on_event(ev):
+            if ev.kind == "done":
+                done.append(ev)
+                if len(done) == len(mixes):
+                    finished.set()
+
+        for m in mixes:  # build the mixes first: their build is not decode time
+            eng.complete(short, SamplingParams(n_predict=1, **GREEDY), mix=m, cache_prompt=False)
+        t = time.perf_counter()
+        for k, m in enumerate(mixes):
+            p = prompt_tokens(16 + k, vocab)[k:]
+            eng.submit(
+                p, SamplingParams(n_predict=n_dec, **GREEDY), on_event, mix=m, cache_prompt=False
+            )
+        finished.wait()
+        agg = sum(d.timings.predicted_n for d in done) / (time.perf_counter() - t)
+        alone = one(short, n_dec)
+        out["streams8_tok_s"] = agg
+        out["streams8_ratio"] = agg / (alone.predicted_n / (alone.predicted_ms / 1e3))
+    eng.stop()
+    return out
+
+
+def run_child(storage: str, model: Path, ctx: int, quick: bool | None) -> dict:
+    cmd = [sys.executable, "-m", "bench.weights", "--child", storage, "-m", str(model)]
+    cmd += ["--ctx", str(ctx), "--t0", repr(time.time())]
+    cmd += ["--quick"] if quick else ["--load-only"] if quick is None else []
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"bench child ({storage}) failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# -- llama-server ----------------------------------------------------------------------------
+def llama_server_binary(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    if os.environ.get("MIXDESK_LLAMA_SERVER"):
+        return Path(os.environ["MIXDESK_LLAMA_SERVER"])
+    sys.path.insert(0, str(REPO / "tools"))
+    import compat  # tools/compat.py: the pinned sdist, built once in the cache
+
+    return compat.build_llama_server(compat.fetch_sdist(None))
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def llama_server(binary: Path, model: Path, ctx: int, quick: bool, vocab: int) -> dict:
+    port = 18000 + os.getpid() % 1000
+    cmd = [str(binary), "-m", str(model), "-t", str(THREADS), "-c", str(ctx), "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "-np", "1", "--no-webui"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        n_dec = 16 if quick else DECODE
+        short = prompt_tokens(16, vocab)
+
+        def one(prompt, n):
+            body = dict(prompt=prompt, n_predict=n, temperature=0, ignore_eos=True)
+            return _post(url + "/completion", dict(body, cache_prompt=False))["timings"]
+
+        one(short, 4)
+        decode = max(one(short, n_dec)["predicted_per_second"] for _ in range(2))
+        pre = one(prompt_tokens(PREFILL, vocab), 1)
+        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        rss = next(int(s.split()[1]) / 1024 for s in status if s.startswith("VmHWM:"))
+        return {
+            "ready_s": ready,
+            "decode_tok_s": decode,
+            "prefill_tok_s": pre["prompt_per_second"],
+            "peak_rss_mb": rss,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# -- the report ------------------------------------------------------------------------------
+def report(model: Path, sides: dict[str, dict]) -> None:
+    q = sides["quantized"]
+    print(f"model {model.name}: quantized weights {q['memory_mb']:.0f} MB in memory")
+    rows = [
+        ("decode, one stream", "decode_tok_s", "tok/s", True),
+        (f"prefill, {PREFILL} tokens", "prefill_tok_s", "tok/s", True),
+        ("ready after start", "ready_s", "s", False),
+        ("peak RSS, one stream", "peak_rss_mb", "MB", False),
+    ]
+    for label, key, unit, _ in rows:
+        line = f"{label:<24} quantized {q[key]:8.1f} {unit}"
+        for other in ("f32", "llama-server"):
+            if other in sides:
+                v = sides[other][key]
+                line += f" | {other} {v:8.1f} {unit} (quantized = {q[key] / v:.2f}x)"
+        print(line)
+    line = f"{'8 streams x 8 mixes':<24} quantized {q['streams8_tok_s']:8.1f} tok/s = "
+    line += f"{q['streams8_ratio']:.2f}x one stream"
+    if "f32" in sides:
+        line += f" | f32 {sides['f32']['streams8_ratio']:.2f}x one stream"
+    print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help="16 decode tokens, for a smoke run")
+    ap.add_argument("--no-f32", action="store_true", help="skip the float32 path")
+    ap.add_argument("--vs-llama-server", action="store_true")
+    ap.add_argument("--llama-server", help="a llama-server binary (default: build the pinned one)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    model = Path(a.model) if a.model else default_model()
+    if a.child:
+        quick = None if a.load_only else a.quick
+        print(json.dumps(child(a.child, model, a.ctx, quick, a.t0 or time.time())))
+        return
+    from threadpoolctl import threadpool_info
+
+    blas = [f"{i['internal_api']} {i.get('architecture')}" for i in threadpool_info()]
+    print(f"BLAS {'; '.join(blas)}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
+    sides = {"quantized": run_child("quantized", model, a.ctx, a.quick)}
+    if not a.no_f32:
+        run_child("f32", model, 256, None)  # writes the float32 cache, untimed
+        sides["f32"] = run_child("f32", model, a.ctx, a.quick)
+    if a.vs_llama_server:
+        from core.model.weights import open_model_file
+
+        vocab = open_model_file(model)[1].vocab_size
+        sides["llama-server"] = llama_server(
+            llama_server_binary(a.llama_server), model, a.ctx, a.quick, vocab
+        )
+    report(model, sides)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Weights kept in their GGUF block formats (issue #35): what a load holds, that it
+computes today's numbers, and that a bad file is refused before a kernel reads it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from core.model.quant import FusedMatrix, QuantMatrix
+from core.model.weights import ModelLoadError, map_weights, open_model_file
+from core.paths import cache_dir
+from core.serve.engine import Engine, EngineError
+from core.serve.sampling import SamplingParams
+from tests.mixing import mix_logits
+from tests.tiny_gguf import write_tiny_llama
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def both(smollm_path):
+    """SmolLM2 loaded both ways, with the same reference adapter."""
+    from tests.reference import reference_dir
+
+    engines = {}
+    for storage in ("quantized", "f32"):
+        e = Engine(weights=storage, ctx_size=256, n_parallel=2)
+        e.load_model(smollm_path)
+        e.add_adapter(reference_dir() / "adapters" / "lora_attn.gguf")
+        e.start()
+        engines[storage] = e
+    yield engines
+    for e in engines.values():
+        e.stop()
+
+
+def test_quantized_load_maps_the_file_and_writes_no_float32_cache(both, smollm_path):
+    q, f = both["quantized"], both["f32"]
+    info = q.model_info()
+    assert info["weights"] == "quantized" and info["f32_tensors"] == {}
+    assert f.model_info()["weights"] == "f32"
+    # the file's own blocks: less than the file itself, a fifth of the float32 copy
+    assert info["memory_bytes"] < smollm_path.stat().st_size
+    assert info["memory_bytes"] * 4 < f.model_info()["memory_bytes"]
+    assert q.model.w.qtypes() == {"Q4_1", "Q8_0"}
+    lw = q.model.w.layers[0]
+    assert isinstance(lw.wqkv, FusedMatrix) and isinstance(lw.wo, QuantMatrix)
+    # only the f32 engine wrote a cache; the quantized load wrote none of its own
+    caches = list((cache_dir() / "weights").glob("*.f32"))
+    assert len(caches) == 1
+
+
+@pytest.mark.parametrize("mix", [{}, {0: 0.8}])
+def test_quantized_logits_equal_the_float32_path(both, mix):
+    """The same numbers as dequantizing to float32 first, up to summation order."""
+    toks = both["f32"].tokenizer.encode(PROMPT)
+    want = mix_logits(both["f32"], mix, toks)  # (n, vocab)
+    got = mix_logits(both["quantized"], mix, toks)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(got - want).max() < 2e-2
+
+
+def test_quantized_generation_equals_the_float32_path(both):
+    p = SamplingParams(temperature=0, n_predict=24, ignore_eos=True)
+    prompt = both["f32"].tokenizer.encode(PROMPT)
+    got = [both[s].complete(prompt, p, mix={0: 0.5}, cache_prompt=False).tokens for s in both]
+    assert got[0] == got[1]
+
+
+def test_a_type_without_kernels_is_held_as_float32_and_named(tmp_path, caplog):
+    path = write_tiny_llama(tmp_path / "iq.gguf", qtype=GGMLQuantizationType.IQ4_NL)
+    gf, cfg = open_model_file(path)
+    with caplog.at_level(logging.WARNING):
+        w = map_weights(gf, cfg)
+    assert w.f32_tensors and set(w.f32_tensors.values()) == {"IQ4_NL"}
+    assert "blk.0.attn_q.weight" in w.f32_tensors
+    assert "IQ4_NL" in caplog.text and "float32" in caplog.text
+    eng = Engine(ctx_size=64, n_parallel=1)
+    eng.load_model(path)
+    assert eng.model_info()["f32_tensors"]["blk.1.ffn_down.weight"] == "IQ4_NL"
+    want = Engine(weights="f32", ctx_size=64, n_parallel=1)
+    want.load_model(path)
+    toks = [5, 6, 7, 8]
+    np.testing.assert_allclose(
+        mix_logits(eng, {}, toks), mix_logits(want, {}, toks), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.F16],
+)
+def test_tiny_models_of_each_storage_agree(tmp_path, qtype):
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, dim=256, ffn=256, tied=False)
+    got, want = Engine(ctx_size=64), Engine(weights="f32", ctx_size=64)
+    got.load_model(path)
+    want.load_model(path)
+    toks = list(range(3, 40))
+    np.testing.assert_allclose(
+        mix_logits(got, {}, toks), mix_logits(want, {}, toks), rtol=1e-3, atol=1e-3
+    )
+
+
+def test_a_file_cut_short_is_refused_before_any_kernel_reads_it(tmp_path):
+    path = write_tiny_llama(
+        tmp_path / "cut.gguf", qtype=GGMLQuantizationType.Q4_K, dim=256, ffn=256
+    )
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])  # the last tensor's blocks lose their tail
+    eng = Engine(ctx_size=64)
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        eng.load_model(path)
+    assert eng.model is None
+
+
+def test_weights_option_is_checked():
+    with pytest.raises(EngineError, match="weights must be one of quantized, f32"):
+        Engine(weights="int3")
+
+
+def test_old_float32_caches_are_noted_and_can_be_cleared(both, caplog):
+    from core.model.weights import clear_f32_caches, note_f32_caches
+
+    note = note_f32_caches()  # the f32 engine of the fixture wrote one
+    assert note and "1 float32 weight cache(s)" in note and "--clear-f32-cache" in note
+    n, freed = clear_f32_caches()
+    assert n == 1 and freed > 4 * 100_000_000
+    assert note_f32_caches() is None
+    assert not list((cache_dir() / "weights").glob("*"))
