@@ -34,8 +34,27 @@ LLVM keep 8-bit lanes (measured: 4.0 -> 6.5 G weights/s for Q4_K on one thread).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
-from numba import literally, njit, prange
+
+from ..paths import cache_dir
+
+
+def _set_cache_dir() -> None:
+    """Compiled kernels go to the user cache dir (a NUMBA_CACHE_DIR the user set wins).
+    numba reads the variable when it is imported, so this runs before."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir() / "numba")
+
+
+_set_cache_dir()
+
+import numba  # noqa: E402  (after NUMBA_CACHE_DIR is set)
+from numba import literally, njit, prange  # noqa: E402
+
+if not numba.config.CACHE_DIR:  # numba was imported before us (by another library)
+    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 # GGMLQuantizationType values (gguf.constants): the codes the kernels are specialised on
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
@@ -373,25 +392,31 @@ def _run(code, w, e0, e1, out):
         _run_q6_k(w, e0, e1, out)
 
 
-# ---- parallel skeletons ----
+# ---- the parallel launcher ----
+
+ROWS, SMALL = 0, 1  # _launch's operations
 
 
 @_jit(parallel=True)
-def _rows(code, w, ids, out):
-    """out[i] = row ids[i] of w dequantized: (len(ids), in) float32."""
-    literally(code)
-    n = out.shape[1]
-    for i in prange(ids.shape[0]):
-        _run(code, w[ids[i]], 0, n, out[i])
+def _launch(code, op, w, ids, x, out, kc):
+    """One parallel kernel per type for both operations (numba's parallel lowering
+    costs seconds of compile per function, so one function, not two):
 
-
-@_jit(parallel=True)
-def _row_range(code, w, a, out):
-    """out[i] = row a + i of w dequantized (a tile of consecutive rows)."""
+    * ROWS: out[i] = row ids[i] of w dequantized ((len(ids), in) float32);
+    * SMALL: out = x @ W.T for a few rows of x ((T, in) -> (T, out) float32), in
+      chunks of ROWS_PER_CHUNK output rows; ``kc``: elements per K-chunk (a multiple
+      of 256, so of every block size)."""
     literally(code)
-    n = out.shape[1]
-    for i in prange(out.shape[0]):
-        _run(code, w[a + i], 0, n, out[i])
+    n_out = w.shape[0]
+    n_in = out.shape[1] if op == ROWS else x.shape[1]
+    n_units = ids.shape[0] if op == ROWS else (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    for u in prange(n_units):
+        if op == ROWS:
+            _run(code, w[ids[u]], 0, n_in, out[u])
+        else:
+            buf = np.empty(min(kc, n_in), dtype=np.float32)  # one K-chunk of one row
+            r0 = u * ROWS_PER_CHUNK
+            _small_rows(code, w, x, out, kc, r0, min(n_out, r0 + ROWS_PER_CHUNK), buf)
 
 
 @_jit(fastmath=True)
@@ -432,28 +457,28 @@ def _dots(buf, x, k0, y, r, t0, t1):
         y[t, r] += s0
 
 
-@_jit(parallel=True, fastmath=True)
-def _small(code, w, x, y, kc):
-    """y = x @ W.T for a few rows of x: (T, in) float32 -> y (T, out) float32.
-    ``kc``: elements per K-chunk (a multiple of 256, so of every block size)."""
+@_jit(fastmath=True)
+def _small_rows(code, w, x, y, kc, r0, r1, buf):
+    """Rows [r0, r1) of ``_small``'s product; ``buf``: scratch of min(kc, in) floats."""
     literally(code)
-    n_out = w.shape[0]
     n = x.shape[1]
     T = x.shape[0]
-    n_chunks = (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    for ch in prange(n_chunks):
-        r0 = ch * ROWS_PER_CHUNK
-        r1 = min(n_out, r0 + ROWS_PER_CHUNK)
-        buf = np.empty(min(kc, n), dtype=np.float32)  # one chunk of one row, dequantized
+    for r in range(r0, r1):
+        for t in range(T):
+            y[t, r] = 0.0
+    for k0 in range(0, n, kc):
+        k1 = min(n, k0 + kc)
+        part = buf[: k1 - k0]
         for r in range(r0, r1):
-            for t in range(T):
-                y[t, r] = 0.0
-        for k0 in range(0, n, kc):
-            k1 = min(n, k0 + kc)
-            part = buf[: k1 - k0]
-            for r in range(r0, r1):
-                _run(code, w[r], k0, k1, part)
-                _dots(part, x, k0, y, r, 0, T)
+            _run(code, w[r], k0, k1, part)
+            _dots(part, x, k0, y, r, 0, T)
+
+
+@_jit(signature_or_function="int64(int64)")
+def _plain(v):
+    """``v`` as a run-time int64: numba passes a constant argument as a literal, and
+    _launch would then compile once per operation instead of once per type."""
+    return v
 
 
 # ---- per-type entry points: the type code as a constant, so each caches on disk ----
@@ -461,122 +486,122 @@ def _small(code, w, x, y, kc):
 
 @_jit()
 def rows_f16(w, ids, out):
-    _rows(F16, w, ids, out)
+    _launch(F16, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_f16(w, x, y, kc):
-    _small(F16, w, x, y, kc)
+    _launch(F16, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_bf16(w, ids, out):
-    _rows(BF16, w, ids, out)
+    _launch(BF16, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_bf16(w, x, y, kc):
-    _small(BF16, w, x, y, kc)
+    _launch(BF16, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q8_0(w, ids, out):
-    _rows(Q8_0, w, ids, out)
+    _launch(Q8_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q8_0(w, x, y, kc):
-    _small(Q8_0, w, x, y, kc)
+    _launch(Q8_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q4_0(w, ids, out):
-    _rows(Q4_0, w, ids, out)
+    _launch(Q4_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q4_0(w, x, y, kc):
-    _small(Q4_0, w, x, y, kc)
+    _launch(Q4_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q4_1(w, ids, out):
-    _rows(Q4_1, w, ids, out)
+    _launch(Q4_1, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q4_1(w, x, y, kc):
-    _small(Q4_1, w, x, y, kc)
+    _launch(Q4_1, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q5_0(w, ids, out):
-    _rows(Q5_0, w, ids, out)
+    _launch(Q5_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q5_0(w, x, y, kc):
-    _small(Q5_0, w, x, y, kc)
+    _launch(Q5_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q5_1(w, ids, out):
-    _rows(Q5_1, w, ids, out)
+    _launch(Q5_1, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q5_1(w, x, y, kc):
-    _small(Q5_1, w, x, y, kc)
+    _launch(Q5_1, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q2_k(w, ids, out):
-    _rows(Q2_K, w, ids, out)
+    _launch(Q2_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q2_k(w, x, y, kc):
-    _small(Q2_K, w, x, y, kc)
+    _launch(Q2_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q3_k(w, ids, out):
-    _rows(Q3_K, w, ids, out)
+    _launch(Q3_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q3_k(w, x, y, kc):
-    _small(Q3_K, w, x, y, kc)
+    _launch(Q3_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q4_k(w, ids, out):
-    _rows(Q4_K, w, ids, out)
+    _launch(Q4_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q4_k(w, x, y, kc):
-    _small(Q4_K, w, x, y, kc)
+    _launch(Q4_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q5_k(w, ids, out):
-    _rows(Q5_K, w, ids, out)
+    _launch(Q5_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q5_k(w, x, y, kc):
-    _small(Q5_K, w, x, y, kc)
+    _launch(Q5_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 @_jit()
 def rows_q6_k(w, ids, out):
-    _rows(Q6_K, w, ids, out)
+    _launch(Q6_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
 @_jit()
 def small_q6_k(w, x, y, kc):
-    _small(Q6_K, w, x, y, kc)
+    _launch(Q6_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
 # code -> (rows kernel, small-product kernel)
