@@ -18,46 +18,13 @@ from gguf import GGMLQuantizationType as Q
 from core.gguf.reader import GGUFFile
 from core.model import quant
 from core.model.quant import FusedMatrix, QuantLayoutError, QuantMatrix, check_layout
+from tests.tiny_gguf import random_matrix
 
 TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# where each block type keeps its f16 scales (byte offsets in the block)
-F16_AT = {
-    Q.Q4_0: [0],
-    Q.Q4_1: [0, 2],
-    Q.Q5_0: [0],
-    Q.Q5_1: [0, 2],
-    Q.Q8_0: [0],
-    Q.Q2_K: [80, 82],
-    Q.Q3_K: [108],
-    Q.Q4_K: [0, 2],
-    Q.Q5_K: [0, 2],
-    Q.Q6_K: [208],
-}
 ROW_COUNTS = (1, 2, 3, 8, 17, 33, 100)  # 1..16: small-batch kernels; more: BLAS tiles
 # |y - y64| <= TOL * (|x| @ |W|.T): float32 sums of ~1000 products, any order
 TOL = 2e-6
-
-
-def random_matrix(qt: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, row_bytes) uint8 of random blocks whose f16 scales are finite."""
-    if qt == Q.F16:
-        # every finite f16 bit pattern is fair, subnormals and -0.0 included
-        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
-        exp_all_ones = (bits & 0x7C00) == 0x7C00
-        bits[exp_all_ones] &= 0xBFFF  # exponent 30, not inf/nan
-        bits[0, :4] = [0x0001, 0x8000, 0x03FF, 0x8001]  # subnormals and -0
-        return bits.view(np.uint8).reshape(rows, cols * 2)
-    if qt == Q.BF16:
-        x = rng.standard_normal((rows, cols)).astype(np.float32)
-        return quants.quantize(x, Q.BF16)
-    block, size = GGML_QUANT_SIZES[qt]
-    n = rows * cols // block
-    raw = np.frombuffer(rng.bytes(n * size), dtype=np.uint8).copy().reshape(n, size)
-    for at in F16_AT[qt]:
-        scale = (rng.standard_normal(n) * 0.01).astype(np.float16)  # (blocks,)
-        raw[:, at : at + 2] = scale.view(np.uint8).reshape(n, 2)
-    return raw.reshape(rows, cols // block * size)
 
 
 def reference(qt: Q, data: np.ndarray, shape) -> np.ndarray:

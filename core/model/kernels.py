@@ -125,13 +125,13 @@ def _run_f16(w, e0, e1, out):
     # whole-vector exact conversion: the f16 exponent and mantissa shifted into
     # float32's fields, rebiased by multiplying by 2^112 (exact, and it also
     # normalises f16 subnormals); inf/nan and the sign set apart
-    h16 = w.view(np.uint16)
+    h16 = w.view(np.uint16)[e0:e1]
     bits = out.view(np.uint32)
     n = e1 - e0
     for i in range(n):
-        bits[i] = np.uint32(h16[e0 + i] & 0x7FFF) << 13
+        bits[i] = np.uint32(h16[i] & 0x7FFF) << 13
     for i in range(n):
-        h = h16[e0 + i]
+        h = h16[i]
         v = out[i] * np.float32(2.0**112)
         if h & 0x7C00 == 0x7C00:
             v = np.float32(np.inf) if h & 0x3FF == 0 else np.float32(np.nan)
@@ -140,28 +140,30 @@ def _run_f16(w, e0, e1, out):
 
 @_jit()
 def _run_bf16(w, e0, e1, out):
-    h16 = w.view(np.uint16)
+    h16 = w.view(np.uint16)[e0:e1]
     bits = out.view(np.uint32)
     for i in range(e1 - e0):
-        bits[i] = np.uint32(h16[e0 + i]) << 16
+        bits[i] = np.uint32(h16[i]) << 16
 
 
 @_jit()
 def _run_q8_0(w, e0, e1, out):
-    for b in range(e0 // 32, e1 // 32):
+    w = w[e0 // 32 * 34 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 32):
         o = b * 34
         d = _f16(w, o)
-        oo = b * 32 - e0
+        oo = b * 32
         for i in range(32):
             out[oo + i] = np.float32(np.int8(w[o + 2 + i])) * d
 
 
 @_jit()
 def _run_q4_0(w, e0, e1, out):
-    for b in range(e0 // 32, e1 // 32):
+    w = w[e0 // 32 * 18 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 32):
         o = b * 18
         d = _f16(w, o)
-        oo = b * 32 - e0
+        oo = b * 32
         for i in range(16):
             v = w[o + 2 + i]
             out[oo + i] = d * np.float32(np.int8(v & 15) - np.int8(8))
@@ -170,11 +172,12 @@ def _run_q4_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_1(w, e0, e1, out):
-    for b in range(e0 // 32, e1 // 32):
+    w = w[e0 // 32 * 20 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 32):
         o = b * 20
         d = _f16(w, o)
         m = _f16(w, o + 2)
-        oo = b * 32 - e0
+        oo = b * 32
         for i in range(16):
             v = w[o + 4 + i]
             out[oo + i] = d * np.float32(np.uint8(v & 15)) + m
@@ -194,11 +197,12 @@ def _qh32(w, o):
 
 @_jit()
 def _run_q5_0(w, e0, e1, out):
-    for b in range(e0 // 32, e1 // 32):
+    w = w[e0 // 32 * 22 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 32):
         o = b * 22
         d = _f16(w, o)
         qh = _qh32(w, o + 2)
-        oo = b * 32 - e0
+        oo = b * 32
         for i in range(16):
             v = w[o + 6 + i]
             lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
@@ -209,12 +213,13 @@ def _run_q5_0(w, e0, e1, out):
 
 @_jit()
 def _run_q5_1(w, e0, e1, out):
-    for b in range(e0 // 32, e1 // 32):
+    w = w[e0 // 32 * 24 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 32):
         o = b * 24
         d = _f16(w, o)
         m = _f16(w, o + 2)
         qh = _qh32(w, o + 4)
-        oo = b * 32 - e0
+        oo = b * 32
         for i in range(16):
             v = w[o + 8 + i]
             lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
@@ -227,11 +232,12 @@ def _run_q5_1(w, e0, e1, out):
 def _run_q2_k(w, e0, e1, out):
     # block: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin;
     # element j*128 + s*32 + l is bits 2s..2s+1 of qs[j*32 + l], sub-block of 16
-    for b in range(e0 // 256, e1 // 256):
+    w = w[e0 // 256 * 84 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 256):
         o = b * 84
         d = _f16(w, o + 80)
         dmin = _f16(w, o + 82)
-        oo = b * 256 - e0
+        oo = b * 256
         for j in range(2):
             for s in range(4):
                 for h in range(2):
@@ -257,10 +263,11 @@ def _q3k_scale(w, o, k):
 def _run_q3_k(w, e0, e1, out):
     # block: hmask[32], qs[64], scales[12], d; element j*128 + s*32 + l is bits
     # 2s..2s+1 of qs[j*32 + l] minus 4 unless bit j*4+s of hmask[l] is set
-    for b in range(e0 // 256, e1 // 256):
+    w = w[e0 // 256 * 110 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 256):
         o = b * 110
         d = _f16(w, o + 108)
-        oo = b * 256 - e0
+        oo = b * 256
         for j in range(2):
             for s in range(4):
                 for h in range(2):
@@ -287,11 +294,12 @@ def _k_scale_min(w, o, j):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    for b in range(e0 // 256, e1 // 256):
+    w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 256):
         o = b * 144
         d = _f16(w, o)
         dmin = _f16(w, o + 2)
-        oo = b * 256 - e0
+        oo = b * 256
         for c in range(4):
             sc0, m0 = _k_scale_min(w, o + 4, 2 * c)
             sc1, m1 = _k_scale_min(w, o + 4, 2 * c + 1)
@@ -309,11 +317,12 @@ def _run_q4_k(w, e0, e1, out):
 def _run_q5_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, plus bit j of qh[l] as
     # bit 4 of element l of sub-block j
-    for b in range(e0 // 256, e1 // 256):
+    w = w[e0 // 256 * 176 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 256):
         o = b * 176
         d = _f16(w, o)
         dmin = _f16(w, o + 2)
-        oo = b * 256 - e0
+        oo = b * 256
         for c in range(4):
             sc0, m0 = _k_scale_min(w, o + 4, 2 * c)
             sc1, m1 = _k_scale_min(w, o + 4, 2 * c + 1)
@@ -335,10 +344,11 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    for b in range(e0 // 256, e1 // 256):
+    w = w[e0 // 256 * 210 :]  # from block e0 on: every index below is >= 0
+    for b in range((e1 - e0) // 256):
         o = b * 210
         d = _f16(w, o + 208)
-        oo = b * 256 - e0
+        oo = b * 256
         for j in range(2):
             for h in range(2):
                 k = o + 192 + j * 8 + h  # scale of the sub-block holding i = i (i < 32)
