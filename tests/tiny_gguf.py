@@ -27,6 +27,44 @@ def quantize_or_random(a: np.ndarray, qtype, rng) -> np.ndarray:
         return rng.integers(0, 0x3C, size=(*a.shape[:-1], n_bytes), dtype=np.uint8)
 
 
+# where each block type keeps its f16 scales (byte offsets in the block)
+F16_AT = {
+    GGMLQuantizationType.Q4_0: [0],
+    GGMLQuantizationType.Q4_1: [0, 2],
+    GGMLQuantizationType.Q5_0: [0],
+    GGMLQuantizationType.Q5_1: [0, 2],
+    GGMLQuantizationType.Q8_0: [0],
+    GGMLQuantizationType.Q2_K: [80, 82],
+    GGMLQuantizationType.Q3_K: [108],
+    GGMLQuantizationType.Q4_K: [0, 2],
+    GGMLQuantizationType.Q5_K: [0, 2],
+    GGMLQuantizationType.Q6_K: [208],
+}
+
+
+def random_matrix(
+    qt: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator
+) -> np.ndarray:
+    """(rows, row_bytes) uint8 of random blocks whose f16 scales are finite."""
+    if qt == GGMLQuantizationType.F16:
+        # every finite f16 bit pattern is fair, subnormals and -0.0 included
+        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+        exp_all_ones = (bits & 0x7C00) == 0x7C00
+        bits[exp_all_ones] &= 0xBFFF  # exponent 30, not inf/nan
+        bits[0, :4] = [0x0001, 0x8000, 0x03FF, 0x8001]  # subnormals and -0
+        return bits.view(np.uint8).reshape(rows, cols * 2)
+    if qt == GGMLQuantizationType.BF16:
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        return quants.quantize(x, GGMLQuantizationType.BF16)
+    block, size = GGML_QUANT_SIZES[qt]
+    n = rows * cols // block
+    raw = np.frombuffer(rng.bytes(n * size), dtype=np.uint8).copy().reshape(n, size)
+    for at in F16_AT[qt]:
+        scale = (rng.standard_normal(n) * 0.01).astype(np.float16)  # (blocks,)
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, cols // block * size)
+
+
 def write_tiny_llama(
     path: Path,
     *,

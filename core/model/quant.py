@@ -1,0 +1,398 @@
+"""Weight matrices kept in their GGUF block formats, multiplied in place (issue 35).
+
+``QuantMatrix`` wraps a (out, row_bytes) uint8 array, usually a view of the
+memory-mapped GGUF, and offers what the model needs of a weight matrix:
+
+* ``matmul(x)``: ``x @ W.T`` for float32 activations (T, in) -> (T, out). Up to
+  SMALL rows (decode, a batch of mixes) run on the compiled small-batch kernels
+  (core/model/kernels.py), which read each weight block once for all T rows; more
+  rows (prefill) dequantize tiles of TILE_FLOATS weights into a scratch buffer and
+  hand each tile to BLAS, so prefill runs at float32 gemm speed.
+* ``dequantize(a, b)``: rows [a, b) as float32, the same bits as ``gguf.quants``;
+* ``take(ids)``: selected rows as float32 (the embedding lookup);
+* ``rows(a, b)``: a view of rows [a, b), still quantized.
+
+``FusedMatrix`` stacks several of them (and float32 arrays) by rows, as the model
+fuses Q|K|V and gate|up; its parts may be of different types (a Q4_K_M file has
+Q4_K and Q6_K matrices side by side).
+
+The kernels index raw memory, so every matrix is checked first (``check_layout``):
+rows of whole blocks, and exactly the bytes its shape and type need. A truncated
+or corrupt file is then a ``QuantLayoutError``, never a read past the buffer.
+
+Threads: the kernels run on numba's threads, ``set_threads(n)`` of them (the
+model's -t). Calls from several Python threads are serialised by one lock: the
+kernels use every core anyway, and numba's fallback thread pool ("workqueue")
+must never be entered twice at once (it aborts the process).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..gguf.reader import GGUFError
+
+T = GGMLQuantizationType
+
+# types served by the compiled kernels (F32 by numpy); any other (IQ*, TQ*, MXFP4)
+# takes the model's float32 path
+SUPPORTED = frozenset(
+    {
+        T.F32,
+        T.F16,
+        T.BF16,
+        T.Q8_0,
+        T.Q4_0,
+        T.Q4_1,
+        T.Q5_0,
+        T.Q5_1,
+        T.Q2_K,
+        T.Q3_K,
+        T.Q4_K,
+        T.Q5_K,
+        T.Q6_K,
+    }
+)
+
+SMALL = 16  # up to this many activation rows run on the small-batch kernels
+TILE_FLOATS = 1 << 20  # prefill: weights dequantized per tile (4 MB of float32)
+
+_lock = threading.Lock()  # one kernel launch at a time (see the module docstring)
+_threads = 0  # numba threads per kernel; 0 until set_threads (numba's default)
+_local = threading.local()  # per-thread prefill scratch
+
+
+class QuantLayoutError(GGUFError):
+    """A quantized tensor's bytes do not match its shape and type."""
+
+
+def _kernels():
+    """core/model/kernels.py, imported on first use: importing numba costs ~0.3 s, and
+    a model on the float32 path never needs it."""
+    from . import kernels
+
+    return kernels
+
+
+def set_threads(n: int) -> None:
+    """Run the kernels on ``n`` threads (at most numba's pool size, NUMBA_NUM_THREADS)."""
+    global _threads
+    import numba
+
+    _threads = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+
+
+def _use_threads() -> None:
+    # numba's thread count is per calling thread: set it in whichever thread calls
+    if _threads:
+        import numba
+
+        if numba.get_num_threads() != _threads:
+            numba.set_num_threads(_threads)
+
+
+def qtype_of(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
+    """A GGMLQuantizationType from itself, its value or its name ('Q4_K')."""
+    if isinstance(qtype, str):
+        return T[qtype.upper()]
+    return T(qtype)
+
+
+def check_layout(
+    qtype: GGMLQuantizationType, shape: Sequence[int], nbytes: int, name: str = "tensor"
+) -> int:
+    """Check that a (out, in) matrix of ``qtype`` is exactly ``nbytes`` of whole
+    blocks, before anything indexes its memory; return the bytes per row.
+    Raises QuantLayoutError naming the tensor and what is wrong."""
+    qtype = qtype_of(qtype)
+    if len(shape) != 2 or any(int(d) <= 0 for d in shape):
+        raise QuantLayoutError(f"{name}: expected a matrix (rows, columns), not shape {shape}")
+    out, n_in = (int(d) for d in shape)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if n_in % block:
+        raise QuantLayoutError(
+            f"{name}: a row of {n_in} values is not a whole number of "
+            f"{qtype.name} blocks of {block}"
+        )
+    row_bytes = n_in // block * type_size
+    if nbytes != out * row_bytes:
+        raise QuantLayoutError(
+            f"{name}: {qtype.name} {out}x{n_in} needs {out * row_bytes} bytes, the data "
+            f"has {nbytes} (the file is truncated or corrupt)"
+        )
+    return row_bytes
+
+
+class QuantMatrix:
+    """A (out, in) weight matrix in GGUF block format; see the module docstring."""
+
+    def __init__(
+        self,
+        qtype: int | str | GGMLQuantizationType,
+        data: np.ndarray,
+        shape: Sequence[int],
+        name: str = "tensor",
+    ):
+        self.qtype = qtype_of(qtype)
+        if self.qtype not in SUPPORTED:
+            raise QuantLayoutError(f"{name}: {self.qtype.name} has no compiled kernels")
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            raise QuantLayoutError(f"{name}: the data must be a uint8 array")
+        self.shape = (int(shape[0]), int(shape[1])) if len(shape) == 2 else tuple(shape)
+        row_bytes = check_layout(self.qtype, self.shape, data.nbytes, name)
+        self.name = name
+        # (out, row_bytes) C-contiguous and read-only: the one array type the kernels
+        # are compiled for (a writable array would be a second compile)
+        data = np.ascontiguousarray(data).reshape(self.shape[0], row_bytes)  # (out, row_bytes)
+        if data.flags.writeable:
+            data = data.view()
+            data.flags.writeable = False
+        self.data = data
+
+    # -- numpy-like attributes --
+    @property
+    def dtype(self) -> str:
+        """The block type's name ('Q4_K'): values come out as float32."""
+        return self.qtype.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"QuantMatrix({self.qtype.name}, {self.shape[0]}x{self.shape[1]}, {self.name})"
+
+    # -- rows --
+    def rows(self, a: int, b: int) -> QuantMatrix:
+        """Rows [a, b) as a QuantMatrix sharing this one's memory."""
+        a, b = _check_range(a, b, self.shape[0], self.name)
+        m = object.__new__(QuantMatrix)
+        m.qtype, m.name = self.qtype, self.name
+        m.shape = (b - a, self.shape[1])
+        m.data = self.data[a:b]
+        return m
+
+    def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        """Rows [a, b) as float32 (b - a, in), bit for bit what gguf.quants gives."""
+        a, b = _check_range(a, self.shape[0] if b is None else b, self.shape[0], self.name)
+        out = np.empty((b - a, self.shape[1]), dtype=np.float32)  # (b-a, in)
+        self._dequantize_into(a, b, out)
+        return out
+
+    def take(self, ids) -> np.ndarray:
+        """Rows ``ids`` as float32 (len(ids), in): an embedding lookup."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # (n,)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            bad = ids[(ids < 0) | (ids >= self.shape[0])][0]
+            raise IndexError(f"{self.name}: row {bad} out of range for {self.shape[0]} rows")
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)  # (n, in)
+        if self.qtype == T.F32:
+            out[:] = self.data.view(np.float32)[ids]
+        elif ids.size:
+            with _lock:
+                _use_threads()
+                _kernels().KERNELS[int(self.qtype)][0](self.data, ids, out)
+        return out
+
+    def _dequantize_into(self, a: int, b: int, out: np.ndarray) -> None:
+        if self.qtype == T.F32:
+            out[:] = self.data[a:b].view(np.float32)
+        elif b > a:
+            with _lock:
+                _use_threads()
+                _kernels().KERNELS[int(self.qtype)][0](
+                    self.data, np.arange(a, b, dtype=np.int64), out
+                )
+
+    # -- products --
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W.T``: x (T, in) float32 -> (T, out) float32 (x (in,) -> (out,)).
+        ``out``: a (T, out) float32 array to write into (it may be a column slice)."""
+        vec = x.ndim == 1
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, in)
+        if x.shape[1] != self.shape[1]:
+            raise ValueError(f"{self.name}: x has {x.shape[1]} columns, W has {self.shape[1]}")
+        n_t, n_out = x.shape[0], self.shape[0]
+        if out is None:
+            y = np.empty((n_t, n_out), dtype=np.float32)  # (T, out)
+        else:
+            if out.shape != (n_t, n_out) or out.dtype != np.float32:
+                raise ValueError(f"{self.name}: out must be float32 {(n_t, n_out)}")
+            y = out
+        if n_t == 0:
+            pass
+        elif self.qtype == T.F32:
+            np.matmul(x, self.data.view(np.float32).T, out=y)  # (T, out)
+        elif n_t <= SMALL:
+            self._small(x, y)
+        else:
+            self._prefill(x, y)
+        return y[0] if vec else y
+
+    def _small(self, x: np.ndarray, y: np.ndarray) -> None:
+        k = _kernels()
+        # K-chunk: T rows of x chunk stay in L1 while a chunk of W rows passes
+        kc = max(256, k.X_CHUNK_FLOATS // x.shape[0] // 256 * 256)
+        dst = y if y.flags.c_contiguous else np.empty(y.shape, dtype=np.float32)  # (T, out)
+        with _lock:
+            _use_threads()
+            k.KERNELS[int(self.qtype)][1](self.data, x, dst, kc)
+        if dst is not y:
+            y[:] = dst
+
+    def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Tiles of rows dequantized into a reused scratch, each multiplied by BLAS."""
+        n_out, n_in = self.shape
+        tile = max(16, TILE_FLOATS // n_in)  # rows per tile
+        scratch = _scratch(min(tile, n_out) * n_in)
+        for a in range(0, n_out, tile):
+            b = min(n_out, a + tile)
+            w = scratch[: (b - a) * n_in].reshape(b - a, n_in)  # (tile, in)
+            self._dequantize_into(a, b, w)
+            np.matmul(x, w.T, out=y[:, a:b])  # (T, tile)
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 buffer of at least ``n`` for this thread, kept between calls: a fresh
+    4 MB array would be page-faulted in anew by every prefill product."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, dtype=np.float32)
+    return buf
+
+
+def _check_range(a: int, b: int, n: int, name: str) -> tuple[int, int]:
+    a, b = int(a), int(b)
+    if not 0 <= a <= b <= n:
+        raise IndexError(f"{name}: rows [{a}, {b}) out of range for {n} rows")
+    return a, b
+
+
+class FusedMatrix:
+    """Matrices stacked by rows (Q|K|V, gate|up), each QuantMatrix or float32 array,
+    all with the same number of columns; the API of QuantMatrix."""
+
+    def __init__(self, parts: Iterable[QuantMatrix | np.ndarray], name: str = "fused"):
+        self.parts = list(parts)
+        if not self.parts:
+            raise ValueError("FusedMatrix needs at least one part")
+        cols = {p.shape[1] for p in self.parts}
+        if len(cols) != 1 or any(len(p.shape) != 2 for p in self.parts):
+            raise ValueError(f"{name}: parts must be matrices with equal columns, got {cols}")
+        for p in self.parts:
+            if isinstance(p, np.ndarray) and p.dtype != np.float32:
+                raise ValueError(f"{name}: a float part must be float32, not {p.dtype}")
+        self.name = name
+        self.offsets = np.cumsum([0] + [p.shape[0] for p in self.parts]).tolist()
+        self.shape = (self.offsets[-1], cols.pop())
+
+    @property
+    def dtype(self) -> str:
+        """The parts' types, joined ('Q4_K+Q6_K'; F32 for a float array)."""
+        names = [p.dtype if isinstance(p, QuantMatrix) else "F32" for p in self.parts]
+        return "+".join(dict.fromkeys(names))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"FusedMatrix({self.dtype}, {self.shape[0]}x{self.shape[1]}, {self.name})"
+
+    def _pieces(self, a: int, b: int):
+        """(part, part's a, part's b, output offset) for rows [a, b)."""
+        for p, lo, hi in zip(self.parts, self.offsets, self.offsets[1:]):
+            if hi > a and lo < b:
+                yield p, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a
+
+    def rows(self, a: int, b: int) -> QuantMatrix | FusedMatrix | np.ndarray:
+        """Rows [a, b): one part's own view when they lie in one part."""
+        a, b = _check_range(a, b, self.shape[0], self.name)
+        pieces = [p.rows(pa, pb) if isinstance(p, QuantMatrix) else p[pa:pb]
+                  for p, pa, pb, _ in self._pieces(a, b)]  # fmt: skip
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return np.empty((0, self.shape[1]), dtype=np.float32)
+        return FusedMatrix(pieces, self.name)
+
+    def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        a, b = _check_range(a, self.shape[0] if b is None else b, self.shape[0], self.name)
+        out = np.empty((b - a, self.shape[1]), dtype=np.float32)  # (b-a, in)
+        for p, pa, pb, o in self._pieces(a, b):
+            out[o : o + pb - pa] = p.dequantize(pa, pb) if isinstance(p, QuantMatrix) else p[pa:pb]
+        return out
+
+    def take(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # (n,)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"{self.name}: row ids out of range for {self.shape[0]} rows")
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)  # (n, in)
+        part = np.searchsorted(self.offsets, ids, side="right") - 1  # (n,) part of each id
+        for k, p in enumerate(self.parts):
+            sel = np.flatnonzero(part == k)
+            if sel.size:
+                local = ids[sel] - self.offsets[k]
+                out[sel] = p.take(local) if isinstance(p, QuantMatrix) else p[local]
+        return out
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W.T`` with each part's product written into its columns of one y."""
+        vec = x.ndim == 1
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, in)
+        y = out if out is not None else np.empty((x.shape[0], self.shape[0]), np.float32)
+        for p, lo, hi in zip(self.parts, self.offsets, self.offsets[1:]):
+            if isinstance(p, QuantMatrix):
+                p.matmul(x, out=y[:, lo:hi])  # (T, part out)
+            else:
+                np.matmul(x, p.T, out=y[:, lo:hi])  # (T, part out)
+        return y[0] if vec else y
+
+
+def warm_up(
+    qtypes: Iterable[int | str | GGMLQuantizationType],
+    progress: Callable[[float], None] | None = None,
+) -> float:
+    """Compile the kernels of these types, or load them from the on-disk cache, by
+    running each once on a tiny matrix; return the seconds it took. A first-ever
+    compile takes seconds per type (a model load can show it as such), a cached
+    one a few milliseconds. ``progress(fraction_done)`` after each type."""
+    t0 = time.perf_counter()
+    todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
+    for i, qt in enumerate(todo):
+        block, type_size = GGML_QUANT_SIZES[qt]
+        n_in = 256 if block < 256 else block
+        data = np.zeros(n_in // block * type_size, dtype=np.uint8)  # one row of zeros
+        m = QuantMatrix(qt, data, (1, n_in), name=f"warm-up {qt.name}")
+        m.take([0])
+        m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
+        if progress is not None:
+            progress((i + 1) / len(todo))
+    return time.perf_counter() - t0

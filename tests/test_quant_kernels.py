@@ -1,0 +1,228 @@
+"""The compiled quant kernels (core/model/kernels.py through core/model/quant.py):
+dequantization bit for bit as gguf.quants, products equal to float32 math on the
+dequantized weights up to summation order, and refusal of bad layouts.
+
+Blocks are random bytes with finite f16 scales (every bit pattern of the quants,
+including Q5's high bits and Q3_K's mask), plus gguf-py's own quantizer output for
+the types it can quantize, plus the real SmolLM2 (Q4_1, Q8_0) and Qwen2.5 (Q4_K,
+Q6_K, Q5_0, Q8_0) tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
+
+from core.gguf.reader import GGUFFile
+from core.model import quant
+from core.model.quant import FusedMatrix, QuantLayoutError, QuantMatrix, check_layout
+from tests.tiny_gguf import random_matrix
+
+TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ROW_COUNTS = (1, 2, 3, 8, 17, 33, 100)  # 1..16: small-batch kernels; more: BLAS tiles
+# |y - y64| <= TOL * (|x| @ |W|.T): float32 sums of ~1000 products, any order
+TOL = 2e-6
+
+
+def reference(qt: Q, data: np.ndarray, shape) -> np.ndarray:
+    return quants.dequantize(data, qt).reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def check_products(m, ref: np.ndarray, rng: np.random.Generator, counts=ROW_COUNTS) -> None:
+    """m.matmul(x) against float64 x @ ref.T, relative to the sum of |terms|."""
+    ref64 = ref.astype(np.float64)
+    for t in counts:
+        x = rng.standard_normal((t, ref.shape[1])).astype(np.float32)  # (T, in)
+        y = m.matmul(x)  # (T, out)
+        assert y.shape == (t, ref.shape[0]) and y.dtype == np.float32
+        exact = x.astype(np.float64) @ ref64.T  # (T, out)
+        scale = np.abs(x).astype(np.float64) @ np.abs(ref64).T  # (T, out)
+        err = np.max(np.abs(y - exact) / scale)
+        assert err < TOL, f"{m} T={t}: relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    # one compile (or cache load) for all tests; numba's own threads, two of them
+    quant.set_threads(2)
+    quant.warm_up(TYPES)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_dequantize_is_gguf_bit_for_bit(qt):
+    rng = np.random.default_rng(int(qt))
+    rows, cols = 37, 768  # 3 super-blocks, 24 small blocks per row
+    data = random_matrix(qt, rows, cols, rng)
+    ref = reference(qt, data, (rows, cols))
+    m = QuantMatrix(qt, data, (rows, cols), name="w")
+    assert m.shape == (rows, cols) and m.nbytes == data.nbytes and m.dtype == qt.name
+    assert same_bits(m.dequantize(), ref)
+    assert same_bits(m.dequantize(5, 9), ref[5:9])
+    assert same_bits(m.rows(30, 37).dequantize(), ref[30:37])
+    ids = [36, 0, 7, 7]
+    assert same_bits(m.take(ids), ref[ids])
+
+
+@pytest.mark.parametrize("qt", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+def test_dequantize_gguf_quantized_blocks(qt):
+    """Blocks as gguf-py's quantizer writes them (real scales and mins)."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((19, 320)) * 0.05).astype(np.float32)
+    data = quants.quantize(x, qt).view(np.uint8).reshape(19, -1)
+    m = QuantMatrix(qt, data, (19, 320))
+    assert same_bits(m.dequantize(), reference(qt, data, (19, 320)))
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_products_match_float_math(qt):
+    rng = np.random.default_rng(100 + int(qt))
+    # 37 rows: two full chunks of 16 output rows and a ragged one; 1280 columns: the
+    # K-chunks of the small kernels end mid-row for T >= 8
+    cols = 1280 if GGML_QUANT_SIZES[qt][0] < 256 else 1536
+    data = random_matrix(qt, 37, cols, rng)
+    check_products(QuantMatrix(qt, data, (37, cols)), reference(qt, data, (37, cols)), rng)
+
+
+def test_prefill_tiles_cover_every_row(monkeypatch):
+    """Tiles much smaller than the matrix, the last one ragged."""
+    monkeypatch.setattr(quant, "TILE_FLOATS", 16 * 512)  # 16 rows of 512 per tile
+    rng = np.random.default_rng(5)
+    data = random_matrix(Q.Q4_K, 70, 512, rng)
+    m = QuantMatrix(Q.Q4_K, data, (70, 512))
+    check_products(m, reference(Q.Q4_K, data, (70, 512)), rng, counts=(17, 64))
+
+
+def test_vector_and_out_arguments():
+    rng = np.random.default_rng(6)
+    data = random_matrix(Q.Q8_0, 40, 256, rng)
+    ref = reference(Q.Q8_0, data, (40, 256))
+    m = QuantMatrix(Q.Q8_0, data, (40, 256))
+    x = rng.standard_normal(256).astype(np.float32)  # (in,)
+    y = m.matmul(x)
+    assert y.shape == (40,)
+    np.testing.assert_allclose(y, ref @ x, rtol=1e-4, atol=1e-5)
+    big = np.zeros((3, 100), dtype=np.float32)
+    xs = rng.standard_normal((3, 256)).astype(np.float32)
+    m.matmul(xs, out=big[:, 50:90])  # a column slice, as a fused matrix hands out
+    np.testing.assert_allclose(big[:, 50:90], xs @ ref.T, rtol=1e-4, atol=1e-5)
+    assert not big[:, :50].any() and not big[:, 90:].any()
+    with pytest.raises(ValueError, match="columns"):
+        m.matmul(np.zeros((2, 128), dtype=np.float32))
+
+
+def test_fused_matrix_mixed_types():
+    """Q|K|V-like parts of different types and a float32 part, as one matrix."""
+    rng = np.random.default_rng(7)
+    q_data = random_matrix(Q.Q4_K, 48, 512, rng)
+    k_data = random_matrix(Q.Q6_K, 20, 512, rng)
+    v = (rng.standard_normal((12, 512)) * 0.02).astype(np.float32)
+    parts = [QuantMatrix(Q.Q4_K, q_data, (48, 512)), QuantMatrix(Q.Q6_K, k_data, (20, 512)), v]
+    ref = np.concatenate(
+        [reference(Q.Q4_K, q_data, (48, 512)), reference(Q.Q6_K, k_data, (20, 512)), v]
+    )  # (80, 512)
+    f = FusedMatrix(parts, name="qkv")
+    assert f.shape == (80, 512) and f.dtype == "Q4_K+Q6_K+F32"
+    assert f.nbytes == q_data.nbytes + k_data.nbytes + v.nbytes
+    check_products(f, ref, rng, counts=(1, 8, 40))
+    assert same_bits(f.dequantize(), ref)
+    assert same_bits(f.dequantize(40, 75), ref[40:75])
+    ids = [79, 0, 50, 47, 68]
+    assert same_bits(f.take(ids), ref[ids])
+    inside = f.rows(50, 60)  # within the Q6_K part: that part's own view
+    assert isinstance(inside, QuantMatrix) and inside.dtype == "Q6_K"
+    assert same_bits(inside.dequantize(), ref[50:60])
+    across = f.rows(40, 75)
+    assert isinstance(across, FusedMatrix) and same_bits(across.dequantize(), ref[40:75])
+
+
+def test_bad_layouts_are_refused():
+    rng = np.random.default_rng(8)
+    data = random_matrix(Q.Q4_K, 4, 512, rng)
+    with pytest.raises(QuantLayoutError, match="truncated or corrupt"):
+        QuantMatrix(Q.Q4_K, data.reshape(-1)[:-1], (4, 512), name="blk.0.attn_q.weight")
+    with pytest.raises(QuantLayoutError, match="truncated or corrupt"):
+        QuantMatrix(Q.Q4_K, data, (5, 512))  # more rows than bytes
+    with pytest.raises(QuantLayoutError, match="whole number of Q4_K blocks"):
+        QuantMatrix(Q.Q4_K, data, (8, 256 + 32))
+    with pytest.raises(QuantLayoutError, match="expected a matrix"):
+        check_layout(Q.Q8_0, (34,), 34)
+    with pytest.raises(QuantLayoutError, match="no compiled kernels"):
+        QuantMatrix(Q.IQ2_XXS, data, (4, 512))
+    assert check_layout(Q.Q8_0, (3, 64), 3 * 68) == 68
+    m = QuantMatrix(Q.Q4_K, data, (4, 512))
+    with pytest.raises(IndexError, match="out of range"):
+        m.take([0, 4])
+    with pytest.raises(IndexError, match="out of range"):
+        m.take([-1])
+    with pytest.raises(IndexError, match="out of range"):
+        m.rows(2, 5)
+
+
+def test_weights_stay_a_view_of_the_file(smollm_path):
+    """The matrix is the memory map's bytes, not a copy."""
+    gf = GGUFFile(smollm_path)
+    t = gf.tensors["blk.0.ffn_gate.weight"]
+    raw = gf.raw(t.name)
+    m = QuantMatrix(t.qtype, raw, t.shape, name=t.name)
+    assert np.shares_memory(m.data, raw) and not m.data.flags.writeable
+
+
+def _check_file_tensors(path, names) -> None:
+    gf = GGUFFile(path)
+    rng = np.random.default_rng(9)
+    for name in names:
+        t = gf.tensors[name]
+        m = QuantMatrix(t.qtype, gf.raw(name), t.shape, name=name)
+        n = min(t.shape[0], 300)  # the rows the products are checked on
+        ref = gf.dequantize(name, rows=(0, n))  # (n, in)
+        assert same_bits(m.dequantize(0, n), ref), name
+        check_products(m.rows(0, n), ref, rng, counts=(1, 8, 33))
+
+
+def test_smollm2_q4_1_tensors(smollm_path):
+    _check_file_tensors(
+        smollm_path, ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"]
+    )
+    gf = GGUFFile(smollm_path)
+    emb = QuantMatrix(Q.Q8_0, gf.raw("token_embd.weight"), gf.tensors["token_embd.weight"].shape)
+    ids = [0, 1, 49151, 17]
+    assert same_bits(emb.take(ids), gf.dequantize("token_embd.weight")[ids])
+
+
+def test_qwen_k_quant_tensors(qwen2_path):
+    gf = GGUFFile(qwen2_path)
+    by_type = {}
+    for name, t in gf.tensors.items():
+        if len(t.shape) == 2:
+            by_type.setdefault(t.qtype, name)
+    assert {Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0} <= set(by_type)
+    _check_file_tensors(qwen2_path, [by_type[q] for q in (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0)])
+
+
+def test_warm_up_reports_time_and_progress():
+    seen = []
+    took = quant.warm_up(["Q4_K", Q.Q8_0, Q.F32, Q.IQ2_XXS], progress=seen.append)
+    assert took >= 0 and seen == [0.5, 1.0]
+
+
+def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
+    """Compiled kernels are cached in cache_dir()/numba unless NUMBA_CACHE_DIR is set."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import numba.core.config as c, core.model.kernels; print(c.CACHE_DIR)"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["MIXDESK_CACHE"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == str(tmp_path / "cache" / "numba"), run.stderr
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == str(tmp_path / "mine"), run.stderr
