@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+import core.lora.registry
 import core.serve.engine
 import core.serve.scheduler
 from core.lora.adapter import AdapterError, LoraPair
@@ -224,7 +225,7 @@ def test_an_engine_without_a_model_refuses_requests_with_503():
 def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatch, where):
     """An adapter that passes loading but fails later (a validation gap) is refused as an
     AdapterError naming it: no id, no scale, listings and the mix as they were."""
-    real = core.serve.engine.load_adapter
+    real = core.lora.registry.load_adapter
 
     def load(path, cfg):
         ad = real(path, cfg)
@@ -239,7 +240,7 @@ def test_a_failed_adapter_load_leaves_nothing_behind(engine, ref_dir, monkeypatc
             ad.info = info
         return ad
 
-    monkeypatch.setattr(core.serve.engine, "load_adapter", load)
+    monkeypatch.setattr(core.lora.registry, "load_adapter", load)
     engine.set_mix({0: 0.5})
     listed, mix, next_id, info = (
         engine.adapters(),
