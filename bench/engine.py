@@ -28,6 +28,7 @@ from core.default_model import ensure_default_model  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.model import layout  # noqa: E402
 from core.model.weights import load_weights, open_model_file  # noqa: E402
+from core.options import EngineOptions
 from core.serve.engine import Engine  # noqa: E402
 from core.serve.sampling import SamplingParams  # noqa: E402
 from tests.reference import reference_dir  # noqa: E402
@@ -332,14 +333,14 @@ def main() -> None:
     # draft_max=0: the figures below are plain decoding; speculation is measured last.
     # The first engine load times the small-batch products and stores the choice (as
     # a user's first load on a machine does); "warm" is the load after it.
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     t = time.perf_counter()
     eng.load_model(path)
     first = time.perf_counter() - t  # weights cached by now: mostly the calibration
     eng.model.lin.close()
     cpu = time.process_time()
     t = time.perf_counter()
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     eng.load_model(path)
     warm, warm_cpu = time.perf_counter() - t, time.process_time() - cpu
     eng.start()

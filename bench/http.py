@@ -246,10 +246,11 @@ def main() -> None:
     import numpy as np
 
     from bench.engine import BenchContext, bench_adapters, bench_args
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
     args, path, n_decode, n_prefill = bench_args()
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     eng.load_model(path)
     eng.start()
     tmp = Path(tempfile.mkdtemp(prefix="mixdesk-bench-http-"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from core.options import EngineOptions
 from core.serve import events as E
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
@@ -30,7 +31,7 @@ def test_every_event_declares_the_keys_listeners_read():
 
 def test_a_load_and_a_request_reach_a_listener_as_name_and_payload(tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
-    eng = Engine(ctx_size=64, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     seen: list[tuple[str, dict]] = []
     eng.subscribe(lambda name, payload: seen.append((name, payload)))
     eng.load_model(path)

@@ -17,6 +17,7 @@ from core.lora.adapter import Adapter, LoraPair
 from core.lora.export import export_lora, export_merged
 from core.lora.merge import MergeError, MergeSpec
 from core.lora.mix import MergedKey, Mix, merged_adapter, mix_key
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 
@@ -293,7 +294,7 @@ N_PREDICT = 12
 
 @pytest.fixture(scope="module")
 def smol(smollm_path, ref_dir):
-    eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=128)
+    eng = Engine.from_path(smollm_path, EngineOptions(n_parallel=2, ctx_size=128))
     eng.ids = [eng.add_adapter(ref_dir / "adapters" / n, scale=0.0) for n in REF_ADAPTERS]
     yield eng
     eng.stop()
@@ -386,7 +387,7 @@ def test_merged_mix_survives_export_and_reload(smol, prompt, spec, tmp_path):
 
     out = tmp_path / "merged.gguf"
     export_merged(smol, mix, out, outtype="f32")
-    reloaded = Engine.from_path(out, n_parallel=1, ctx_size=128)
+    reloaded = Engine.from_path(out, EngineOptions(n_parallel=1, ctx_size=128))
     try:
         assert greedy(reloaded, {}, prompt) == live
     finally:

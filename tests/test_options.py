@@ -11,6 +11,7 @@ from core.chat_template import DEFAULT_CHAT
 from core.cli import parse_args
 from core.errors import UserError
 from core.options import EngineOptions, is_finite_number
+from core.serve.engine import Engine
 from core.startup import engine_from_args
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
@@ -38,7 +39,7 @@ def test_flags_reach_the_options(tmp_path):
     o = EngineOptions.from_args(args)
     assert (o.draft_max, o.n_parallel, o.ctx_size, o.threads) == (0, 2, 0, 1)
     assert o.chat_template == TEMPLATE and o.chat_defaults.reasoning == "off"
-    eng = o.engine()
+    eng = Engine(o)
     assert (eng.draft_max, eng.n_parallel, eng.requested_ctx, eng.threads) == (0, 2, 0, 1)
 
 

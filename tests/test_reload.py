@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from core.model.weights import LoadCancelled
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
@@ -47,7 +48,7 @@ def events():
 
 @pytest.fixture
 def engine(files, events):
-    eng = Engine(ctx_size=64, n_parallel=1, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1, draft_max=0))
     eng.load_model(files["three"])
     eng.subscribe(lambda name, payload: events.append((name, payload)))
     eng.start()

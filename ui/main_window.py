@@ -4,6 +4,7 @@ each widget takes the bridge (and settings) and listens to its signals."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
@@ -108,8 +109,10 @@ class MainWindow(FileDropMixin, QMainWindow):
         engine: Engine,
         settings: Settings | None = None,
         conversations: Conversations | None = None,
-        cors_origins: list[str] | None = None,
+        args: argparse.Namespace | None = None,
     ):
+        """``args``: main.py's parsed flags, which the Server tab's server is built
+        from as --headless builds its own (None: the defaults)."""
         super().__init__()
         self.setWindowTitle(TITLE)
         icon = RESOURCES / "icons" / "mixdesk.svg"
@@ -130,7 +133,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.chat = ChatPane(self.bridge, self.settings, self.sampling, conversations)
         self.compare = ComparePane(self.bridge, self.mixer, self.sampling)
         self.grid = GridPane(self.bridge, self.mixer, self.sampling)
-        self.server = ServerPanel(self.bridge, self.settings, cors_origins)
+        self.server = ServerPanel(self.bridge, self.settings, args)
         self.banner = ErrorBanner()
         self.exporter = MixExporter(self.bridge, self.settings, self)
 
