@@ -19,6 +19,7 @@ import pytest
 
 from core import grid as G
 from core.http import ServerSettings, ServerThread
+from core.serve.events import RequestFinished
 from core.serve.sampling import SamplingParams
 from tests.serving import running_engine, serving
 
@@ -320,12 +321,12 @@ def test_http_grid_streams_events_with_cell_indices(server, ran):
 
 
 def test_http_grid_client_disconnect_cancels_every_cell(server, eng):
-    finished: list[dict] = []
+    finished: list[RequestFinished] = []
     all_done = threading.Event()
 
-    def listen(name, payload):
-        if name == "request_finished" and payload["source"] == "http":
-            finished.append(payload)
+    def listen(ev):
+        if isinstance(ev, RequestFinished) and ev.source == "http":
+            finished.append(ev)
             if len(finished) == 4:
                 all_done.set()
 
@@ -353,8 +354,8 @@ def test_http_grid_client_disconnect_cancels_every_cell(server, eng):
         assert all_done.wait(60), finished
     finally:
         unsubscribe()
-    assert [f["stop_type"] for f in finished] == ["cancel"] * 4
-    assert all(f["predicted_n"] < 200 for f in finished)
+    assert [f.stop_type for f in finished] == ["cancel"] * 4
+    assert all(f.predicted_n < 200 for f in finished)
 
 
 # ---- the merge method as an axis -------------------------------------------------------------

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from core.serve.engine import Engine
+from core.serve.events import ModelLoaded
 from core.settings import Conversations, Settings
 
 from .adapters import AdapterPanel, problem_text
@@ -195,7 +196,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.model_bar.open_requested.connect(self.open_model)
         self.adapters.open_model_requested.connect(self.open_model)
         self.bridge.error.connect(self.show_error)
-        self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
+        self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e.error}"))
         self.bridge.adapter_error.connect(
             lambda p, e: self.show_error(f"Adapter not loaded: {problem_text(e)}")
         )
@@ -302,7 +303,8 @@ class MainWindow(FileDropMixin, QMainWindow):
         put back when they arrive)."""
         return self.mixer.expect(self.settings.get("desk"))
 
-    def _model_loaded(self, info: dict) -> None:
+    def _model_loaded(self, ev: ModelLoaded) -> None:
+        info = ev.info
         self.banner.success()
         if info.get("path"):
             self.settings.add_recent("recent_models", info["path"])

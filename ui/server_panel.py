@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 from core.cli import parse_args
 from core.options import DEFAULT_HOST, DEFAULT_PORT
 from core.paths import data_dir
+from core.serve.events import RequestFinished, RequestStarted
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -205,23 +206,18 @@ class ServerPanel(QWidget):
     def _append(self, line: str) -> None:
         self.log_view.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
 
-    def _request_started(self, info: dict) -> None:
+    def _request_started(self, ev: RequestStarted) -> None:
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
-        mix = (
-            ", ".join(f"{names.get(a, f'#{a}')}×{s:g}" for a, s in (info.get("mix") or {}).items())
-            or "no adapters"
-        )
+        mix = ", ".join(f"{names.get(a, f'#{a}')}×{s:g}" for a, s in ev.mix.items())
         self.log_line.emit(
-            f"generation #{info.get('id')} from {info.get('source') or '?'}: "
-            f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}"
+            f"generation #{ev.id} from {ev.source or '?'}: "
+            f"{ev.prompt_n} prompt tokens, mix {mix or 'no adapters'}"
         )
 
-    def _request_finished(self, info: dict) -> None:
-        t = info.get("timings") or {}
+    def _request_finished(self, ev: RequestFinished) -> None:
         self.log_line.emit(
-            f"generation #{info.get('id')} done: {info.get('predicted_n', 0)} tokens, "
-            f"{t.get('predicted_per_second', 0.0):.1f} tok/s, "
-            f"stop {info.get('stop_type')}"
+            f"generation #{ev.id} done: {ev.predicted_n} tokens, "
+            f"{ev.timings.get('predicted_per_second', 0.0):.1f} tok/s, stop {ev.stop_type}"
         )
 
     # -- on / off ---------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ progress through a callback; generation runs on the scheduler thread, which
 either :meth:`Engine.start` creates, or a host thread (the GUI's QThread) drives
 by calling :meth:`Engine.run_loop`.
 
-Observers subscribe to named events with :meth:`Engine.subscribe`; callbacks
-run on whichever thread made the change, so GUI code must marshal to its own
-thread (the worker bridge does this with queued signals).
+Observers subscribe to typed events (core/serve/events.py) with
+:meth:`Engine.subscribe`; callbacks run on whichever thread made the change, so GUI
+code must marshal to its own thread (the worker bridge does this with queued signals).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from .score import ScoreError, ScoreJob, TokenScore, check_job, score_many
 
 log = logging.getLogger(__name__)
 
-Listener = Callable[[str, dict], None]
+Listener = Callable[[EngineEvent], None]
 LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
 # A model load's progress bar: the weights fill it up to LOAD_WEIGHTS_DONE (a cold load
 # dequantizes for tens of seconds); weights mapped from the cache take ~no time, so the
@@ -115,16 +115,17 @@ class Engine:
 
     # -- events -----------------------------------------------------------------
     def subscribe(self, fn: Listener) -> Callable[[], None]:
+        """Call ``fn(event)`` with each EngineEvent (core/serve/events.py), on the thread
+        that made the change; returns the call that unsubscribes it."""
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
     def _notify(self, event: EngineEvent) -> None:
-        payload = event.payload()
         for fn in list(self._listeners):
             try:
-                fn(event.name, payload)
+                fn(event)
             except Exception:
-                log.exception("listener failed on %s", event.name)
+                log.exception("listener failed on %s", type(event).__name__)
 
     # -- model --------------------------------------------------------------------
     @property
