@@ -23,19 +23,8 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from core.serve import events as E
 from core.serve.engine import Engine
-from core.serve.events import (
-    AdaptersChanged,
-    AdaptersDropped,
-    EngineEvent,
-    MixBuilding,
-    MixChanged,
-    ModelError,
-    ModelLoaded,
-    ModelLoading,
-    RequestFinished,
-    RequestStarted,
-)
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import DoneEvent, PromptProgressEvent, Timings
 
@@ -115,15 +104,15 @@ class Generation(QObject):
 
 class EngineBridge(QObject):
     # The engine's events (core/serve/events.py), re-emitted as the objects they are:
-    model_loading = Signal(object)  # ModelLoading: progress 0..1, message
-    model_loaded = Signal(object)  # ModelLoaded: info (Engine.model_info())
-    model_error = Signal(object)  # ModelError, not cancelled
-    model_cancelled = Signal(object)  # ModelError the user cancelled: the model in service stays
-    adapters_changed = Signal(object)  # AdaptersChanged
-    mix_changed = Signal(object)  # MixChanged: mix {id: scale}, source
-    mix_building = Signal(object)  # MixBuilding: a merged mix's first build, progress 0..1
-    request_started = Signal(object)  # RequestStarted
-    request_finished = Signal(object)  # RequestFinished
+    model_loading = Signal(object)  # E.ModelLoading: progress 0..1, message
+    model_loaded = Signal(object)  # E.ModelLoaded: info (Engine.model_info())
+    model_error = Signal(object)  # E.ModelError, not cancelled
+    model_cancelled = Signal(object)  # E.ModelError the user cancelled: the model in service stays
+    adapters_changed = Signal(object)  # E.AdaptersChanged
+    mix_changed = Signal(object)  # E.MixChanged: mix {id: scale}, source
+    mix_building = Signal(object)  # E.MixBuilding: a merged mix's first build, progress 0..1
+    request_started = Signal(object)  # E.RequestStarted
+    request_finished = Signal(object)  # E.RequestFinished
     # The bridge's own: the outcome of its workers' calls.
     adapter_added = Signal(int, str)  # id, path
     adapter_error = Signal(str, str)  # path, message (a failed load, or dropped by a reload)
@@ -135,21 +124,21 @@ class EngineBridge(QObject):
         self.load_worker: Worker | None = None
         self._workers: set[Worker] = set()  # referenced until they finish
         self._signals = {
-            ModelLoading: self.model_loading,
-            ModelLoaded: self.model_loaded,
-            AdaptersChanged: self.adapters_changed,
-            MixChanged: self.mix_changed,
-            MixBuilding: self.mix_building,
-            RequestStarted: self.request_started,
-            RequestFinished: self.request_finished,
+            E.ModelLoading: self.model_loading,
+            E.ModelLoaded: self.model_loaded,
+            E.AdaptersChanged: self.adapters_changed,
+            E.MixChanged: self.mix_changed,
+            E.MixBuilding: self.mix_building,
+            E.RequestStarted: self.request_started,
+            E.RequestFinished: self.request_finished,
         }  # PromptProgress: each Generation hears its own request's
         self._unsubscribe = engine.subscribe(self._on_engine_event)
 
     # -- engine events (any thread) -> signals -------------------------------------
-    def _on_engine_event(self, ev: EngineEvent) -> None:
-        if isinstance(ev, ModelError):
+    def _on_engine_event(self, ev: E.EngineEvent) -> None:
+        if isinstance(ev, E.ModelError):
             (self.model_cancelled if ev.cancelled else self.model_error).emit(ev)
-        elif isinstance(ev, AdaptersDropped):  # a reload unloaded those that do not fit
+        elif isinstance(ev, E.AdaptersDropped):  # a reload unloaded those that do not fit
             for d in ev.dropped:
                 self.adapter_error.emit(str(d.get("path", "")), str(d.get("error", "")))
         elif type(ev) in self._signals:
@@ -188,12 +177,12 @@ class EngineBridge(QObject):
         def load(abort: threading.Event) -> None:
             target = path
             if callable(path):  # e.g. ensure_default_model: may download once
-                self.model_loading.emit(ModelLoading("", 0.0, "fetching the default model"))
+                self.model_loading.emit(E.ModelLoading("", 0.0, "fetching the default model"))
                 try:
                     target = path()
                 except Exception as e:
                     error = f"could not get the default model: {e}"
-                    self.model_error.emit(ModelError("", error, cancelled=False))
+                    self.model_error.emit(E.ModelError("", error, cancelled=False))
                     return
             try:
                 self.engine.load_model(target, cancel=abort)
