@@ -297,6 +297,17 @@ class BenchContext:
     n_prefill: int
 
 
+STREAM_SCALES = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)  # the 8 streams' mixes: {} + one each
+
+
+def eight_mixes(ids: list[int]) -> list[dict[int, float]]:
+    """The "8 streams x 8 mixes" figure's mixes, here and in bench.http: no adapter,
+    then one adapter at each STREAM_SCALES scale (no adapters: 8 empty mixes)."""
+    if not ids:
+        return [{}] * 8
+    return [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(STREAM_SCALES)]
+
+
 def bench_args() -> tuple[argparse.Namespace, Path, int, int]:
     """The flags every bench takes (-m, --quick): (args, model path, n_decode, n_prefill);
     prints the BLAS header."""
@@ -450,11 +461,7 @@ def main() -> None:
         eng.set_mix({})
 
     # -- 8 concurrent streams, 8 different mixes ----------------------------------------------------
-    mixes = (
-        [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate((0.5, 1, -0.5, 1.5, 0.25, -1, 2))]
-        if ids
-        else [{}] * 8
-    )
+    mixes = eight_mixes(ids)
 
     def streams(mixes_: list) -> float:
         # Results come back through callbacks on the engine thread, as the HTTP server

@@ -19,6 +19,7 @@ import pytest
 
 from core import grid as G
 from core.http import ServerSettings, ServerThread
+from core.lora.mix import mix_text
 from core.serve.events import RequestFinished
 from core.serve.sampling import SamplingParams
 from tests.serving import running_engine, serving
@@ -377,7 +378,7 @@ def test_method_axis_cells_carry_their_merge_spec(names):
     ] * 2
     assert [dict(c.mix) for c in cells[2:]] == [{0: 1.0, 1: 1.0}] * 2
     assert cells[1].x_label == "ties d=0.3"
-    assert G.mix_text(cells[1].mix, names) == "lora_attn ×1.00, lora_ffn ×0.50 (ties d=0.3)"
+    assert mix_text(cells[1].mix, names) == "lora_attn ×1.00, lora_ffn ×0.50 (ties d=0.3)"
     for bad, message in (
         (["mean"], "merge method must be one of"),
         ([{"method": "ties", "density": 2}], "density must be a number in (0, 1]"),
