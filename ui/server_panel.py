@@ -153,7 +153,7 @@ class ServerPanel(QWidget):
         key replaces the first --api-key (the others stay); adapter loading over HTTP
         is the checkbox, limited to --lora-dir if given, else to the desk's folders.
         Raises UserError naming a flag value the server cannot use."""
-        from core.http.app import ServerSettings
+        from core.http import ServerSettings
 
         flags = ServerSettings.from_args(self.args)
         key = self.api_key.text()
@@ -242,8 +242,7 @@ class ServerPanel(QWidget):
             return True
         self._save()
         try:
-            from core.http.app import create_app
-            from core.http.server import exposure_warnings, start_site
+            from core.http import create_app, exposure_warnings, start_site
 
             settings = self.server_settings()
             host, port = settings.host, settings.port

@@ -143,7 +143,7 @@ def test_verbose_and_lora_init_without_apply(serve, qtbot):
 def test_the_tab_builds_headless_settings_plus_its_own_fields(qtbot, clean_engine, tmp_path):
     """Every ServerSettings field, so a flag added later cannot be missed by the tab:
     only the fields the tab owns differ from what --headless builds."""
-    from core.http.app import ServerSettings
+    from core.http import ServerSettings
     from ui.app import build_window
 
     flags = ["--temp", "0.1", "-n", "3", "--alias", "a,b", "--tags", "t", "--metrics"]
