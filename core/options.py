@@ -4,10 +4,8 @@
 window both build it with ``EngineOptions.from_args(args)``, so a flag means the same
 in both. (The window used to build its engine from ctx_size and n_parallel only:
 --draft-max and --chat-template-file were silently ignored there.) The defaults the
-parser, the HTTP settings and the window show are the constants below, and the one
-check for "a finite number" that the engine, sampling and exports apply is
-:func:`is_finite_number`. This module sits below core/serve (which imports it) and
-imports nothing from there.
+parser, the HTTP settings and the window show are the constants below. This module
+sits below core/serve (which imports it) and imports nothing from there.
 """
 
 from __future__ import annotations
