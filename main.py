@@ -20,11 +20,11 @@ def _fail(msg: str) -> int:
 
 
 def one_shot(args) -> int:
-    from core.options import EngineOptions
     from core.serve.engine import DoneEvent
+    from core.serve.sampling import SamplingParams
     from core.startup import engine_from_args
 
-    params = EngineOptions.sampling(args)  # the same defaults the HTTP API starts from
+    params = SamplingParams.from_args(args)  # the same defaults the HTTP API starts from
     eng = engine_from_args(args, say=lambda m: print(m, file=sys.stderr))
     eng.start()
     prompt = eng.tokenizer.encode(args.prompt, add_special=True, parse_special=True)

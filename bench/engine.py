@@ -28,6 +28,7 @@ from core.default_model import ensure_default_model  # noqa: E402
 from core.errors import UserError  # noqa: E402
 from core.model import layout  # noqa: E402
 from core.model.weights import load_weights, open_model_file  # noqa: E402
+from core.options import EngineOptions
 from core.serve.engine import Engine  # noqa: E402
 from core.serve.sampling import SamplingParams  # noqa: E402
 from tests.reference import reference_dir  # noqa: E402
@@ -296,6 +297,17 @@ class BenchContext:
     n_prefill: int
 
 
+STREAM_SCALES = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)  # the 8 streams' mixes: {} + one each
+
+
+def eight_mixes(ids: list[int]) -> list[dict[int, float]]:
+    """The "8 streams x 8 mixes" figure's mixes, here and in bench.http: no adapter,
+    then one adapter at each STREAM_SCALES scale (no adapters: 8 empty mixes)."""
+    if not ids:
+        return [{}] * 8
+    return [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(STREAM_SCALES)]
+
+
 def bench_args() -> tuple[argparse.Namespace, Path, int, int]:
     """The flags every bench takes (-m, --quick): (args, model path, n_decode, n_prefill);
     prints the BLAS header."""
@@ -332,14 +344,14 @@ def main() -> None:
     # draft_max=0: the figures below are plain decoding; speculation is measured last.
     # The first engine load times the small-batch products and stores the choice (as
     # a user's first load on a machine does); "warm" is the load after it.
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     t = time.perf_counter()
     eng.load_model(path)
     first = time.perf_counter() - t  # weights cached by now: mostly the calibration
     eng.model.lin.close()
     cpu = time.process_time()
     t = time.perf_counter()
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     eng.load_model(path)
     warm, warm_cpu = time.perf_counter() - t, time.process_time() - cpu
     eng.start()
@@ -449,11 +461,7 @@ def main() -> None:
         eng.set_mix({})
 
     # -- 8 concurrent streams, 8 different mixes ----------------------------------------------------
-    mixes = (
-        [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate((0.5, 1, -0.5, 1.5, 0.25, -1, 2))]
-        if ids
-        else [{}] * 8
-    )
+    mixes = eight_mixes(ids)
 
     def streams(mixes_: list) -> float:
         # Results come back through callbacks on the engine thread, as the HTTP server

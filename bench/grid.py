@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from core import grid as G
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 
@@ -27,7 +28,7 @@ def run(ctx) -> None:
         print("grid: skipped (needs two reference adapters that fit this model)")
         return
     n = 16 if ctx.args.quick else 48
-    eng = Engine(ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0))
     eng.load_model(ctx.path)
     grid_ids = [eng.add_adapter(ctx.eng.adapter(i).path) for i in ids[:2]]
     eng.start()

@@ -33,15 +33,7 @@ from core.http import ServerSettings, ServerThread
 from core.serve.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-SCALES = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)  # bench.engine's 8 mixes: {} + these
 REPS = 2
-
-
-def mixes_of(ids: list[int]) -> list[dict[int, float]]:
-    """bench.engine's 8 different mixes (no adapters: 8 empty mixes)."""
-    if not ids:
-        return [{}] * 8
-    return [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(SCALES)]
 
 
 def lora_field(mix: dict[int, float]) -> list[dict]:
@@ -178,10 +170,12 @@ def loop_wakeups(srv) -> int | None:
 
 
 def _run(ctx, srv) -> None:
+    from bench.engine import eight_mixes
+
     eng, n, prompt, url = ctx.eng, ctx.n_decode, ctx.prompt, srv.url
     short = [int(t) for t in prompt[:16]]
     prompts = [[int(t) for t in prompt[k : k + 16]] for k in range(8)]
-    mixes = mixes_of(ctx.ids)
+    mixes = eight_mixes(ctx.ids)
     if not ctx.ids:
         print("http: no reference adapter fits this model: the 8 mixes are 8 empty mixes")
 
@@ -246,10 +240,11 @@ def main() -> None:
     import numpy as np
 
     from bench.engine import BenchContext, bench_adapters, bench_args
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
     args, path, n_decode, n_prefill = bench_args()
-    eng = Engine(ctx_size=2048, n_parallel=8, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
     eng.load_model(path)
     eng.start()
     tmp = Path(tempfile.mkdtemp(prefix="mixdesk-bench-http-"))

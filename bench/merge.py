@@ -63,6 +63,7 @@ def run(ctx) -> None:
 def main() -> None:
     from core.default_model import ensure_default_model
     from core.errors import UserError
+    from core.options import EngineOptions
     from core.serve.engine import Engine
     from tests.reference import reference_dir
 
@@ -74,7 +75,7 @@ def main() -> None:
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     os.environ["MIXDESK_CACHE"] = tmp
     path = args.model or ensure_default_model(log=lambda m: None)
-    eng = Engine(ctx_size=256, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=1))
     eng.load_model(path)
     ids = []
     for f in sorted((reference_dir() / "adapters").glob("*.gguf")):

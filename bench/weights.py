@@ -72,10 +72,12 @@ def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
     """One side's figures; ``t0``: the wall clock when the parent started this process
     (ready_s counts Python's start and imports too, as llama-server's counts its own)."""
     from bench.engine import GREEDY, bench_adapters
+    from core.options import EngineOptions
     from core.serve.engine import Engine
     from core.serve.sampling import SamplingParams
 
-    eng = Engine(weights=storage, ctx_size=ctx, n_parallel=8, draft_max=0, threads=THREADS)
+    opts = EngineOptions(weights=storage, ctx_size=ctx, n_parallel=8, draft_max=0, threads=THREADS)
+    eng = Engine(opts)
     eng.load_model(model)
     eng.start()
     out: dict = {"ready_s": time.time() - t0, "memory_mb": eng.model.w.nbytes / 1e6}

@@ -29,7 +29,7 @@ from typing import Any
 
 from .errors import UserError
 from .lora.merge import MergeSpec
-from .lora.mix import Mix
+from .lora.mix import Mix, mix_text
 from .lora.registry import LORA_SCALE_MAX
 from .options import is_finite_number
 from .serve.sampling import SamplingParams
@@ -152,18 +152,6 @@ class CellResult:
             "stop_type": self.stop,
             **({"error": self.error} if self.error else {}),
         }
-
-
-def mix_text(mix: Mapping[int, float] | Sequence[tuple[int, float]], names: Mapping) -> str:
-    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple; a mix
-    merged another way than a weighted sum says how: '... (ties d=0.5)'."""
-    items = mix.items() if isinstance(mix, Mapping) else mix
-    parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
-    text = ", ".join(parts) if parts else "base model (no adapters)"
-    merge = getattr(mix, "merge", None)
-    if parts and merge is not None and merge.method != "linear":
-        text += f" ({merge.label()})"
-    return text
 
 
 # ---- parsing (the HTTP body's axes; the window builds Axis objects directly) ---------

@@ -1,12 +1,11 @@
 """Engine options: built once, from the command line or from the window, one set of defaults.
 
-The headless server and the window both make their engine with
-``EngineOptions.from_args(args).engine()``, so a flag means the same in both.
-(The window used to build its engine from ctx_size and n_parallel only: --draft-max
-and --chat-template-file were silently ignored there.) The defaults the parser,
-the HTTP settings and the window show are the constants below, and the one check
-for "a finite number" that the engine, sampling and exports apply is
-:func:`is_finite_number`.
+``Engine(options)`` takes one :class:`EngineOptions`; the headless server and the
+window both build it with ``EngineOptions.from_args(args)``, so a flag means the same
+in both. (The window used to build its engine from ctx_size and n_parallel only:
+--draft-max and --chat-template-file were silently ignored there.) The defaults the
+parser, the HTTP settings and the window show are the constants below. This module
+sits below core/serve (which imports it) and imports nothing from there.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
 from .values import BIG, is_finite_number  # noqa: F401 (imported from here too)
@@ -29,26 +28,56 @@ DEFAULT_PARALLEL = 4  # -np/--parallel: sequences batched at once
 DEFAULT_DRAFT_MAX = 8  # bench: +43% tok/s on a copy task, +3% on chat, outputs identical
 DEFAULT_UBATCH = 512  # -ub/--ubatch-size: prompt tokens per step, the most of one embedding input
 DEFAULT_BATCH = 2048  # -b/--batch-size: llama-server's; the physical batch is at most this
+# the prefix cache: bytes of finished prompts' KV kept for reuse (core/serve/prefix_cache.py)
+DEFAULT_PREFIX_CACHE_BYTES = 512 << 20
+WEIGHT_STORAGES = ("quantized", "f32")  # how a model's matrices are held (core/model/weights.py)
 
 
 class OptionsError(UserError):
     """An option that cannot be used (an unreadable --chat-template-file)."""
 
 
+def flag(args: argparse.Namespace, name: str, default: Any) -> Any:
+    """A parsed flag's value, or ``default`` when the namespace lacks it or holds None
+    (tests and tools pass namespaces with only the flags they care about)."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
+class EmbeddingOptions:
+    """--embedding, --pooling, --ubatch-size: what /embedding and /v1/embeddings do."""
+
+    enabled: bool = False  # /embedding, /v1/embeddings answer 501 without it
+    pooling: str | None = None  # None: the model's own (ModelConfig.pooling)
+    # the physical batch, min(-b, -ub): prompt tokens per sequence per step, and the
+    # most tokens of one embedding input
+    ubatch: int = DEFAULT_UBATCH
+
+    def pooling_for(self, cfg) -> str:
+        return self.pooling or cfg.pooling
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    ctx_size: int = DEFAULT_CTX
+    ctx_size: int = DEFAULT_CTX  # per sequence; 0: the model's training context
     n_parallel: int = DEFAULT_PARALLEL
     draft_max: int = DEFAULT_DRAFT_MAX  # prompt-lookup drafts per step (0: off)
     threads: int | None = None  # compute threads (None: the BLAS thread count)
     chat_template: str | None = None  # template source replacing every model's own
     chat_defaults: ChatDefaults | None = None  # None: chat_template.DEFAULT_CHAT
-    embedding: bool = False  # --embedding: serve /embedding and /v1/embeddings
-    pooling: str | None = None  # --pooling; None: the model's own (else none)
-    # the physical batch, min(-b, -ub): prompt tokens per sequence per step, and the
-    # most tokens of one embedding input
-    ubatch_size: int = DEFAULT_UBATCH
+    embeddings: EmbeddingOptions = EmbeddingOptions()
     context_shift: bool = False  # --context-shift: a full context drops old tokens
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    # --weights: "quantized" keeps the GGUF's blocks in memory (compiled kernels), "f32"
+    # dequantizes every matrix to float32 (core/model/weights.py)
+    weights: str = "quantized"
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_STORAGES:
+            raise OptionsError(
+                f"--weights must be one of {', '.join(WEIGHT_STORAGES)}, not {self.weights!r}"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -56,11 +85,8 @@ class EngineOptions:
         keep their defaults. --chat-template-file wins over --chat-template."""
         from .chat_template import DEFAULT_CHAT, ChatDefaults
 
-        get = lambda name, default: (
-            default if getattr(args, name, None) is None else getattr(args, name)
-        )
-        template = get("chat_template", None)  # a built-in's or an inline source (cli.py)
-        if get("chat_template_file", None):
+        template = flag(args, "chat_template", None)  # a built-in's or an inline source
+        if flag(args, "chat_template_file", None):
             p = Path(args.chat_template_file)
             try:
                 template = p.read_text(encoding="utf-8")
@@ -69,65 +95,25 @@ class EngineOptions:
                     f"--chat-template-file: cannot read {p}: {getattr(e, 'strerror', None) or e}"
                 ) from None
         return cls(
-            ctx_size=get("ctx_size", DEFAULT_CTX),
-            n_parallel=get("parallel", DEFAULT_PARALLEL),
-            draft_max=get("draft_max", DEFAULT_DRAFT_MAX),
-            threads=get("threads", None),
+            ctx_size=flag(args, "ctx_size", DEFAULT_CTX),
+            n_parallel=flag(args, "parallel", DEFAULT_PARALLEL),
+            draft_max=flag(args, "draft_max", DEFAULT_DRAFT_MAX),
+            threads=flag(args, "threads", None),
             chat_template=template,
             chat_defaults=ChatDefaults(
-                reasoning=get("reasoning", DEFAULT_CHAT.reasoning),
-                template_kwargs=get("chat_template_kwargs", None) or {},
-                prefill_assistant=get("prefill_assistant", DEFAULT_CHAT.prefill_assistant),
+                reasoning=flag(args, "reasoning", DEFAULT_CHAT.reasoning),
+                template_kwargs=flag(args, "chat_template_kwargs", None) or {},
+                prefill_assistant=flag(args, "prefill_assistant", DEFAULT_CHAT.prefill_assistant),
             ),
-            embedding=bool(get("embedding", False)),
-            pooling=get("pooling", None),
-            # llama.cpp's physical batch is min(-b, -ub); an embedding input runs in one
-            ubatch_size=min(get("batch_size", DEFAULT_BATCH), get("ubatch_size", DEFAULT_UBATCH)),
-            context_shift=bool(get("context_shift", False)),
-        )
-
-    @staticmethod
-    def sampling(args: argparse.Namespace):
-        """The sampling flags (--temp, --seed, --top-k, ..., -n) as the SamplingParams
-        every request starts from: -p uses them, and an HTTP request's fields override
-        them one by one, as llama-server's defaults. Raises SamplingError (a UserError)
-        naming a value out of range."""
-        from .serve.sampling import SamplingParams, validate
-
-        d = SamplingParams()  # the one home of the defaults (llama-server's)
-        get = lambda name, default: (
-            default if getattr(args, name, None) is None else getattr(args, name)
-        )
-        seed = get("seed", -1)
-        return validate(
-            SamplingParams(
-                temperature=get("temp", d.temperature),
-                top_k=get("top_k", d.top_k),
-                top_p=get("top_p", d.top_p),
-                min_p=get("min_p", d.min_p),
-                repeat_penalty=get("repeat_penalty", d.repeat_penalty),
-                repeat_last_n=get("repeat_last_n", d.repeat_last_n),
-                presence_penalty=get("presence_penalty", d.presence_penalty),
-                frequency_penalty=get("frequency_penalty", d.frequency_penalty),
-                seed=None if seed < 0 else seed,
-                n_predict=get("n_predict", d.n_predict),
-                ignore_eos=bool(get("ignore_eos", d.ignore_eos)),
-            )
-        )
-
-    def engine(self):
-        """An Engine with these options, no model loaded yet."""
-        from .chat_template import DEFAULT_CHAT
-        from .serve.embeddings import EmbeddingOptions
-        from .serve.engine import Engine
-
-        return Engine(
-            ctx_size=self.ctx_size,
-            n_parallel=self.n_parallel,
-            draft_max=self.draft_max,
-            threads=self.threads,
-            chat_template=self.chat_template,
-            chat_defaults=self.chat_defaults or DEFAULT_CHAT,
-            embeddings=EmbeddingOptions(self.embedding, self.pooling, self.ubatch_size),
-            context_shift=self.context_shift,
+            embeddings=EmbeddingOptions(
+                enabled=bool(flag(args, "embedding", False)),
+                pooling=flag(args, "pooling", None),
+                # llama.cpp's physical batch is min(-b, -ub); an embedding input runs in one
+                ubatch=min(
+                    flag(args, "batch_size", DEFAULT_BATCH),
+                    flag(args, "ubatch_size", DEFAULT_UBATCH),
+                ),
+            ),
+            context_shift=bool(flag(args, "context_shift", False)),
+            weights=flag(args, "weights", "quantized"),
         )

@@ -23,6 +23,14 @@ def limit_threads(n: int | None):
     return threadpool_limits(limits=n, user_api="blas")
 
 
+def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """(path, scale) of the adapters named on the command line, in order: --lora at 1,
+    --lora-scaled at its scale; all at 0 with --lora-init-without-apply. The headless
+    server and the window both load these at start."""
+    zero = bool(getattr(args, "lora_init_without_apply", False))
+    return [(str(p), 0.0 if zero else float(s)) for p, s in getattr(args, "adapters", None) or []]
+
+
 def engine_from_args(
     args: argparse.Namespace,
     progress: Callable[[float, str], None] | None = None,
@@ -30,9 +38,9 @@ def engine_from_args(
 ) -> Engine:
     """Load the model and the adapters named on the command line. Raises ValueError
     subclasses (ModelLoadError, AdapterError, ...) with a clear message."""
-    eng = EngineOptions.from_args(args).engine()  # the window builds its engine the same way
+    eng = Engine(EngineOptions.from_args(args))  # the window builds its engine the same way
     path = Path(args.model) if args.model else ensure_default_model(log=say)
     eng.load_model(path, progress=progress)
-    for fname, scale in getattr(args, "adapters", []):
-        eng.add_adapter(fname, scale=0.0 if args.lora_init_without_apply else scale)
+    for fname, scale in startup_adapters(args):
+        eng.add_adapter(fname, scale=scale)
     return eng

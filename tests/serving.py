@@ -24,16 +24,17 @@ from pathlib import Path
 
 from core.http.app import ServerSettings
 from core.http.server import ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 
 @contextlib.contextmanager
 def running_engine(
-    model: str | Path, *, adapters: Iterable[str | Path] = (), **engine_kw
+    model: str | Path, *, adapters: Iterable[str | Path] = (), **options
 ) -> Iterator[Engine]:
-    """An Engine(**engine_kw) with the model loaded, the adapters added at scale 0 (in
-    order: ids 0, 1, ...) and the scheduler thread running; stopped on exit."""
-    eng = Engine(**engine_kw)
+    """An Engine(EngineOptions(**options)) with the model loaded, the adapters added at
+    scale 0 (in order: ids 0, 1, ...) and the scheduler thread running; stopped on exit."""
+    eng = Engine(EngineOptions(**options))
     eng.load_model(model)
     for path in adapters:
         eng.add_adapter(path, scale=0.0)

@@ -42,6 +42,7 @@ import pytest
 
 from core.chat_template import ChatTemplate
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -221,7 +222,7 @@ def _expected(key: str, conv: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(smollm_path):
-    eng = Engine(ctx_size=1024, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=1024, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()

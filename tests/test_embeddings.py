@@ -20,8 +20,8 @@ from test_http_api import assert_400, req
 from core.cli import parse_args
 from core.http import ServerSettings, ServerThread
 from core.model.llama import BatchItem
-from core.options import EngineOptions
-from core.serve.embeddings import EmbeddingError, EmbeddingOptions, normalize, packed
+from core.options import EmbeddingOptions, EngineOptions
+from core.serve.embeddings import EmbeddingError, normalize, packed
 from core.serve.engine import Engine
 from tests.serving import running_engine, serving
 
@@ -268,7 +268,7 @@ def test_too_many_inputs_is_a_400(server):
 
 
 def test_without_embedding_the_routes_answer_501(smollm_path):
-    e = Engine(ctx_size=64, n_parallel=1)
+    e = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     e.load_model(smollm_path)
     e.start()
     srv = ServerThread(e, ServerSettings(port=0)).start()
@@ -299,11 +299,11 @@ def test_pooling_none_is_the_default_without_the_models_key(server, eng):
 def test_flags_build_the_engines_embedding_options():
     args = parse_args(["--embeddings", "--pooling", "last", "-ub", "128"])
     opts = EngineOptions.from_args(args)
-    assert (opts.embedding, opts.pooling, opts.ubatch_size) == (True, "last", 128)
-    assert opts.engine().embeddings == EmbeddingOptions(True, "last", 128)
+    assert opts.embeddings == EmbeddingOptions(True, "last", 128)
+    assert Engine(opts).embeddings == EmbeddingOptions(True, "last", 128)
     # the physical batch is min(-b, -ub), as in llama.cpp
-    assert EngineOptions.from_args(parse_args(["-b", "100"])).ubatch_size == 100
-    assert EngineOptions.from_args(parse_args([])).engine().embeddings == EmbeddingOptions()
+    assert EngineOptions.from_args(parse_args(["-b", "100"])).embeddings.ubatch == 100
+    assert Engine(EngineOptions.from_args(parse_args([]))).embeddings == EmbeddingOptions()
 
 
 def test_pooling_rank_is_refused_by_name(capsys):

@@ -1,49 +1,51 @@
-"""The engine's events are declared once (core/serve/events.py) and reach listeners in
-the (name, payload) form ui/bridge.py dispatches on, with the same keys as before."""
+"""The engine's events are declared once (core/serve/events.py) and reach listeners as
+the typed objects themselves, which ui/bridge.py re-emits on its signals by type."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
+from core.options import EngineOptions
 from core.serve import events as E
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.tiny_gguf import write_tiny_llama
 
-BRIDGE_KEYS = {  # what ui/bridge.py and tests/test_reload.py read from each payload
-    "model_loading": {"path", "progress", "message"},
-    "model_loaded": {"info"},
-    "model_error": {"path", "error", "cancelled"},
-    "adapters_changed": {"adapters"},
-    "adapters_dropped": {"dropped"},
-    "mix_changed": {"mix", "source", "merge"},
-    "request_started": {"id", "source", "mix", "prompt_n"},
-    "request_finished": {"id", "source", "stop_type", "predicted_n", "timings", "error"},
+FIELDS = {  # what ui/ and tests/test_reload.py read from each event
+    E.ModelLoading: {"path", "progress", "message"},
+    E.ModelLoaded: {"info"},
+    E.ModelError: {"path", "error", "cancelled"},
+    E.AdaptersChanged: {"adapters"},
+    E.AdaptersDropped: {"dropped"},
+    E.MixChanged: {"mix", "source", "merge"},
+    E.MixBuilding: {"method", "progress", "message"},
+    E.RequestStarted: {"id", "source", "mix", "prompt_n"},
+    E.PromptProgress: {"id", "source", "done", "total"},
+    E.RequestFinished: {"id", "source", "stop_type", "predicted_n", "timings", "error"},
 }
 
 
-def test_every_event_declares_the_keys_listeners_read():
-    declared = {cls.name: {f.name for f in fields(cls)} for cls in E.EngineEvent.__subclasses__()}
-    for name, keys in BRIDGE_KEYS.items():  # events may be added; these keep their keys
-        assert declared[name] == keys, name
+def test_every_event_declares_the_fields_listeners_read():
+    assert set(E.EngineEvent.__subclasses__()) == set(FIELDS)
+    for cls, names in FIELDS.items():
+        assert {f.name for f in fields(cls)} == names, cls.__name__
 
 
-def test_a_load_and_a_request_reach_a_listener_as_name_and_payload(tmp_path):
+def test_a_load_and_a_request_reach_a_listener_as_typed_events(tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
-    eng = Engine(ctx_size=64, n_parallel=1)
-    seen: list[tuple[str, dict]] = []
-    eng.subscribe(lambda name, payload: seen.append((name, payload)))
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
+    seen: list[E.EngineEvent] = []
+    eng.subscribe(seen.append)
     eng.load_model(path)
     eng.start()
     try:
         eng.complete([1, 2, 3], SamplingParams(temperature=0.0, n_predict=2))
     finally:
         eng.stop()
-    names = [n for n, _ in seen]
-    assert names[0] == "model_loading" and "model_loaded" in names
-    assert "request_started" in names and "request_finished" in names
-    for name, payload in seen:
-        if name in BRIDGE_KEYS:
-            assert set(payload) == BRIDGE_KEYS[name], name
-    done = dict(seen)["request_finished"]
-    assert done["predicted_n"] == 2 and done["error"] is None
+    kinds = [type(e) for e in seen]
+    assert kinds[0] is E.ModelLoading and E.ModelLoaded in kinds
+    assert E.RequestStarted in kinds and E.RequestFinished in kinds
+    (loaded,) = [e for e in seen if isinstance(e, E.ModelLoaded)]
+    assert loaded.info["path"] == str(path)
+    (done,) = [e for e in seen if isinstance(e, E.RequestFinished)]
+    assert done.predicted_n == 2 and done.error is None and done.stop_type == "limit"

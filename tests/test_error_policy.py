@@ -14,12 +14,13 @@ import main
 from core.cli import read_api_key_file
 from core.errors import UserError
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 
 @pytest.fixture(scope="module")
 def server(smollm_path):
-    eng = Engine(ctx_size=128, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=128, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0, on_log=lambda line: None)).start()
@@ -83,7 +84,7 @@ def test_main_prints_a_user_error_in_one_line(monkeypatch, tmp_path, capsys):
 def test_an_internal_error_while_loading_an_adapter_is_a_500(smollm_path, ref_dir, monkeypatch):
     """The runtime-load route caught ValueError as "the adapter's fault": an internal
     ValueError during a load must be a 500, an AdapterError still a 400."""
-    eng = Engine(ctx_size=128, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=128, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     settings = ServerSettings(

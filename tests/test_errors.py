@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from core.model.weights import ModelLoadError
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
 from tests.reference import reference_dir
@@ -94,7 +95,7 @@ def test_cli_reports_one_line_without_traceback(tmp_path, smollm_path, make):
 
 
 def test_failed_load_keeps_previous_model(tmp_path, smollm_path):
-    eng = Engine.from_path(smollm_path, ctx_size=64)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=64))
     try:
         with pytest.raises(ModelLoadError):
             eng.load_model(_bad_magic(tmp_path, smollm_path)[0])
@@ -106,7 +107,7 @@ def test_failed_load_keeps_previous_model(tmp_path, smollm_path):
 
 
 def test_context_overflow_is_a_clear_error(smollm_path):
-    eng = Engine.from_path(smollm_path, ctx_size=32)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=32))
     try:
         with pytest.raises(EngineError) as ei:
             eng.complete(list(range(100, 140)), SamplingParams(n_predict=4))

@@ -16,6 +16,7 @@ import pytest
 from core.gguf.reader import GGUFFile
 from core.lora.adapter import AdapterError
 from core.lora.export import ExportError, export_lora, export_merged, export_peft
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.mixing import mix_logits
@@ -95,7 +96,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(smollm_path, ref_dir, work):
-    eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=256)
+    eng = Engine.from_path(smollm_path, EngineOptions(n_parallel=2, ctx_size=256))
     eng.ids = {n: eng.add_adapter(ref_dir / "adapters" / n) for n in MIX}
     eng.ids["embd_out"] = eng.add_adapter(
         write_embd_output_adapter(work / "embd_out.gguf", eng.config)
@@ -141,7 +142,7 @@ def load_base(path: Path, cache: Path) -> Engine:
     old = os.environ.get("MIXDESK_CACHE")
     os.environ["MIXDESK_CACHE"] = str(cache)
     try:
-        return Engine.from_path(path, n_parallel=1, ctx_size=256)
+        return Engine.from_path(path, EngineOptions(n_parallel=1, ctx_size=256))
     finally:
         if old is None:
             del os.environ["MIXDESK_CACHE"]

@@ -19,6 +19,8 @@ import pytest
 
 from core import grid as G
 from core.http import ServerSettings, ServerThread
+from core.lora.mix import mix_text
+from core.serve.events import RequestFinished
 from core.serve.sampling import SamplingParams
 from tests.serving import running_engine, serving
 
@@ -320,12 +322,12 @@ def test_http_grid_streams_events_with_cell_indices(server, ran):
 
 
 def test_http_grid_client_disconnect_cancels_every_cell(server, eng):
-    finished: list[dict] = []
+    finished: list[RequestFinished] = []
     all_done = threading.Event()
 
-    def listen(name, payload):
-        if name == "request_finished" and payload["source"] == "http":
-            finished.append(payload)
+    def listen(ev):
+        if isinstance(ev, RequestFinished) and ev.source == "http":
+            finished.append(ev)
             if len(finished) == 4:
                 all_done.set()
 
@@ -353,8 +355,8 @@ def test_http_grid_client_disconnect_cancels_every_cell(server, eng):
         assert all_done.wait(60), finished
     finally:
         unsubscribe()
-    assert [f["stop_type"] for f in finished] == ["cancel"] * 4
-    assert all(f["predicted_n"] < 200 for f in finished)
+    assert [f.stop_type for f in finished] == ["cancel"] * 4
+    assert all(f.predicted_n < 200 for f in finished)
 
 
 # ---- the merge method as an axis -------------------------------------------------------------
@@ -376,7 +378,7 @@ def test_method_axis_cells_carry_their_merge_spec(names):
     ] * 2
     assert [dict(c.mix) for c in cells[2:]] == [{0: 1.0, 1: 1.0}] * 2
     assert cells[1].x_label == "ties d=0.3"
-    assert G.mix_text(cells[1].mix, names) == "lora_attn ×1.00, lora_ffn ×0.50 (ties d=0.3)"
+    assert mix_text(cells[1].mix, names) == "lora_attn ×1.00, lora_ffn ×0.50 (ties d=0.3)"
     for bad, message in (
         (["mean"], "merge method must be one of"),
         ([{"method": "ties", "density": 2}], "density must be a number in (0, 1]"),

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 CTX = 256
@@ -25,7 +26,7 @@ ADAPTERS = ["lora_attn.gguf", "lora_ffn.gguf", "lora_all_q8.gguf"]
 
 @pytest.fixture(scope="module")
 def server(smollm_path, ref_dir):
-    eng = Engine(ctx_size=CTX, n_parallel=4)
+    eng = Engine(EngineOptions(ctx_size=CTX, n_parallel=4))
     eng.load_model(smollm_path)
     for name in ADAPTERS:
         eng.add_adapter(ref_dir / "adapters" / name, scale=0.0)
@@ -114,7 +115,7 @@ def test_health_503_while_loading(smollm_path):
         assert st == 503 and body["error"]["type"] == "unavailable_error"
         assert body["error"]["message"] == "Loading model"
         assert req(srv, "POST", "/completion", {"prompt": "x"})[0] == 503
-        eng = Engine(ctx_size=64, n_parallel=1)
+        eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
         eng.load_model(smollm_path)
         srv.set_engine(eng)
         # loaded but its loop not running: no request would be served (issue #15)

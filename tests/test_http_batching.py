@@ -15,6 +15,7 @@ import pytest
 
 from core.http.app import RELAY
 from core.serve.engine import Engine
+from core.serve.events import RequestStarted
 from core.serve.relay import LoopRelay, step_events
 from tests.serving import running_engine, serving
 
@@ -73,9 +74,9 @@ class Held:
         self.queued, self.running, self.release = (threading.Event() for _ in range(3))
         seen: list[int] = []
 
-        def on(name: str, payload: dict) -> None:
-            if name == "request_started":  # sent once the request is in the queue
-                seen.append(payload["id"])
+        def on(ev) -> None:
+            if isinstance(ev, RequestStarted):  # sent once the request is in the queue
+                seen.append(ev.id)
                 if len(seen) == n:
                     self.queued.set()
 

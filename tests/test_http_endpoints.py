@@ -13,6 +13,7 @@ from test_http_api import req, run
 from tiny_gguf import write_tiny_llama
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 KEY = "sekret-key"
@@ -21,7 +22,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(smollm_path, tmp_path_factory):
-    eng = Engine(ctx_size=256, n_parallel=2)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=2))
     eng.load_model(smollm_path)
     eng.start()
     settings = ServerSettings(
@@ -154,7 +155,7 @@ def fim_server(tmp_path_factory):
         path,
         kv={f"tokenizer.ggml.{k}_token_id": (v, GGUFValueType.UINT32) for k, v in ids.items()},
     )
-    eng = Engine(ctx_size=128, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=128, n_parallel=1))
     eng.load_model(path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()
@@ -187,7 +188,7 @@ def test_infill_builds_the_fim_prompt(fim_server):
 
 
 def test_no_slots_answers_501(smollm_path):
-    eng = Engine(ctx_size=64, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0, slots=False)).start()

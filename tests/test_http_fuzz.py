@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 # MIXDESK_FUZZ_SEED / MIXDESK_FUZZ_CASES explore beyond the suite's fixed run
@@ -265,7 +266,7 @@ def make_case(rng: random.Random) -> tuple[str, str, bytes | None]:
 
 @pytest.fixture(scope="module")
 def server(smollm_path, ref_dir):
-    eng = Engine(ctx_size=64, n_parallel=2)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=2))
     eng.load_model(smollm_path)
     eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.0)
     eng.start()

@@ -13,6 +13,7 @@ import pytest
 from gguf import GGUFValueType
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from tests.serving import running_engine, serving
 from tests.tiny_gguf import BYTE_VOCAB, write_tiny_llama
@@ -48,7 +49,7 @@ def test_detokenize_keeps_the_sentencepiece_leading_space(tmp_path):
         vocab=n,
         kv={"tokenizer.ggml.tokens": (toks, GGUFValueType.ARRAY)},
     )
-    eng = Engine(ctx_size=64, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     eng.load_model(path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()

@@ -24,6 +24,7 @@ import pytest
 from core.chat_template import ChatTemplate, RenderLimits
 from core.http import ServerSettings, ServerThread
 from core.http.app import BlockingPool, HttpError
+from core.serve.events import AdaptersChanged
 from tests.serving import running_engine, serving
 
 KEY = "k3y-that-must-never-be-logged"
@@ -179,9 +180,9 @@ def test_unload_racing_a_load_is_a_clear_answer(lora_srv, engine):
     StopIteration', a 500."""
     removed: list[int] = []
 
-    def unload_new(name, payload):
-        if name == "adapters_changed" and not removed:
-            newest = max(a["id"] for a in payload["adapters"])
+    def unload_new(ev):
+        if isinstance(ev, AdaptersChanged) and not removed:
+            newest = max(a["id"] for a in ev.adapters)
             if newest > 0:
                 removed.append(newest)
                 engine.remove_adapter(newest)

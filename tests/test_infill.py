@@ -10,6 +10,7 @@ import pytest
 from test_http_api import assert_400, req
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 N_BATCH = 64  # a small -b, so the prefix/suffix limits (48 / 16 - 2 - prompt) bite
@@ -25,7 +26,7 @@ EXTRA = [{"filename": "llama.h", "text": "LLAMA_API int32_t llama_n_threads();\n
 
 @pytest.fixture(scope="module")
 def server(qwen2_path):
-    eng = Engine(ctx_size=CTX, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=CTX, n_parallel=1))
     eng.load_model(qwen2_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0, n_batch=N_BATCH)).start()

@@ -13,6 +13,7 @@ import pytest
 from core.model.attention import PooledDecode
 from core.model.kv_cache import KVPool
 from core.model.llama import BatchItem
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.test_model_shapes import build
@@ -76,7 +77,7 @@ def test_pool_commits_memory_only_for_used_positions(smollm_path):
 
 
 def test_scheduler_returns_every_slot(smollm_path):
-    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=3, draft_max=0)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256, n_parallel=3, draft_max=0))
     try:
         pool = eng.scheduler.pool
         assert pool.n_free == 3
@@ -141,7 +142,7 @@ def test_pool_reclaims_an_untouched_slot_and_refuses_a_reused_one(tmp_path):
 
 def test_switch_back_reuses_the_slot_without_copying(smollm_path, ref_dir):
     """Mix A -> mix B -> mix A: A's KV is still in its slot when A comes back."""
-    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=2, draft_max=0)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256, n_parallel=2, draft_max=0))
     aid = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     try:
         pool = eng.scheduler.pool
@@ -172,7 +173,7 @@ def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_
     import core.model.kv_cache as kv
     from core.serve.engine import ModelLoadError
 
-    eng = Engine.from_path(smollm_path, ctx_size=128, n_parallel=2, draft_max=0)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=128, n_parallel=2, draft_max=0))
     try:
         old_model, old_sched = eng.model, eng.scheduler
 

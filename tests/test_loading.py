@@ -16,6 +16,7 @@ from core import default_model
 from core.lora.adapter import AdapterError, load_adapter
 from core.model import weights
 from core.model.weights import LoadCancelled, ModelLoadError, load_weights, open_model_file
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from tests.mixing import mix_logits
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
@@ -150,7 +151,7 @@ def test_cold_load_refuses_a_cache_the_disk_cannot_hold(tmp_path, cache_home, mo
     )
     assert not list((cache_home / "weights").iterdir())  # not a byte written
     # the engine reports it as the user's problem and stays usable
-    eng = Engine(ctx_size=64, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     with pytest.raises(ModelLoadError):
         eng.load_model(path)
     monkeypatch.setattr(weights.shutil, "disk_usage", real)
@@ -228,7 +229,8 @@ def test_default_model_is_the_real_smollm(smollm_path):
 def tiny_engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     eng = Engine.from_path(
-        write_tiny_llama(d / "tiny.gguf", dim=64, n_heads=4, n_kv_heads=2, tied=False), ctx_size=64
+        write_tiny_llama(d / "tiny.gguf", dim=64, n_heads=4, n_kv_heads=2, tied=False),
+        EngineOptions(ctx_size=64),
     )
     yield eng
     eng.stop()

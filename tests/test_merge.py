@@ -17,7 +17,9 @@ from core.lora.adapter import Adapter, LoraPair
 from core.lora.export import export_lora, export_merged
 from core.lora.merge import MergeError, MergeSpec
 from core.lora.mix import MergedKey, Mix, merged_adapter, mix_key
+from core.options import EngineOptions
 from core.serve.engine import Engine
+from core.serve.events import MixBuilding, MixChanged
 from core.serve.sampling import SamplingParams
 
 OUT, IN = 24, 16
@@ -293,7 +295,7 @@ N_PREDICT = 12
 
 @pytest.fixture(scope="module")
 def smol(smollm_path, ref_dir):
-    eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=128)
+    eng = Engine.from_path(smollm_path, EngineOptions(n_parallel=2, ctx_size=128))
     eng.ids = [eng.add_adapter(ref_dir / "adapters" / n, scale=0.0) for n in REF_ADAPTERS]
     yield eng
     eng.stop()
@@ -313,7 +315,7 @@ def greedy(eng: Engine, mix, tokens: list[int]) -> list[int]:
 
 def test_global_mix_carries_its_method(smol):
     events = []
-    unsubscribe = smol.subscribe(lambda name, payload: events.append((name, payload)))
+    unsubscribe = smol.subscribe(events.append)
     try:
         a, b = smol.ids
         smol.set_mix(Mix({a: 0.5, b: 0.5}, MergeSpec.make("ties", density=0.3)))
@@ -321,8 +323,8 @@ def test_global_mix_carries_its_method(smol):
         assert got == {a: 0.5, b: 0.5} and got.merge == MergeSpec.make("ties", density=0.3)
         smol.set_mix({a: 1.0, b: 0.0})  # a plain dict moves the faders, keeps the method
         assert smol.get_mix() == {a: 1.0, b: 0.0} and smol.get_mix().merge.method == "ties"
-        changed = [p for n, p in events if n == "mix_changed"]
-        assert changed[-1]["merge"] == {
+        changed = [e for e in events if isinstance(e, MixChanged)]
+        assert changed[-1].merge == {
             "method": "ties",
             "density": 0.3,
             "majority_sign_method": "total",
@@ -363,13 +365,13 @@ def test_merged_mix_survives_export_and_reload(smol, prompt, spec, tmp_path):
     a, b = smol.ids
     mix = Mix({a: 0.9, b: 0.7}, spec)
     events = []
-    unsubscribe = smol.subscribe(lambda name, payload: events.append((name, payload)))
+    unsubscribe = smol.subscribe(events.append)
     try:
         live = greedy(smol, mix, prompt)
     finally:
         unsubscribe()
-    building = [p for n, p in events if n == "mix_building"]
-    assert building and building[-1]["progress"] == 1.0 and building[0]["method"] == spec.method
+    building = [e for e in events if isinstance(e, MixBuilding)]
+    assert building and building[-1].progress == 1.0 and building[0].method == spec.method
     key = mix_key(mix)
     assert isinstance(key, MergedKey)
     merged_w = smol.lora.mixes.get(key, {a: smol.adapter(a) for a in smol.lora.ids()})
@@ -386,7 +388,7 @@ def test_merged_mix_survives_export_and_reload(smol, prompt, spec, tmp_path):
 
     out = tmp_path / "merged.gguf"
     export_merged(smol, mix, out, outtype="f32")
-    reloaded = Engine.from_path(out, n_parallel=1, ctx_size=128)
+    reloaded = Engine.from_path(out, EngineOptions(n_parallel=1, ctx_size=128))
     try:
         assert greedy(reloaded, {}, prompt) == live
     finally:

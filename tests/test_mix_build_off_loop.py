@@ -22,7 +22,7 @@ import pytest
 import core.lora.runtime as runtime
 from core.http import ServerSettings, ServerThread
 from core.lora.mix import MergedKey
-from core.serve.embeddings import EmbeddingOptions
+from core.options import EmbeddingOptions, EngineOptions
 from core.serve.engine import Engine
 
 HELD_S = 60  # the gate's own bound: a broken build path fails after it, never hangs
@@ -31,7 +31,9 @@ HELD_S = 60  # the gate's own bound: a broken build path fails after it, never h
 @pytest.fixture(scope="module")
 def server(smollm_path, ref_dir):
     eng = Engine(
-        ctx_size=256, n_parallel=4, embeddings=EmbeddingOptions(enabled=True, pooling="mean")
+        EngineOptions(
+            ctx_size=256, n_parallel=4, embeddings=EmbeddingOptions(enabled=True, pooling="mean")
+        )
     )
     eng.load_model(smollm_path)
     for name in ("lora_attn.gguf", "lora_ffn.gguf"):

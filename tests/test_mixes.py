@@ -13,6 +13,7 @@ from core.lora.adapter import effective_scale
 from core.lora.mix import build_mix, mix_key
 from core.lora.runtime import AdapterStacks
 from core.model.llama import BatchItem
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
 from tests.mixing import forward
@@ -23,7 +24,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir, reference):
-    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=8)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256, n_parallel=8))
     for name in reference["adapters"]:
         eng.add_adapter(ref_dir / "adapters" / name)
     yield eng
@@ -200,7 +201,9 @@ def test_runtime_add_remove_keeps_ids_stable(engine, ref_dir):
 
 
 def test_prefix_cache_is_bounded(smollm_path):
-    eng = Engine.from_path(smollm_path, ctx_size=128, prefix_cache_bytes=3 * 46080 * 40)
+    eng = Engine.from_path(
+        smollm_path, EngineOptions(ctx_size=128, prefix_cache_bytes=3 * 46080 * 40)
+    )
     try:
         for i in range(6):
             eng.complete(
@@ -278,7 +281,7 @@ def write_partial_adapter(path, cfg, rank: int = 4, seed: int = 11):
 
 @pytest.mark.parametrize("small", ["blocked", "gemm", "gemv"])
 def test_stacked_decode_with_adapters_on_some_parts_only(smollm_path, ref_dir, tmp_path, small):
-    eng = Engine.from_path(smollm_path, ctx_size=64, n_parallel=4, start=False)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=64, n_parallel=4), start=False)
     eng.model.lin.force(small)
     part = eng.add_adapter(write_partial_adapter(tmp_path / "partial.gguf", eng.config))
     attn = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")

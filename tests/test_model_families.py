@@ -204,9 +204,10 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
 
 
 def tiny_engine(path):
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
-    return Engine.from_path(path, n_parallel=1, ctx_size=64)
+    return Engine.from_path(path, EngineOptions(n_parallel=1, ctx_size=64))
 
 
 def random_lora(path, cfg, targets=None, rank=4, seed=0):

@@ -136,10 +136,11 @@ def test_chunked_prefill_equals_full_forward(tmp_path, monkeypatch, block):
 def test_long_prompt_through_the_scheduler_matches_one_forward(smollm_path):
     """A 700-token prompt is prefilled in 512-token chunks by the scheduler; its first
     greedy token must be the argmax of a single full forward."""
+    from core.options import EngineOptions
     from core.serve.engine import Engine
     from core.serve.sampling import SamplingParams
 
-    eng = Engine.from_path(smollm_path, ctx_size=1024)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=1024))
     try:
         prompt = [1] + list(np.random.default_rng(4).integers(100, 40000, size=699))
         steps = eng.stats()["steps"]

@@ -11,7 +11,8 @@ from core.chat_template import DEFAULT_CHAT
 from core.cli import parse_args
 from core.errors import UserError
 from core.options import EngineOptions, is_finite_number
-from core.startup import engine_from_args
+from core.serve.engine import Engine
+from core.startup import engine_from_args, startup_adapters
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
 
@@ -38,7 +39,7 @@ def test_flags_reach_the_options(tmp_path):
     o = EngineOptions.from_args(args)
     assert (o.draft_max, o.n_parallel, o.ctx_size, o.threads) == (0, 2, 0, 1)
     assert o.chat_template == TEMPLATE and o.chat_defaults.reasoning == "off"
-    eng = o.engine()
+    eng = Engine(o)
     assert (eng.draft_max, eng.n_parallel, eng.requested_ctx, eng.threads) == (0, 2, 0, 1)
 
 
@@ -61,6 +62,20 @@ def test_headless_engine_keeps_the_flag_template_across_a_reload(smollm_path, tm
         assert eng.chat_template.source == TEMPLATE
     finally:
         eng.stop()
+
+
+def test_startup_adapters_are_the_flags_in_order():
+    """One list for the headless server and the window (which adds the demo adapters
+    only when neither a model nor an adapter was named)."""
+    flags = ["--lora", "a.gguf,b.gguf", "--lora-scaled", "c.gguf:0.5"]
+    assert startup_adapters(parse_args(flags)) == [
+        ("a.gguf", 1.0),
+        ("b.gguf", 1.0),
+        ("c.gguf", 0.5),
+    ]
+    zeroed = startup_adapters(parse_args([*flags, "--lora-init-without-apply"]))
+    assert zeroed == [("a.gguf", 0.0), ("b.gguf", 0.0), ("c.gguf", 0.0)]
+    assert startup_adapters(parse_args([])) == []
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,10 @@ N_CASES = 32
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir, reference):
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
-    eng = Engine.from_path(smollm_path, ctx_size=512)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=512))
     for name in reference["adapters"]:
         eng.add_adapter(ref_dir / "adapters" / name)
     yield eng

@@ -33,9 +33,10 @@ Q8_TOL = 0.15
 
 
 def _engine(path, ref_dir, reference):
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
-    eng = Engine.from_path(path, ctx_size=256)
+    eng = Engine.from_path(path, EngineOptions(ctx_size=256))
     for name in reference["adapters"]:
         eng.add_adapter(ref_dir / "adapters" / name)
     return eng

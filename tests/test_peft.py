@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from core.lora.adapter import AdapterError
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.mixing import mix_logits
@@ -170,7 +171,7 @@ def hf_to_gguf_tensors(
 
 @pytest.fixture(scope="session")
 def engine(smollm_path, ref_dir):
-    eng = Engine.from_path(smollm_path, n_parallel=2, ctx_size=128)
+    eng = Engine.from_path(smollm_path, EngineOptions(n_parallel=2, ctx_size=128))
     eng.keep = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=1.0)
     yield eng
     eng.stop()

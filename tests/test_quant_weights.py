@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType
 
 from core.model.quant import FusedMatrix, QuantMatrix
 from core.model.weights import ModelLoadError, map_weights, open_model_file
+from core.options import EngineOptions, OptionsError
 from core.paths import cache_dir
-from core.serve.engine import Engine, EngineError
+from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from tests.mixing import mix_logits
 from tests.tiny_gguf import write_tiny_llama
@@ -27,7 +28,7 @@ def both(smollm_path):
 
     engines = {}
     for storage in ("quantized", "f32"):
-        e = Engine(weights=storage, ctx_size=256, n_parallel=2)
+        e = Engine(EngineOptions(weights=storage, ctx_size=256, n_parallel=2))
         e.load_model(smollm_path)
         e.add_adapter(reference_dir() / "adapters" / "lora_attn.gguf")
         e.start()
@@ -78,10 +79,10 @@ def test_a_type_without_kernels_is_held_as_float32_and_named(tmp_path, caplog):
     assert w.f32_tensors and set(w.f32_tensors.values()) == {"IQ4_NL"}
     assert "blk.0.attn_q.weight" in w.f32_tensors
     assert "IQ4_NL" in caplog.text and "float32" in caplog.text
-    eng = Engine(ctx_size=64, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     eng.load_model(path)
     assert eng.model_info()["f32_tensors"]["blk.1.ffn_down.weight"] == "IQ4_NL"
-    want = Engine(weights="f32", ctx_size=64, n_parallel=1)
+    want = Engine(EngineOptions(weights="f32", ctx_size=64, n_parallel=1))
     want.load_model(path)
     toks = [5, 6, 7, 8]
     np.testing.assert_allclose(
@@ -95,7 +96,10 @@ def test_a_type_without_kernels_is_held_as_float32_and_named(tmp_path, caplog):
 )
 def test_tiny_models_of_each_storage_agree(tmp_path, qtype):
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, dim=256, ffn=256, tied=False)
-    got, want = Engine(ctx_size=64), Engine(weights="f32", ctx_size=64)
+    got, want = (
+        Engine(EngineOptions(ctx_size=64)),
+        Engine(EngineOptions(weights="f32", ctx_size=64)),
+    )
     got.load_model(path)
     want.load_model(path)
     toks = list(range(3, 40))
@@ -110,15 +114,15 @@ def test_a_file_cut_short_is_refused_before_any_kernel_reads_it(tmp_path):
     )
     data = path.read_bytes()
     path.write_bytes(data[:-100])  # the last tensor's blocks lose their tail
-    eng = Engine(ctx_size=64)
+    eng = Engine(EngineOptions(ctx_size=64))
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         eng.load_model(path)
     assert eng.model is None
 
 
 def test_weights_option_is_checked():
-    with pytest.raises(EngineError, match="weights must be one of quantized, f32"):
-        Engine(weights="int3")
+    with pytest.raises(OptionsError, match="--weights must be one of quantized, f32"):
+        EngineOptions(weights="int3")
 
 
 def test_old_float32_caches_are_noted_and_can_be_cleared(both, caplog):

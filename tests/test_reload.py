@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from core.model.weights import LoadCancelled
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
+from core.serve.events import AdaptersDropped, ModelLoaded, ModelLoading
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 DIM, RANK = 64, 4
@@ -47,9 +49,9 @@ def events():
 
 @pytest.fixture
 def engine(files, events):
-    eng = Engine(ctx_size=64, n_parallel=1, draft_max=0)
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1, draft_max=0))
     eng.load_model(files["three"])
-    eng.subscribe(lambda name, payload: events.append((name, payload)))
+    eng.subscribe(events.append)
     eng.start()
     yield eng
     eng.stop()
@@ -65,7 +67,7 @@ def test_reloading_the_same_file_keeps_adapters_ids_and_scales(engine, files, ev
     # the HTTP form names adapters by id: id 0 is still the same adapter
     assert engine.parse_mix([{"id": 0, "scale": 1.0}]) == {0: 1.0, 1: 0.0}
     assert engine.adapter(0).path == files["l0"]
-    assert not [e for e in events if e[0] == "adapters_dropped"]
+    assert not [e for e in events if isinstance(e, AdaptersDropped)]
     # a new adapter gets a new id; the kept ones were not re-numbered
     assert engine.add_adapter(files["l0"]) == 2
     # and the engine serves with the kept adapter in the mix
@@ -82,14 +84,14 @@ def test_adapters_that_do_not_fit_the_new_model_are_dropped_with_the_reason(engi
     assert engine.get_mix() == {a: 0.75}
     with pytest.raises(EngineError, match="no adapter with id 1"):
         engine.parse_mix([{"id": b, "scale": 1.0}])
-    dropped = [p["dropped"] for name, p in events if name == "adapters_dropped"]
+    dropped = [e.dropped for e in events if isinstance(e, AdaptersDropped)]
     assert len(dropped) == 1 and [d["id"] for d in dropped[0]] == [b]
     entry = dropped[0][0]
     assert entry["path"] == str(files["l2"]) and entry["name"] == "l2"
     assert "l2.gguf" in entry["error"] and entry["error"].count("l2.gguf") == 1
     # the order of events lets a listener show the model first, then the red rows
-    names = [name for name, _ in events if name != "model_loading"]
-    assert names.index("model_loaded") < names.index("adapters_dropped")
+    kinds = [type(e) for e in events if not isinstance(e, ModelLoading)]
+    assert kinds.index(ModelLoaded) < kinds.index(AdaptersDropped)
 
 
 def test_a_cancelled_reload_changes_nothing(engine, files):
@@ -107,7 +109,7 @@ def test_an_adapter_file_deleted_before_the_reload_becomes_a_dropped_entry(engin
     files["l0"].unlink()
     engine.load_model(files["three"])
     assert engine.adapters() == []
-    (dropped,) = [p["dropped"] for name, p in events if name == "adapters_dropped"]
+    (dropped,) = [e.dropped for e in events if isinstance(e, AdaptersDropped)]
     assert dropped[0]["id"] == a and "no such file" in dropped[0]["error"]
 
 

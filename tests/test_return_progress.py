@@ -9,6 +9,7 @@ import pytest
 from test_logit_bias_and_n import sse_events
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 
 PROMPT = "Progress reports are sent while the prompt is read."
@@ -16,7 +17,7 @@ PROMPT = "Progress reports are sent while the prompt is read."
 
 @pytest.fixture(scope="module")
 def server(smollm_path):
-    eng = Engine(ctx_size=256, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()
@@ -107,10 +108,9 @@ def test_batch_size_flag_sets_the_prompt_chunk(smollm_path):
     in chunks of that many tokens, one progress report each (as upstream's
     test_return_progress counts them)."""
     from core.cli import parse_args
-    from core.options import EngineOptions
 
     args = parse_args(["--headless", "-m", str(smollm_path), "-b", "4", "-c", "256", "-np", "1"])
-    eng = EngineOptions.from_args(args).engine()
+    eng = Engine(EngineOptions.from_args(args))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()

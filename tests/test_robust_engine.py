@@ -20,6 +20,7 @@ import core.lora.registry
 import core.serve.engine
 import core.serve.scheduler
 from core.lora.adapter import AdapterError, LoraPair
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import DoneEvent
@@ -41,7 +42,7 @@ def write_hostile_adapter(path, cfg):
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir, tmp_path_factory):
-    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=2)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256, n_parallel=2))
     eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     eng.hostile = eng.add_adapter(
         write_hostile_adapter(tmp_path_factory.mktemp("hostile") / "hostile.gguf", eng.config)

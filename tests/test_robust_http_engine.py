@@ -12,13 +12,14 @@ import aiohttp
 import pytest
 
 from core.http import ServerSettings, ServerThread
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from tests.test_robust_engine import write_hostile_adapter
 
 
 @pytest.fixture(scope="module")
 def server(smollm_path, ref_dir, tmp_path_factory):
-    eng = Engine(ctx_size=256, n_parallel=2)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=2))
     eng.load_model(smollm_path)
     eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=0.0)
     hostile = write_hostile_adapter(tmp_path_factory.mktemp("hostile") / "h.gguf", eng.config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import (
     NonFiniteLogits,
@@ -163,7 +164,7 @@ def test_stop_matcher_earliest_stop_wins_within_one_piece():
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    eng = Engine.from_path(smollm_path, ctx_size=256)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256))
     yield eng
     eng.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import core.serve.score
+from core.options import EngineOptions
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
 from core.serve.score import disagreements
@@ -20,7 +21,7 @@ LP_TOL = 1e-3  # the brief's bound; measured differences are ~1e-5
 
 @pytest.fixture(scope="module")
 def engine(smollm_path, ref_dir):
-    eng = Engine.from_path(smollm_path, ctx_size=256, n_parallel=2)
+    eng = Engine.from_path(smollm_path, EngineOptions(ctx_size=256, n_parallel=2))
     eng.attn = eng.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     eng.ffn = eng.add_adapter(ref_dir / "adapters" / "lora_ffn.gguf")
     yield eng

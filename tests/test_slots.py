@@ -13,6 +13,7 @@ from tiny_gguf import write_tiny_llama
 from core.gguf.reader import GGUFFile
 from core.http import ServerSettings, ServerThread
 from core.model.config import ModelConfig
+from core.options import EngineOptions
 from core.serve import slots
 from core.serve.engine import Engine
 
@@ -26,7 +27,7 @@ def save_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(smollm_path, save_dir):
-    eng = Engine(ctx_size=256, n_parallel=2)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=2))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0, slot_save_path=save_dir)).start()
@@ -145,7 +146,7 @@ def test_bad_files_are_refused_and_the_server_keeps_serving(server, save_dir, tm
 
 
 def test_without_slot_save_path_actions_answer_501(smollm_path):
-    eng = Engine(ctx_size=128, n_parallel=1)
+    eng = Engine(EngineOptions(ctx_size=128, n_parallel=1))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0)).start()
@@ -197,7 +198,7 @@ def test_saving_a_busy_slot_waits_for_its_request(server):
 def test_a_slot_busy_past_the_wait_is_409(smollm_path, tmp_path):
     import asyncio
 
-    eng = Engine(ctx_size=256, n_parallel=2)
+    eng = Engine(EngineOptions(ctx_size=256, n_parallel=2))
     eng.load_model(smollm_path)
     eng.start()
     srv = ServerThread(eng, ServerSettings(port=0, slot_save_path=tmp_path, slot_wait=0.0)).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.options import EngineOptions
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import prompt_lookup
@@ -25,8 +26,8 @@ def test_prompt_lookup_finds_the_latest_continuation():
 
 @pytest.fixture(scope="module")
 def engines(smollm_path, ref_dir):
-    plain = Engine.from_path(smollm_path, ctx_size=1024, draft_max=0)
-    spec = Engine.from_path(smollm_path, ctx_size=1024, draft_max=8)
+    plain = Engine.from_path(smollm_path, EngineOptions(ctx_size=1024, draft_max=0))
+    spec = Engine.from_path(smollm_path, EngineOptions(ctx_size=1024, draft_max=8))
     for e in (plain, spec):
         e.add_adapter(ref_dir / "adapters" / "lora_attn.gguf")
     yield plain, spec

@@ -86,9 +86,10 @@ class EngineBackend:
     parallel = 8
 
     def __init__(self, model_path: Path):
+        from core.options import EngineOptions
         from core.serve.engine import Engine
 
-        self.eng = Engine.from_path(model_path, n_parallel=self.parallel)
+        self.eng = Engine.from_path(model_path, EngineOptions(n_parallel=self.parallel))
         self.ids: dict[str, int] = {}
 
     def add(self, style: str, path: Path) -> None:

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.serve.events import ModelLoaded
 from core.settings import Settings
 
 from . import theme
@@ -191,8 +192,8 @@ class AdapterPanel(FileDropMixin, QWidget):
         self.errors.pop(path, None)
         self.settings.add_recent("recent_adapters", path)
 
-    def _model_loaded(self, info: dict) -> None:
-        self._model_name = info.get("name", "")
+    def _model_loaded(self, ev: ModelLoaded) -> None:
+        self._model_name = ev.info.get("name", "")
         self.errors.clear()
         self._rebuild()
 

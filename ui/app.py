@@ -29,22 +29,9 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.001
 
 
-def startup_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """(path, scale) pairs to load at start: --lora/--lora-scaled, else the demo adapters."""
-    pairs = getattr(args, "adapters", None)
-    if pairs is None:
-        pairs = []
-        for item in getattr(args, "lora", None) or []:
-            pairs.append(
-                (str(item[0]), float(item[1]))
-                if isinstance(item, (tuple, list))
-                else (str(item), 1.0)
-            )
-    if getattr(args, "lora_init_without_apply", False):
-        pairs = [(p, 0.0) for p, _ in pairs]
-    if not pairs and not getattr(args, "model", None):
-        pairs = [(str(p), 0.0) for p in sorted((RESOURCES / "adapters").glob("*.gguf"))]
-    return [(str(p), float(s)) for p, s in pairs]
+def demo_adapters() -> list[tuple[str, float]]:
+    """The bundled demo adapters, at scale 0: the default model's first desk."""
+    return [(str(p), 0.0) for p in sorted((RESOURCES / "adapters").glob("*.gguf"))]
 
 
 def load_stylesheet(dark: bool = False) -> str:
@@ -69,16 +56,13 @@ def app_icon():
     return icon
 
 
-def create_window(args: argparse.Namespace):
-    """The window with its engine, model load started (tests and run_gui share this)."""
-    from core.default_model import ensure_default_model
-    from core.options import EngineOptions
+def build_window(args: argparse.Namespace, engine):
+    """The window over ``engine``, its Server tab set from the flags (no model load)."""
     from core.settings import Settings
 
     from .main_window import MainWindow
 
-    engine = EngineOptions.from_args(args).engine()  # as headless: core/startup.py
-    win = MainWindow(engine, Settings(), cors_origins=list(getattr(args, "cors_origins", []) or []))
+    win = MainWindow(engine, Settings(), args=args)
     # Flags override the saved server settings only when they differ from main.py's
     # defaults (argparse cannot tell "--port 8080" from no flag at all).
     host, port, keys = (
@@ -92,12 +76,25 @@ def create_window(args: argparse.Namespace):
         win.server.port.setValue(int(port))
     if keys:
         win.server.api_key.setText(keys[0])
+    if getattr(args, "allow_runtime_lora", False):
+        win.server.allow_lora.setChecked(True)
     win.server._save()
+    return win
+
+
+def create_window(args: argparse.Namespace):
+    """The window with its engine, model load started (tests and run_gui share this)."""
+    from core.default_model import ensure_default_model
+    from core.options import EngineOptions
+    from core.serve.engine import Engine
+    from core.startup import startup_adapters
+
+    win = build_window(args, Engine(EngineOptions.from_args(args)))  # as core/startup.py
     model = getattr(args, "model", None)
     target = Path(model) if model else (lambda: ensure_default_model(log=log.info))
-    given = getattr(args, "adapters", None) or getattr(args, "lora", None)
-    # adapters named on the command line win; else the desk as it was left; else the demos
-    adapters = (None if given else win.restore_desk()) or startup_adapters(args)
+    # adapters named on the command line win (as headless); else the desk as it was
+    # left; else, for the default model, the demo adapters
+    adapters = startup_adapters(args) or win.restore_desk() or ([] if model else demo_adapters())
     win.open_model(target, adapters)
     return win
 

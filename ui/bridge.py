@@ -2,8 +2,9 @@
 
 * The engine runs its scheduler loop on its own thread (``engine.start()``), and
   restarts it across model reloads itself.
-* :class:`EngineBridge` subscribes to engine events and re-emits them as Qt
-  signals; signals emitted from another thread are queued to the GUI thread.
+* :class:`EngineBridge` subscribes to the engine's typed events and re-emits each
+  type on its own Qt signal, carrying the event object; signals emitted from
+  another thread are queued to the GUI thread.
   It also runs slow calls (model load, adapter load, chat submissions) on
   :class:`ui.workers.Worker` threads and reports their outcome as signals, so
   widgets never block and never see an exception: errors arrive as ``error``
@@ -22,6 +23,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from core.serve import events as E
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import DoneEvent, PromptProgressEvent, Timings
@@ -101,17 +103,19 @@ class Generation(QObject):
 
 
 class EngineBridge(QObject):
-    model_loading = Signal(float, str)
-    model_loaded = Signal(object)
-    model_error = Signal(str)
-    model_cancelled = Signal()  # the user's Cancel: the model in service stays
-    adapters_changed = Signal(object)
-    mix_changed = Signal(object, str)  # {id: scale}, source
-    mix_building = Signal(float, str)  # a merged mix's first build: progress 0..1, message
-    request_started = Signal(object)
-    request_finished = Signal(object)
+    # The engine's events (core/serve/events.py), re-emitted as the objects they are:
+    model_loading = Signal(object)  # E.ModelLoading: progress 0..1, message
+    model_loaded = Signal(object)  # E.ModelLoaded: info (Engine.model_info())
+    model_error = Signal(object)  # E.ModelError, not cancelled
+    model_cancelled = Signal(object)  # E.ModelError the user cancelled: the model in service stays
+    adapters_changed = Signal(object)  # E.AdaptersChanged
+    mix_changed = Signal(object)  # E.MixChanged: mix {id: scale}, source
+    mix_building = Signal(object)  # E.MixBuilding: a merged mix's first build, progress 0..1
+    request_started = Signal(object)  # E.RequestStarted
+    request_finished = Signal(object)  # E.RequestFinished
+    # The bridge's own: the outcome of its workers' calls.
     adapter_added = Signal(int, str)  # id, path
-    adapter_error = Signal(str, str)  # path, message
+    adapter_error = Signal(str, str)  # path, message (a failed load, or dropped by a reload)
     error = Signal(str)  # anything else worth a message
 
     def __init__(self, engine: Engine, parent: QObject | None = None):
@@ -119,35 +123,26 @@ class EngineBridge(QObject):
         self.engine = engine
         self.load_worker: Worker | None = None
         self._workers: set[Worker] = set()  # referenced until they finish
+        self._signals = {
+            E.ModelLoading: self.model_loading,
+            E.ModelLoaded: self.model_loaded,
+            E.AdaptersChanged: self.adapters_changed,
+            E.MixChanged: self.mix_changed,
+            E.MixBuilding: self.mix_building,
+            E.RequestStarted: self.request_started,
+            E.RequestFinished: self.request_finished,
+        }  # PromptProgress: each Generation hears its own request's
         self._unsubscribe = engine.subscribe(self._on_engine_event)
 
     # -- engine events (any thread) -> signals -------------------------------------
-    def _on_engine_event(self, name: str, payload: dict) -> None:
-        if name == "model_loading":
-            self.model_loading.emit(
-                float(payload.get("progress", 0.0)), str(payload.get("message", ""))
-            )
-        elif name == "model_loaded":
-            self.model_loaded.emit(dict(payload.get("info") or {}))
-        elif name == "model_error" and payload.get("cancelled"):
-            self.model_cancelled.emit()
-        elif name == "model_error":
-            self.model_error.emit(str(payload.get("error", "model load failed")))
-        elif name == "adapters_changed":
-            self.adapters_changed.emit(list(payload.get("adapters") or []))
-        elif name == "adapters_dropped":  # a reload unloaded those that do not fit
-            for d in payload.get("dropped") or []:
+    def _on_engine_event(self, ev: E.EngineEvent) -> None:
+        if isinstance(ev, E.ModelError):
+            (self.model_cancelled if ev.cancelled else self.model_error).emit(ev)
+        elif isinstance(ev, E.AdaptersDropped):  # a reload unloaded those that do not fit
+            for d in ev.dropped:
                 self.adapter_error.emit(str(d.get("path", "")), str(d.get("error", "")))
-        elif name == "mix_changed":
-            self.mix_changed.emit(dict(payload.get("mix") or {}), str(payload.get("source", "")))
-        elif name == "mix_building":
-            self.mix_building.emit(
-                float(payload.get("progress", 0.0)), str(payload.get("message", ""))
-            )
-        elif name == "request_started":
-            self.request_started.emit(dict(payload))
-        elif name == "request_finished":
-            self.request_finished.emit(dict(payload))
+        elif type(ev) in self._signals:
+            self._signals[type(ev)].emit(ev)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -182,11 +177,12 @@ class EngineBridge(QObject):
         def load(abort: threading.Event) -> None:
             target = path
             if callable(path):  # e.g. ensure_default_model: may download once
-                self.model_loading.emit(0.0, "fetching the default model")
+                self.model_loading.emit(E.ModelLoading("", 0.0, "fetching the default model"))
                 try:
                     target = path()
                 except Exception as e:
-                    self.model_error.emit(f"could not get the default model: {e}")
+                    error = f"could not get the default model: {e}"
+                    self.model_error.emit(E.ModelError("", error, cancelled=False))
                     return
             try:
                 self.engine.load_model(target, cancel=abort)

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from core.errors import UserError
+from core.lora.mix import mix_text
 from core.settings import Conversations, Settings
 
 from .bridge import EngineBridge, Generation
@@ -31,7 +32,7 @@ from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
-from .util import ElidedLabel, format_mix, run_controls
+from .util import ElidedLabel, run_controls
 
 RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
@@ -396,7 +397,7 @@ class ChatPane(QWidget):
         reply["meta"] = {
             "tokens": t["predicted_n"],
             "tps": round(t["predicted_per_second"], 1),  # shown the same in both places
-            "mix": format_mix(done.mix, names),
+            "mix": mix_text(done.mix, names),
             "mix_ids": [[int(a), float(s)] for a, s in done.mix],
             "stop": done.stop_type,
         }

@@ -17,7 +17,6 @@ from PySide6.QtWidgets import (
     QGridLayout,
     QHBoxLayout,
     QLabel,
-    QPlainTextEdit,
     QPushButton,
     QTextBrowser,
     QToolTip,
@@ -25,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.lora.mix import mix_text
 from core.serve.score import TokenScore, disagreements
 
 from . import theme
@@ -33,7 +33,7 @@ from .chat import palette_colors
 from .markdown import render as render_md
 from .mixer import MixerPanel
 from .sampling import SamplingForm
-from .util import format_mix, run_controls
+from .util import prompt_row
 
 CURRENT = "(current desk mix)"
 BASE = "(base model, no adapters)"
@@ -118,10 +118,6 @@ class ComparePane(QWidget):
         self.sampling = sampling
         self.a, self.b = Side("A"), Side("B")
 
-        self.prompt = QPlainTextEdit()
-        self.prompt.setPlaceholderText("One prompt, two mixes…   (Ctrl+Enter to run)")
-        self.prompt.setMaximumHeight(80)
-        self.run_btn, self.stop_btn = run_controls(self, "Run A/B", self.run, self.stop)
         self.diff_btn = QPushButton("Diff")
         self.diff_btn.setCheckable(True)
         self.diff_btn.setEnabled(False)
@@ -130,6 +126,9 @@ class ComparePane(QWidget):
             "both mixes); hover a token for both mixes' top-5"
         )
         self.diff_btn.toggled.connect(self._diff_toggled)
+        self.prompt, self.run_btn, self.stop_btn, row = prompt_row(
+            self, "One prompt, two mixes", "Run A/B", self.run, self.stop, self.diff_btn
+        )
         self.diff_hint = QLabel()
         self.diff_hint.setObjectName("hint")
         self.diff_hint.setWordWrap(True)
@@ -148,13 +147,6 @@ class ComparePane(QWidget):
             grid.addWidget(side.meta, 3, col)
             side.combo.currentTextChanged.connect(self._preview)
         grid.setRowStretch(2, 1)
-        row = QHBoxLayout()
-        row.addWidget(self.prompt, 1)
-        col = QVBoxLayout()
-        col.addWidget(self.run_btn)
-        col.addWidget(self.stop_btn)
-        col.addWidget(self.diff_btn)
-        row.addLayout(col)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(grid, 1)
@@ -196,7 +188,7 @@ class ComparePane(QWidget):
         names = {a: s.info["name"] for a, s in self.mixer.strips.items()}
         for side in (self.a, self.b):
             mix = self.mix_of(side)
-            side.mix_label.setText("mix: " + (format_mix(mix, names) if mix is not None else "?"))
+            side.mix_label.setText("mix: " + (mix_text(mix, names) if mix is not None else "?"))
         if self.a.combo.currentText():
             self.mixer.settings.set(
                 "compare", {"a": self.a.combo.currentText(), "b": self.b.combo.currentText()}
@@ -331,7 +323,7 @@ class ComparePane(QWidget):
     def _show_diff(self) -> None:
         names = {a: s.info["name"] for a, s in self.mixer.strips.items()}
         labels = {
-            s: f"{s.title.text()} · {s.preset}: {format_mix(s.done.mix, names)}"
+            s: f"{s.title.text()} · {s.preset}: {mix_text(s.done.mix, names)}"
             for s in (self.a, self.b)
         }
         for s, o in ((self.a, self.b), (self.b, self.a)):

@@ -21,7 +21,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QMenu,
-    QPlainTextEdit,
     QPushButton,
     QScrollArea,
     QSizePolicy,
@@ -31,11 +30,12 @@ from PySide6.QtWidgets import (
 )
 
 from core import grid as G
+from core.lora.mix import mix_text
 
 from .bridge import EngineBridge, Generation
 from .mixer import MixerPanel
 from .sampling import SamplingForm
-from .util import run_controls
+from .util import prompt_row
 
 NONE = "(none)"
 KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
@@ -141,7 +141,7 @@ class Card(QFrame):
 
     use_mix = Signal(object)  # the cell's mix
 
-    def __init__(self, cell: G.Cell, mix_text: str, parent: QWidget | None = None):
+    def __init__(self, cell: G.Cell, shown_mix: str, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("gridCard")
         self.cell = cell
@@ -151,7 +151,7 @@ class Card(QFrame):
         title = " · ".join(t for t in (cell.x_label, cell.y_label) if t)
         self.title = QLabel(title)
         self.title.setObjectName("cardTitle")
-        self.mix = QLabel(mix_text)
+        self.mix = QLabel(shown_mix)
         self.mix.setObjectName("hint")
         self.mix.setWordWrap(True)
         self.reply = QLabel("…")
@@ -217,10 +217,6 @@ class GridPane(QWidget):
 
         self.x = AxisPicker("X", optional=False)
         self.y = AxisPicker("Y", optional=True)
-        self.prompt = QPlainTextEdit()
-        self.prompt.setPlaceholderText("One prompt, X × Y mixes…   (Ctrl+Enter to run)")
-        self.prompt.setMaximumHeight(70)
-        self.run_btn, self.stop_btn = run_controls(self, "Run grid", self.run, self.stop)
         self.export_btn = QToolButton(text="Export")
         self.export_btn.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(self.export_btn)
@@ -229,6 +225,9 @@ class GridPane(QWidget):
         menu.addAction("PNG image…", lambda: self._export_dialog("png"))
         self.export_btn.setMenu(menu)
         self.export_btn.setEnabled(False)
+        self.prompt, self.run_btn, self.stop_btn, row = prompt_row(
+            self, "One prompt, X × Y mixes", "Run grid", self.run, self.stop, self.export_btn
+        )
         self.status = QLabel()
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
@@ -246,13 +245,6 @@ class GridPane(QWidget):
         axes = QVBoxLayout()
         axes.addWidget(self.x)
         axes.addWidget(self.y)
-        row = QHBoxLayout()
-        row.addWidget(self.prompt, 1)
-        col = QVBoxLayout()
-        col.addWidget(self.run_btn)
-        col.addWidget(self.stop_btn)
-        col.addWidget(self.export_btn)
-        row.addLayout(col)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(axes)
@@ -349,7 +341,7 @@ class GridPane(QWidget):
                 h.setMaximumWidth(70)
                 self.grid.addWidget(h, j + 1, 0)
         for c in cells:
-            card = Card(c, G.mix_text(c.mix, self.names))
+            card = Card(c, mix_text(c.mix, self.names))
             card.use_mix.connect(self.use_mix)
             self.grid.addWidget(card, c.y + 1, c.x + 1)
             self.cards.append(card)
@@ -371,7 +363,7 @@ class GridPane(QWidget):
 
     def use_mix(self, mix: dict) -> None:
         self.mixer.use_mix(mix)
-        self.message.emit("The desk now plays " + G.mix_text(mix, self.names))
+        self.message.emit("The desk now plays " + mix_text(mix, self.names))
 
     # -- exports ---------------------------------------------------------------------------
     def results(self) -> list[G.CellResult]:

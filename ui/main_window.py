@@ -4,6 +4,7 @@ each widget takes the bridge (and settings) and listens to its signals."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from core.serve.engine import Engine
+from core.serve.events import ModelLoaded
 from core.settings import Conversations, Settings
 
 from .adapters import AdapterPanel, problem_text
@@ -108,8 +110,10 @@ class MainWindow(FileDropMixin, QMainWindow):
         engine: Engine,
         settings: Settings | None = None,
         conversations: Conversations | None = None,
-        cors_origins: list[str] | None = None,
+        args: argparse.Namespace | None = None,
     ):
+        """``args``: main.py's parsed flags, which the Server tab's server is built
+        from as --headless builds its own (None: the defaults)."""
         super().__init__()
         self.setWindowTitle(TITLE)
         icon = RESOURCES / "icons" / "mixdesk.svg"
@@ -130,7 +134,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.chat = ChatPane(self.bridge, self.settings, self.sampling, conversations)
         self.compare = ComparePane(self.bridge, self.mixer, self.sampling)
         self.grid = GridPane(self.bridge, self.mixer, self.sampling)
-        self.server = ServerPanel(self.bridge, self.settings, cors_origins)
+        self.server = ServerPanel(self.bridge, self.settings, args)
         self.banner = ErrorBanner()
         self.exporter = MixExporter(self.bridge, self.settings, self)
 
@@ -192,7 +196,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.model_bar.open_requested.connect(self.open_model)
         self.adapters.open_model_requested.connect(self.open_model)
         self.bridge.error.connect(self.show_error)
-        self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e}"))
+        self.bridge.model_error.connect(lambda e: self.show_error(f"Model not loaded: {e.error}"))
         self.bridge.adapter_error.connect(
             lambda p, e: self.show_error(f"Adapter not loaded: {problem_text(e)}")
         )
@@ -299,7 +303,8 @@ class MainWindow(FileDropMixin, QMainWindow):
         put back when they arrive)."""
         return self.mixer.expect(self.settings.get("desk"))
 
-    def _model_loaded(self, info: dict) -> None:
+    def _model_loaded(self, ev: ModelLoaded) -> None:
+        info = ev.info
         self.banner.success()
         if info.get("path"):
             self.settings.add_recent("recent_models", info["path"])

@@ -38,6 +38,7 @@ from core.errors import UserError
 from core.lora import merge as M
 from core.lora.adapter import effective_scale
 from core.lora.merge import LINEAR, MergeSpec
+from core.serve.events import MixBuilding, MixChanged, RequestFinished, RequestStarted
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -343,13 +344,12 @@ class MixerPanel(QWidget):
         QShortcut(QKeySequence("Ctrl+Y"), self, self.redo, context=ctx)
 
     # -- activity ------------------------------------------------------------------
-    def _request_started(self, ev: dict) -> None:
-        used = {int(a) for a, scale in (ev.get("mix") or {}).items() if scale}
-        self._running[int(ev.get("id", -1))] = used
+    def _request_started(self, ev: RequestStarted) -> None:
+        self._running[ev.id] = {int(a) for a, scale in ev.mix.items() if scale}
         self._show_activity()
 
-    def _request_finished(self, ev: dict) -> None:
-        self._running.pop(int(ev.get("id", -1)), None)
+    def _request_finished(self, ev: RequestFinished) -> None:
+        self._running.pop(ev.id, None)
         self._show_activity()
 
     def _show_activity(self) -> None:
@@ -462,9 +462,10 @@ class MixerPanel(QWidget):
         self._show_merge_fields()
         self._apply()
 
-    def _mix_building(self, progress: float, message: str) -> None:
+    def _mix_building(self, ev: MixBuilding) -> None:
         """A merged mix's first build: its progress, then nothing once it is done."""
-        self.merge_status.setText("" if progress >= 1.0 else f"{message} · {progress:.0%}")
+        done = ev.progress >= 1.0
+        self.merge_status.setText("" if done else f"{ev.message} · {ev.progress:.0%}")
 
     # -- the desk across restarts and model reloads -----------------------------------
     def desk_state(self) -> dict[str, Any]:
@@ -617,8 +618,8 @@ class MixerPanel(QWidget):
         name = self.preset_box.currentText()
         self.modified.setVisible(bool(name) and not self.matches_preset(name))
 
-    def _engine_mix_changed(self, mix: dict, source: str) -> None:
-        if source != "gui":
+    def _engine_mix_changed(self, ev: MixChanged) -> None:
+        if ev.source != "gui":
             self._reconcile(self.bridge.engine.get_mix())
 
     def _reconcile(self, mix: dict[int, float]) -> None:

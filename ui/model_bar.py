@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.serve.events import ModelError, ModelLoading
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -77,7 +78,7 @@ class ModelBar(FileDropMixin, QWidget):
         lay.addWidget(self.cancel_btn)
 
         bridge.model_loading.connect(self._loading)
-        bridge.model_loaded.connect(self.show_info)
+        bridge.model_loaded.connect(lambda ev: self.show_info(ev.info))
         bridge.model_error.connect(self._failed)
         bridge.model_cancelled.connect(self._cancelled)
         if bridge.engine.config is not None:
@@ -122,18 +123,18 @@ class ModelBar(FileDropMixin, QWidget):
             act.setToolTip(p)
             act.triggered.connect(lambda _=False, p=p: self.open_requested.emit(p))
 
-    def _loading(self, frac: float, msg: str) -> None:
+    def _loading(self, ev: ModelLoading) -> None:
         self.progress.show()
         self.cancel_btn.show()
-        self.progress.setValue(int(frac * 1000))
-        self.progress.setFormat(f"{msg or 'loading'} %p%")
+        self.progress.setValue(int(ev.progress * 1000))
+        self.progress.setFormat(f"{ev.message or 'loading'} %p%")
 
-    def _failed(self, err: str) -> None:
+    def _failed(self, ev: ModelError) -> None:
         self.progress.hide()
         self.cancel_btn.hide()
-        self.message.emit(f"Model not loaded: {err}")
+        self.message.emit(f"Model not loaded: {ev.error}")
 
-    def _cancelled(self) -> None:
+    def _cancelled(self, _: ModelError) -> None:
         self.progress.hide()
         self.cancel_btn.hide()
         name = self.bridge.engine.model_info().get("name")

@@ -1,14 +1,19 @@
 """Server panel: turn the llama-server-compatible HTTP API on and off from the GUI.
 
 The aiohttp app (``core.http.app.create_app``) runs on the qasync event loop, so
-it shares the GUI's engine (one model, one batch). Host, port and an optional
-API key persist in settings; the base URL and a curl example are copyable; a
-live log shows every HTTP request and every generation the engine starts.
+it shares the GUI's engine (one model, one batch). It is built from main.py's
+flags with the same ``ServerSettings.from_args`` as --headless (so --temp, -n,
+--alias, --metrics, ... mean the same), then this tab's own fields: host, port, an
+optional API key and adapter loading, which persist in settings. The base URL and a
+curl example are copyable; a live log shows every HTTP request and every generation
+the engine starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -28,8 +33,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.cli import parse_args
 from core.options import DEFAULT_HOST, DEFAULT_PORT
 from core.paths import data_dir
+from core.serve.events import RequestFinished, RequestStarted
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -47,13 +54,13 @@ class ServerPanel(QWidget):
         self,
         bridge: EngineBridge,
         settings: Settings,
-        cors_origins: list[str] | None = None,
+        args: argparse.Namespace | None = None,
         parent: QWidget | None = None,
     ):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
-        self.cors_origins = list(cors_origins or [])
+        self.args = args if args is not None else parse_args([])  # main.py's flags
         self.runner = None
         self.site = None
         self.bound_port: int | None = None
@@ -140,6 +147,28 @@ class ServerPanel(QWidget):
         )
         self._update_texts()
 
+    def server_settings(self):
+        """What the server starts with: ``ServerSettings.from_args`` of main.py's flags,
+        exactly as --headless builds it, then the fields this tab owns. The tab's API
+        key replaces the first --api-key (the others stay); adapter loading over HTTP
+        is the checkbox, limited to --lora-dir if given, else to the desk's folders.
+        Raises UserError naming a flag value the server cannot use."""
+        from core.http import ServerSettings
+
+        flags = ServerSettings.from_args(self.args)
+        key = self.api_key.text()
+        allow = self.allow_lora.isChecked()
+        given_dirs = [Path(d) for d in getattr(self.args, "lora_dir", None) or []]
+        return dataclasses.replace(
+            flags,
+            host=self.host.text().strip() or DEFAULT_HOST,
+            port=self.port.value(),
+            api_keys=([key] if key else []) + flags.api_keys[1:],
+            on_log=self.log_line.emit,
+            allow_runtime_lora=allow,
+            lora_dirs=(given_dirs or self.lora_dirs()) if allow else [],
+        )
+
     def base_url(self) -> str:
         host = self.host.text().strip() or DEFAULT_HOST
         shown = DEFAULT_HOST if host in ("0.0.0.0", "") else host
@@ -177,23 +206,18 @@ class ServerPanel(QWidget):
     def _append(self, line: str) -> None:
         self.log_view.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
 
-    def _request_started(self, info: dict) -> None:
+    def _request_started(self, ev: RequestStarted) -> None:
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
-        mix = (
-            ", ".join(f"{names.get(a, f'#{a}')}×{s:g}" for a, s in (info.get("mix") or {}).items())
-            or "no adapters"
-        )
+        mix = ", ".join(f"{names.get(a, f'#{a}')}×{s:g}" for a, s in ev.mix.items())
         self.log_line.emit(
-            f"generation #{info.get('id')} from {info.get('source') or '?'}: "
-            f"{info.get('prompt_n', 0)} prompt tokens, mix {mix}"
+            f"generation #{ev.id} from {ev.source or '?'}: "
+            f"{ev.prompt_n} prompt tokens, mix {mix or 'no adapters'}"
         )
 
-    def _request_finished(self, info: dict) -> None:
-        t = info.get("timings") or {}
+    def _request_finished(self, ev: RequestFinished) -> None:
         self.log_line.emit(
-            f"generation #{info.get('id')} done: {info.get('predicted_n', 0)} tokens, "
-            f"{t.get('predicted_per_second', 0.0):.1f} tok/s, "
-            f"stop {info.get('stop_type')}"
+            f"generation #{ev.id} done: {ev.predicted_n} tokens, "
+            f"{ev.timings.get('predicted_per_second', 0.0):.1f} tok/s, stop {ev.stop_type}"
         )
 
     # -- on / off ---------------------------------------------------------------------------------
@@ -217,23 +241,11 @@ class ServerPanel(QWidget):
         if self.runner is not None:
             return True
         self._save()
-        host, port = self.host.text().strip() or DEFAULT_HOST, self.port.value()
         try:
-            from core.http.app import ServerSettings, create_app
-            from core.http.server import exposure_warnings, start_site
+            from core.http import create_app, exposure_warnings, start_site
 
-            keys = [self.api_key.text()] if self.api_key.text() else []
-            allow = self.allow_lora.isChecked()
-            settings = _server_settings(
-                ServerSettings,
-                host,
-                port,
-                keys,
-                self.cors_origins,
-                on_log=self.log_line.emit,
-                allow_runtime_lora=allow,
-                lora_dirs=self.lora_dirs() if allow else [],
-            )
+            settings = self.server_settings()
+            host, port = settings.host, settings.port
             app = create_app(self.bridge.engine, settings)
             runner, bound = await start_site(app, host, port)
         except Exception as e:  # port in use, bad host, missing module...
@@ -277,15 +289,3 @@ class ServerPanel(QWidget):
     def _repolish(w: QWidget) -> None:
         w.style().unpolish(w)
         w.style().polish(w)
-
-
-def _server_settings(cls, host: str, port: int, keys: list[str], cors: list[str], **extra):
-    """Build core.http's ServerSettings with the fields it has (it is still evolving)."""
-    import dataclasses
-
-    wanted = {"host": host, "port": port, "api_keys": keys, "cors_origins": cors, **extra}
-    try:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in wanted.items() if k in names})
-    except TypeError:
-        return cls(**wanted)

@@ -6,11 +6,20 @@ from pathlib import Path
 
 from PySide6.QtCore import QMimeData, Qt
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import QLabel, QPushButton, QSizePolicy, QWidget
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
 
 from core.paths import resources_dir
 
 RESOURCES = resources_dir()
+PROMPT_BOX_HEIGHT = 70  # A/B compare's and the grid's prompt: a few lines, the rest for replies
 
 
 def human_bytes(n: float) -> str:
@@ -116,14 +125,23 @@ def run_controls(pane: QWidget, run_label: str, run, stop) -> tuple[QPushButton,
     return run_btn, stop_btn
 
 
-def format_mix(mix, names: dict[int, str]) -> str:
-    """'name ×0.50, other ×-1.00' for a {id: scale} dict or a mix key tuple; a Mix or
-    MergedKey whose method builds a merged adapter adds it: '… · ties d=0.5'."""
-    items = mix.items() if isinstance(mix, dict) else mix
-    parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
-    merge = getattr(mix, "merge", None)
-    how = f" · {merge.label()}" if parts and merge is not None and merge.builds else ""
-    return (", ".join(parts) if parts else "base model (no adapters)") + how
+def prompt_row(
+    pane: QWidget, placeholder: str, run_label: str, run, stop, *extra: QWidget
+) -> tuple[QPlainTextEdit, QPushButton, QPushButton, QHBoxLayout]:
+    """The prompt box of a pane that runs one prompt several ways (A/B compare, the
+    grid), with its buttons in a column beside it: Run, Stop (run_controls' keys),
+    then ``extra``. Returns (prompt, run button, Stop button, the row to lay out)."""
+    prompt = QPlainTextEdit()
+    prompt.setPlaceholderText(f"{placeholder}…   (Ctrl+Enter to run)")
+    prompt.setMaximumHeight(PROMPT_BOX_HEIGHT)
+    run_btn, stop_btn = run_controls(pane, run_label, run, stop)
+    col = QVBoxLayout()
+    for w in (run_btn, stop_btn, *extra):
+        col.addWidget(w)
+    row = QHBoxLayout()
+    row.addWidget(prompt, 1)
+    row.addLayout(col)
+    return prompt, run_btn, stop_btn, row
 
 
 class ElidedLabel(QLabel):

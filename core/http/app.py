@@ -100,7 +100,6 @@ class ServerSettings:
         if allow and not dirs:
             given = [p for p, _ in getattr(args, "adapters", [])]
             dirs = default_lora_dirs(given, data_dir() / "adapters")
-        from ..options import EngineOptions
 
         timeout = getattr(args, "timeout", None)
         save = getattr(args, "slot_save_path", None)
@@ -117,7 +116,7 @@ class ServerSettings:
             allow_runtime_lora=allow,
             lora_dirs=dirs,
             body_timeout=float(timeout) if timeout else 60.0,
-            sampling=EngineOptions.sampling(args),
+            sampling=SamplingParams.from_args(args),
             aliases=list(getattr(args, "aliases", None) or []),
             tags=list(getattr(args, "tags", None) or []),
             slots=bool(getattr(args, "slots", True)),

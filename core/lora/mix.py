@@ -84,6 +84,19 @@ def mix_key(
     return pairs
 
 
+def mix_text(mix: Mapping[int, float] | Iterable[tuple[int, float]], names: Mapping) -> str:
+    """'name ×0.50, other ×-1.00' for a {id: scale} dict, a Mix or a mix key (the
+    chat's replies, A/B compare, the grid's cells and exports); a mix merged another
+    way than a weighted sum says how: '... (ties d=0.5)'. ``names``: id -> name."""
+    items = mix.items() if isinstance(mix, Mapping) else mix
+    parts = [f"{names.get(int(a), f'#{a}')} ×{float(s):.2f}" for a, s in items if float(s) != 0.0]
+    text = ", ".join(parts) if parts else "base model (no adapters)"
+    merge = getattr(mix, "merge", None)
+    if parts and merge is not None and merge.method != "linear":
+        text += f" ({merge.label()})"
+    return text
+
+
 @dataclass
 class Delta:
     """One fused target's low-rank delta, ``y += (x Aᵀ) Bᵀ``, without B's zeros.

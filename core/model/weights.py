@@ -70,7 +70,6 @@ class LoadCancelled(Exception):
 
 FROM_CACHE = "loaded from cache"  # the progress message of weights mapped from the cache
 MAPPED = "mapped"  # ... and of quantized weights mapped from the model file itself
-STORAGES = ("quantized", "f32")  # --weights: how a model's matrices are held in memory
 Matrix = np.ndarray | QuantMatrix | FusedMatrix  # (out, in): what Linear multiplies by
 
 
@@ -106,7 +105,7 @@ class Weights:
     # (rope_dim/2,) phi3's LongRoPE factors: long for contexts past the original one
     rope_long: np.ndarray | None = None
     rope_short: np.ndarray | None = None
-    storage: str = "f32"  # "quantized": matrices in their GGUF block formats (STORAGES)
+    storage: str = "f32"  # "quantized": matrices in their GGUF block formats (core/options.py: WEIGHT_STORAGES)
     # quantized storage: tensors of a type without kernels, held as float32 instead
     # ({tensor name: type name}); the load log and the model bar name them
     f32_tensors: dict[str, str] | None = None

@@ -9,17 +9,17 @@ gets back (llama.cpp's enum llama_pooling_type):
   each then normalized as the request's ``embd_normalize`` says (default 2, Euclidean);
 * ``rank``: a reranker's classification head, which none of Mixdesk's families has.
 
-The forward is not a generation: it runs on the engine thread
-(``Engine.run_on_engine``) with a temporary KV cache per input (never a pool slot, so
-running requests keep theirs). An input runs in one forward, as llama-server runs a
-pooled input in one physical batch (``--ubatch-size``): several inputs share a forward
-up to that many rows. The mix is the request's (its ``lora``) or the global one.
+The options (--embedding, --pooling, -ub) are core.options.EmbeddingOptions. The
+forward is not a generation: it runs on the engine thread (``Engine.run_on_engine``)
+with a temporary KV cache per input (never a pool slot, so running requests keep
+theirs). An input runs in one forward, as llama-server runs a pooled input in one
+physical batch (``--ubatch-size``): several inputs share a forward up to that many
+rows. The mix is the request's (its ``lora``) or the global one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from ..lora.mix import MixWeights
 from ..lora.runtime import LoraDeltas
 from ..model.config import POOLING_TYPES
 from ..model.llama import BatchItem
-from ..options import DEFAULT_UBATCH
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit for /v1/embeddings)
 DEFAULT_NORMALIZE = 2  # embd_normalize: Euclidean (llama-server's default)
@@ -37,18 +36,6 @@ MAX_P_NORM = 64  # beyond it |x|^p over- or underflows a double for any useful v
 
 class EmbeddingError(UserError):
     """An input that cannot be embedded (empty, too long, not tokens or text)."""
-
-
-@dataclass(frozen=True)
-class EmbeddingOptions:
-    """--embedding, --pooling, --ubatch-size (core/options.py builds it)."""
-
-    enabled: bool = False  # /embedding, /v1/embeddings answer 501 without it
-    pooling: str | None = None  # None: the model's own (ModelConfig.pooling)
-    ubatch: int = DEFAULT_UBATCH
-
-    def pooling_for(self, cfg) -> str:
-        return self.pooling or cfg.pooling
 
 
 def check_pooling(name: str) -> str:

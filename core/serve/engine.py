@@ -6,9 +6,9 @@ progress through a callback; generation runs on the scheduler thread, which
 either :meth:`Engine.start` creates, or a host thread (the GUI's QThread) drives
 by calling :meth:`Engine.run_loop`.
 
-Observers subscribe to named events with :meth:`Engine.subscribe`; callbacks
-run on whichever thread made the change, so GUI code must marshal to its own
-thread (the worker bridge does this with queued signals).
+Observers subscribe to typed events (core/serve/events.py) with
+:meth:`Engine.subscribe`; callbacks run on whichever thread made the change, so GUI
+code must marshal to its own thread (the worker bridge does this with queued signals).
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ from ..model.llama import LlamaModel
 from ..model.weights import (
     FROM_CACHE,
     MAPPED,
-    STORAGES,
     LoadCancelled,
     ModelLoadError,
     load_weights,
     map_weights,
     open_model_file,
 )
-from ..options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_PARALLEL
+from ..options import EngineOptions
 from ..tokenizer import Tokenizer
-from .embeddings import EmbeddingOptions, check_inputs, hidden_states
+from .embeddings import check_inputs, hidden_states
 from .events import (
     AdaptersChanged,
     AdaptersDropped,
@@ -66,7 +65,7 @@ from .score import ScoreError, ScoreJob, TokenScore, check_job, score_many
 
 log = logging.getLogger(__name__)
 
-Listener = Callable[[str, dict], None]
+Listener = Callable[[EngineEvent], None]
 LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
 # A model load's progress bar: the weights fill it up to LOAD_WEIGHTS_DONE (a cold load
 # dequantizes for tens of seconds); weights mapped from the cache take ~no time, so the
@@ -80,41 +79,28 @@ LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
 
 
 class Engine:
-    def __init__(
-        self,
-        ctx_size: int = DEFAULT_CTX,
-        n_parallel: int = DEFAULT_PARALLEL,
-        prefix_cache_bytes: int = 512 << 20,
-        draft_max: int = DEFAULT_DRAFT_MAX,
-        threads: int | None = None,
-        chat_template: str | None = None,
-        chat_defaults: ChatDefaults = DEFAULT_CHAT,
-        embeddings: EmbeddingOptions | None = None,
-        context_shift: bool = False,
-        weights: str = "quantized",
-    ):
-        """Options as core.options.EngineOptions builds them; ``chat_template`` is a
-        template source that replaces every loaded model's own (--chat-template-file).
-        ``weights``: "quantized" keeps matrices in their GGUF block formats, "f32"
-        dequantizes them (core/model/weights.py)."""
-        if weights not in STORAGES:
-            raise EngineError(f"weights must be one of {', '.join(STORAGES)}, not {weights!r}")
-        self.weights = weights
-        self.embeddings = embeddings or EmbeddingOptions()  # --embedding, --pooling, -ub
-        self.requested_ctx = ctx_size  # 0: the model's training context
-        self.context_shift = context_shift  # a full context drops old tokens (--context-shift)
-        self.ctx_size = ctx_size
-        self.n_parallel = n_parallel
-        self.draft_max = draft_max  # prompt-lookup speculative decoding (0: off)
-        self.threads = threads  # compute threads (None: the BLAS thread count)
+    def __init__(self, options: EngineOptions | None = None):
+        """An engine with no model yet. ``options`` is the one options object
+        (core/options.py: built from the flags by EngineOptions.from_args); its
+        ``chat_template`` source replaces every loaded model's own template."""
+        o = self.options = options or EngineOptions()
+        self.weights = o.weights  # "quantized": GGUF blocks in memory; "f32": dequantized
+        self.embeddings = o.embeddings  # --embedding, --pooling, -ub
+        self.requested_ctx = o.ctx_size  # 0: the model's training context
+        self.context_shift = o.context_shift  # a full context drops old tokens
+        self.ctx_size = o.ctx_size  # the model's context once loaded (requested_ctx or its own)
+        self.n_parallel = o.n_parallel
+        self.draft_max = o.draft_max  # prompt-lookup speculative decoding (0: off)
+        self.threads = o.threads  # compute threads (None: the BLAS thread count)
         self.path: Path | None = None
         self.config: ModelConfig | None = None
         self.n_params = 0
         self.model: LlamaModel | None = None
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None
-        self.template_source = chat_template  # None: each model's own template
-        self.chat_defaults: ChatDefaults = chat_defaults  # --reasoning, --chat-template-kwargs
+        self.template_source = o.chat_template  # None: each model's own template
+        # --reasoning, --chat-template-kwargs
+        self.chat_defaults: ChatDefaults = o.chat_defaults or DEFAULT_CHAT
         self.loading = False
         self.load_progress = 0.0
         self.load_ms = 0.0
@@ -122,15 +108,17 @@ class Engine:
         self.lora = AdapterRegistry()
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
-        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.prefix = PrefixCache(o.prefix_cache_bytes)
         self.scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[int, Request] = {}
 
     # -- construction --------------------------------------------------------
     @classmethod
-    def from_path(cls, path: str | Path, start: bool = True, **kw) -> Engine:
-        eng = cls(**kw)
+    def from_path(
+        cls, path: str | Path, options: EngineOptions | None = None, start: bool = True
+    ) -> Engine:
+        eng = cls(options)
         eng.load_model(path)
         if start:
             eng.start()
@@ -138,16 +126,17 @@ class Engine:
 
     # -- events -----------------------------------------------------------------
     def subscribe(self, fn: Listener) -> Callable[[], None]:
+        """Call ``fn(event)`` with each EngineEvent (core/serve/events.py), on the thread
+        that made the change; returns the call that unsubscribes it."""
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
     def _notify(self, event: EngineEvent) -> None:
-        payload = event.payload()
         for fn in list(self._listeners):
             try:
-                fn(event.name, payload)
+                fn(event)
             except Exception:
-                log.exception("listener failed on %s", event.name)
+                log.exception("listener failed on %s", type(event).__name__)
 
     # -- model --------------------------------------------------------------------
     @property

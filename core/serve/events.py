@@ -1,27 +1,22 @@
 """What the engine announces to its subscribers (the window's bridge, tests).
 
-One dataclass per event, so each event's fields are declared once, here. Listeners
-keep the ``fn(name, payload)`` form (ui/bridge.py dispatches on the name): the
-engine sends ``event.name`` and ``event.payload()``.
+One dataclass per event, so each event's fields are declared once, here. A listener
+``fn(event)`` gets the event object itself and tells events apart by type
+(ui/bridge.py re-emits each type on its own Qt signal, the object as it is).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class EngineEvent:
-    name: ClassVar[str]
-
-    def payload(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    """The base of every event (a listener may take them all and match on type)."""
 
 
 @dataclass(frozen=True)
 class ModelLoading(EngineEvent):
-    name: ClassVar[str] = "model_loading"
     path: str
     progress: float  # 0..1
     message: str
@@ -29,13 +24,11 @@ class ModelLoading(EngineEvent):
 
 @dataclass(frozen=True)
 class ModelLoaded(EngineEvent):
-    name: ClassVar[str] = "model_loaded"
     info: dict  # Engine.model_info()
 
 
 @dataclass(frozen=True)
 class ModelError(EngineEvent):
-    name: ClassVar[str] = "model_error"
     path: str
     error: str
     cancelled: bool  # the user cancelled it: not an error to show
@@ -43,19 +36,16 @@ class ModelError(EngineEvent):
 
 @dataclass(frozen=True)
 class AdaptersChanged(EngineEvent):
-    name: ClassVar[str] = "adapters_changed"
     adapters: list  # Engine.adapters()
 
 
 @dataclass(frozen=True)
 class AdaptersDropped(EngineEvent):
-    name: ClassVar[str] = "adapters_dropped"
     dropped: list  # {id, name, path, error} of each adapter a reload unloaded
 
 
 @dataclass(frozen=True)
 class MixChanged(EngineEvent):
-    name: ClassVar[str] = "mix_changed"
     mix: dict  # adapter id -> scale
     source: str  # "gui", "api", "unload", ...
     merge: dict | None = None  # the global mix's method: MergeSpec.as_dict()
@@ -65,7 +55,6 @@ class MixChanged(EngineEvent):
 class MixBuilding(EngineEvent):
     """A merge method's mix being built (first use of that mix): per module, then done."""
 
-    name: ClassVar[str] = "mix_building"
     method: str
     progress: float  # 0..1
     message: str
@@ -73,7 +62,6 @@ class MixBuilding(EngineEvent):
 
 @dataclass(frozen=True)
 class RequestStarted(EngineEvent):
-    name: ClassVar[str] = "request_started"
     id: int
     source: str
     mix: dict
@@ -84,7 +72,6 @@ class RequestStarted(EngineEvent):
 class PromptProgress(EngineEvent):
     """A chunk of a request's prompt was evaluated (one per scheduler prefill chunk)."""
 
-    name: ClassVar[str] = "prompt_progress"
     id: int
     source: str
     done: int  # prompt tokens in the cache so far, cached prefix included
@@ -93,7 +80,6 @@ class PromptProgress(EngineEvent):
 
 @dataclass(frozen=True)
 class RequestFinished(EngineEvent):
-    name: ClassVar[str] = "request_finished"
     id: int
     source: str
     stop_type: str

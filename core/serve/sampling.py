@@ -9,6 +9,7 @@ the mask: a banned token is never chosen, a forced one always is).
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MixdeskError, UserError
+from ..options import flag
 from ..values import is_finite_number, shown
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
@@ -54,6 +56,30 @@ class SamplingParams:
     # and tokens dropped per shift (0: half of the others), llama-server's n_keep/n_discard
     n_keep: int = 0
     n_discard: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SamplingParams:
+        """The sampling flags (--temp, --seed, --top-k, ..., -n) as the params every
+        request starts from: -p uses them, and an HTTP request's fields override them
+        one by one, as llama-server's defaults. Raises SamplingError (a UserError)
+        naming a value out of range."""
+        d = cls()  # the one home of the defaults (llama-server's)
+        seed = flag(args, "seed", -1)
+        return validate(
+            cls(
+                temperature=flag(args, "temp", d.temperature),
+                top_k=flag(args, "top_k", d.top_k),
+                top_p=flag(args, "top_p", d.top_p),
+                min_p=flag(args, "min_p", d.min_p),
+                repeat_penalty=flag(args, "repeat_penalty", d.repeat_penalty),
+                repeat_last_n=flag(args, "repeat_last_n", d.repeat_last_n),
+                presence_penalty=flag(args, "presence_penalty", d.presence_penalty),
+                frequency_penalty=flag(args, "frequency_penalty", d.frequency_penalty),
+                seed=None if seed < 0 else seed,
+                n_predict=flag(args, "n_predict", d.n_predict),
+                ignore_eos=bool(flag(args, "ignore_eos", d.ignore_eos)),
+            )
+        )
 
 
 class SamplingError(UserError):

@@ -16,9 +16,10 @@ ADAPTERS = ("lora_all_q8", "lora_attn", "lora_ffn")
 
 @pytest.fixture(scope="session")
 def engine(smollm_path):
+    from core.options import EngineOptions
     from core.serve.engine import Engine
 
-    eng = Engine(ctx_size=1024, n_parallel=4)
+    eng = Engine(EngineOptions(ctx_size=1024, n_parallel=4))
     eng.load_model(smollm_path)
     yield eng
     eng.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QItemSelectionModel, Qt
 
+from core.serve.events import ModelLoaded, ModelLoading
+
 
 def test_removing_several_selected_rows_removes_them_all(loaded, qtbot, tmp_path):
     w = loaded
@@ -85,7 +87,9 @@ def test_the_window_does_not_grow_by_itself(window, qtbot, styled):
     _settle(qtbot)
     size = w.size()
     w.model_bar.show_info(LONG_INFO)
-    w.bridge.model_loading.emit(0.4, "reading tensors from the cache file")  # progress + Cancel
+    w.bridge.model_loading.emit(
+        ModelLoading("m.gguf", 0.4, "reading tensors from the cache file")
+    )  # progress + Cancel
     _settle(qtbot)
     assert w.size() == size
     w.chat.conversation["messages"] = [{"role": "user", "content": "hi"}]
@@ -106,7 +110,7 @@ def test_an_error_banner_does_not_push_the_layout_and_goes_after_a_success(windo
     assert w.banner.isVisible()
     assert w.splitter.mapTo(w, w.splitter.rect().topLeft()).y() == y  # nothing moved
     assert w.banner.geometry().top() >= w.model_bar.geometry().bottom()  # under the bar
-    w.bridge.model_loaded.emit(dict(LONG_INFO))  # the next action succeeds
+    w.bridge.model_loaded.emit(ModelLoaded(dict(LONG_INFO)))  # the next action succeeds
     _settle(qtbot)
     assert not w.banner.isVisible()
 

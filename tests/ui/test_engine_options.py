@@ -1,6 +1,7 @@
 """The window builds its engine exactly as the headless server does (core/options.py):
 --draft-max and --chat-template-file reach the window's engine (they were silently
-ignored there: the window passed only ctx_size and n_parallel)."""
+ignored there: the window passed only ctx_size and n_parallel), and it loads the
+adapters the flags name, as core/startup.py does for --headless."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from core.cli import parse_args
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
 
 
-def test_window_engine_gets_draft_max_and_chat_template_file(qtbot, smollm_path, tmp_path):
+def test_window_engine_gets_draft_max_and_chat_template_file(qtbot, smollm_path, ref_dir, tmp_path):
     from ui.app import create_window
 
     tpl = tmp_path / "chat.jinja"
     tpl.write_text(TEMPLATE, encoding="utf-8")
+    adapter = ref_dir / "adapters" / "lora_attn.gguf"
     args = parse_args(
         ["-m", str(smollm_path), "--draft-max", "0", "--chat-template-file", str(tpl), "-c", "512"]
+        + ["--lora-scaled", f"{adapter}:0.5", "--lora-init-without-apply"]
     )
     win = create_window(args)
     try:
@@ -29,6 +32,9 @@ def test_window_engine_gets_draft_max_and_chat_template_file(qtbot, smollm_path,
         assert eng.chat_template.source == TEMPLATE
         prompt = eng.chat_template.render([{"role": "user", "content": "hi"}])
         assert prompt.startswith("<|user|>hi")
+        # the adapters named on the command line, as headless loads them (core/startup.py)
+        qtbot.waitUntil(lambda: len(eng.adapters()) == 1, timeout=60000)
+        assert eng.adapters()[0]["path"] == str(adapter) and eng.get_mix() == {0: 0.0}
     finally:
         if win.server.runner is not None:
             fut = asyncio.ensure_future(win.server.stop(remember=False))

@@ -99,7 +99,7 @@ def test_an_already_fetched_model_opens_without_a_download(window, qtbot, smollm
     with qtbot.waitSignal(window.bridge.model_loaded, timeout=120000) as loaded:
         dlg.get_btn.click()
     assert asked == [] and not dlg.isVisible()
-    assert loaded.args[0]["path"] == str(smollm_path)
+    assert loaded.args[0].info["path"] == str(smollm_path)
     assert window.engine.path == smollm_path and window.engine.ready
     assert window.settings.recent_models()[0] == str(smollm_path)  # as File > Open
 

@@ -19,7 +19,7 @@ def test_grid_tab_runs_cards_fill_and_use_this_mix(loaded, qtbot, greedy, tmp_pa
     w.tabs.setCurrentIndex(w.tabs.indexOf(g.parentWidget()))
     g.x.set_axis("scale", "0, 0.5, 1", adapter=ids["lora_attn"])
     g.y.set_axis("seed", "3, 4")
-    started: list[dict] = []
+    started: list = []  # RequestStarted events
     w.bridge.request_started.connect(started.append)
 
     with qtbot.waitSignal(g.finished, timeout=180000):
@@ -28,7 +28,7 @@ def test_grid_tab_runs_cards_fill_and_use_this_mix(loaded, qtbot, greedy, tmp_pa
     assert "6 cells (3 × 2)" in g.status.text()
     # one submit_many: the six requests were announced together, with their own mixes
     assert len(started) == 6
-    assert sorted(e["mix"].get(ids["lora_attn"], 0.0) for e in started) == [
+    assert sorted(e.mix.get(ids["lora_attn"], 0.0) for e in started) == [
         0.0,
         0.0,
         0.5,

@@ -134,7 +134,7 @@ def test_gui_and_http_requests_share_one_engine(served, qtbot, greedy):
     w, url = served
     greedy(w, n_predict=4)
     sources = []
-    w.bridge.request_started.connect(lambda info: sources.append(info.get("source")))
+    w.bridge.request_started.connect(lambda ev: sources.append(ev.source))
     with qtbot.waitSignal(w.chat.reply_finished, timeout=120000):
         w.chat.send("Hi")
         out = in_thread(

@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_open_model_shows_progress_and_info(window, qtbot, smollm_path):
     w = window
     progress = []
-    w.bridge.model_loading.connect(lambda f, m: progress.append(f))
+    w.bridge.model_loading.connect(lambda ev: progress.append(ev.progress))
     with qtbot.waitSignal(w.bridge.model_loaded, timeout=60000):
         w.open_model(str(smollm_path))
     assert progress and max(progress) <= 1.0
@@ -42,9 +42,9 @@ def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
     seen, said = [], []
     w.statusBar().messageChanged.connect(said.append)
 
-    def on_progress(frac, msg):
-        seen.append((frac, msg))
-        if "timing" in msg and w.model_bar.cancel_btn.isVisible():
+    def on_progress(ev):
+        seen.append((ev.progress, ev.message))
+        if "timing" in ev.message and w.model_bar.cancel_btn.isVisible():
             w.model_bar.cancel_btn.click()
 
     w.bridge.model_loading.connect(on_progress)

@@ -5,6 +5,7 @@ relays it to listeners (the window) and, on request, to the caller (HTTP
 from __future__ import annotations
 
 from core.serve.engine import DoneEvent, PromptProgressEvent, SamplingParams
+from core.serve.events import PromptProgress
 from core.serve.scheduler import PREFILL_CHUNK
 
 LONG = PREFILL_CHUNK + 200  # two prefill chunks
@@ -17,7 +18,7 @@ def _long_prompt() -> list[int]:
 def test_engine_reports_each_prompt_chunk(clean_engine):
     clean_engine.start()  # no window here: the engine's own loop thread
     heard = []
-    off = clean_engine.subscribe(lambda name, p: heard.append((name, p)))
+    off = clean_engine.subscribe(heard.append)
     try:
         params = SamplingParams(temperature=0.0, n_predict=1)
         evs = list(clean_engine.generate(_long_prompt(), params, cache_prompt=False, progress=True))
@@ -31,8 +32,8 @@ def test_engine_reports_each_prompt_chunk(clean_engine):
     assert not any(p.start for p in prog)
     assert prog[0].cache_n == 0 and prog[1].time_ms >= prog[0].time_ms > 0
     assert isinstance(evs[-1], DoneEvent) and evs[-1].stop_type == "limit"
-    relayed = [p for n, p in heard if n == "prompt_progress"]
-    assert [(p["done"], p["total"]) for p in relayed] == [(PREFILL_CHUNK, LONG), (LONG, LONG)]
+    relayed = [e for e in heard if isinstance(e, PromptProgress)]
+    assert [(p.done, p.total) for p in relayed] == [(PREFILL_CHUNK, LONG), (LONG, LONG)]
 
 
 def test_progress_is_opt_in_for_the_caller(clean_engine):

@@ -95,7 +95,7 @@ def test_mixing_in_five_minutes(app_window, qtbot, tmp_path, monkeypatch):
     model = w.engine.model
 
     mixes = []  # the mix of every request the window starts
-    w.bridge.request_started.connect(lambda info: mixes.append(nonzero(info.get("mix", {}))))
+    w.bridge.request_started.connect(lambda ev: mixes.append(nonzero(ev.mix)))
 
     # 2. Ask something in the chat, Ctrl+Enter.
     w.chat.input.setFocus()
