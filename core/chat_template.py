@@ -16,6 +16,7 @@ over either raises ChatTemplateError, which the HTTP API answers with a 400.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -78,7 +79,10 @@ class _Budget:
     """The limits of the render running on this thread."""
 
     def __init__(self, limits: RenderLimits, input_chars: int):
-        self.deadline = time.monotonic() + limits.seconds
+        # inside build_prompt, every render of one prompt shares that prompt's deadline
+        shared = getattr(_current, "deadline", None)
+        own = time.monotonic() + limits.seconds
+        self.deadline = own if shared is None else min(own, shared)
         self.seconds = limits.seconds
         self.chars = limits.min_chars + limits.per_input_char * input_chars
         self.max_int_bits = limits.max_int_bits
@@ -97,6 +101,9 @@ class _Budget:
 
 
 _current = threading.local()  # .budget: the _Budget of the render on this thread
+# .deadline: the time limit of the prompt being built on this thread (build_prompt), which
+# may render the template up to three times (the system-role probe, and the two renders
+# of a continued message): the limit is the prompt's, not each render's
 # .probe: a marker text whose reading the capability probe records in .probe_seen
 
 
@@ -107,6 +114,19 @@ def _note_probe(value: Any) -> Any:
     if marker is not None and isinstance(value, str) and value == marker:
         _current.probe_seen = True
     return value
+
+
+@contextlib.contextmanager
+def _one_deadline(limits: RenderLimits):
+    """Every render inside shares one deadline, ``limits.seconds`` from now (an outer
+    one, if earlier, stays)."""
+    outer = getattr(_current, "deadline", None)
+    mine = time.monotonic() + limits.seconds
+    _current.deadline = mine if outer is None else min(mine, outer)
+    try:
+        yield
+    finally:
+        _current.deadline = outer
 
 
 def _budget() -> _Budget | None:
@@ -427,6 +447,8 @@ class ChatTemplate:
             _current.probe, _current.probe_seen = marker, False
             try:
                 self.render(probe, add_generation_prompt=True, tools=[])
+            except TemplateLimitError:
+                raise  # over its limits on a two-message probe: decide nothing, say so
             except ChatTemplateError:
                 pass  # a template that raises may still have read it
             finally:
@@ -707,7 +729,33 @@ def build_prompt(
     - a BOS (EOS) text the template writes first (last) is cut when the tokenizer adds
       its own, so the prompt has one BOS.
 
-    Raises ChatTemplateError (a 400 on the API) for requests llama-server refuses."""
+    All of it, however many renders it takes, runs within one ``template.limits``
+    time limit. Raises ChatTemplateError (a 400 on the API) for requests llama-server
+    refuses."""
+    with _one_deadline(template.limits):
+        return _build_prompt(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            defaults=defaults,
+            now=now,
+        )
+
+
+def _build_prompt(
+    template: ChatTemplate,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: Any,
+    tools: list | None,
+    template_kwargs: Mapping[str, Any] | None,
+    defaults: ChatDefaults,
+    now: datetime | None,
+) -> str:
     kwargs = {**defaults.template_kwargs, **(template_kwargs or {})}
     enable_thinking = defaults.enable_thinking
     if "enable_thinking" in kwargs:
