@@ -343,7 +343,7 @@ class Engine:
         """Load and validate an adapter; returns its id (stable for the session).
         Raises AdapterError naming the adapter; nothing changes on failure."""
         self.require_ready()
-        scale = _check_scale(scale, "scale")
+        scale = check_scale(scale, "scale")
         adapter = load_adapter(path, self.config)
         if name:
             adapter.name = name
@@ -411,38 +411,6 @@ class Engine:
         with self._lock:
             return Mix(self._scales, self._merge)
 
-    def parse_mix(self, entries: Any, what: str = "lora") -> dict[int, float]:
-        """Validate llama-server's [{"id", "scale"}] list (unlisted ids are 0), or our
-        object form {"adapters": [{"id", "scale"}, ...], "method", "density", "rank",
-        "seed", "majority_sign_method"}, which gives a Mix carrying its MergeSpec.
-        Raises a UserError (400) without changing anything."""
-        if isinstance(entries, dict):
-            fields = dict(entries)
-            if "adapters" not in fields:
-                raise EngineError(
-                    f'{what}: the object form needs "adapters": [{{"id", "scale"}}, ...]'
-                )
-            scales = self.parse_mix(fields.pop("adapters"), f"{what}.adapters")
-            return Mix(scales, MergeSpec.from_dict(fields, what))
-        if not isinstance(entries, list):
-            raise EngineError(
-                f'{what} must be a list of {{"id", "scale"}} objects '
-                '(or {"adapters": [...], "method": ...})'
-            )
-        out: dict[int, float] = {}
-        with self._lock:
-            known = set(self._adapters)
-        for e in entries:
-            if not isinstance(e, dict) or "id" not in e:
-                raise EngineError(f'each {what} entry must be an object with "id" and "scale"')
-            aid = e["id"]
-            if not isinstance(aid, int) or isinstance(aid, bool):
-                raise EngineError(f"{what}: adapter id must be an integer, got {aid!r}")
-            if aid not in known:
-                raise EngineError(f"{what}: no adapter with id {aid}")
-            out[aid] = _check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
-        return {aid: out.get(aid, 0.0) for aid in known}
-
     def set_mix(
         self,
         scales: Mapping[int, float],
@@ -458,7 +426,7 @@ class Engine:
             for aid in scales:
                 if aid not in self._adapters:
                     raise EngineError(f"no adapter with id {aid}")
-            checked = {aid: _check_scale(s, f"scale of adapter {aid}") for aid, s in scales.items()}
+            checked = {aid: check_scale(s, f"scale of adapter {aid}") for aid, s in scales.items()}
             if replace:
                 self._scales = {aid: checked.get(aid, 0.0) for aid in self._adapters}
             else:
@@ -596,7 +564,7 @@ class Engine:
     def prepare_mixes(self, mixes: Iterable[Mapping[int, float] | None]) -> None:
         """Build every mix that is not built yet, in the calling thread. A merge
         method's build takes seconds, so the HTTP server calls this in a worker
-        thread before it submits (core/http/app.py ``_mixes_ready``): its event loop,
+        thread before it submits (core/http/plumbing.py ``mixes_ready``): its event loop,
         the GUI's too, keeps answering meanwhile. Errors are left to the submit."""
         for mix in mixes:
             try:
@@ -824,7 +792,7 @@ def _dropped(aid: int, adapter: Adapter, error: str) -> dict[str, Any]:
     return {"id": aid, "name": adapter.name, "path": str(adapter.path), "error": error}
 
 
-def _check_scale(value: Any, what: str) -> float:
+def check_scale(value: Any, what: str) -> float:
     if not is_finite_number(value, LORA_SCALE_MAX):
         raise EngineError(
             f"{what} must be a finite number in [-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], "
