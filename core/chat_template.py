@@ -732,30 +732,6 @@ def build_prompt(
     All of it, however many renders it takes, runs within one ``template.limits``
     time limit. Raises ChatTemplateError (a 400 on the API) for requests llama-server
     refuses."""
-    with _one_deadline(template.limits):
-        return _build_prompt(
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-            template_kwargs=template_kwargs,
-            defaults=defaults,
-            now=now,
-        )
-
-
-def _build_prompt(
-    template: ChatTemplate,
-    messages: list[dict],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: Any,
-    tools: list | None,
-    template_kwargs: Mapping[str, Any] | None,
-    defaults: ChatDefaults,
-    now: datetime | None,
-) -> str:
     kwargs = {**defaults.template_kwargs, **(template_kwargs or {})}
     enable_thinking = defaults.enable_thinking
     if "enable_thinking" in kwargs:
@@ -784,20 +760,21 @@ def _build_prompt(
         msgs = msgs[:-1]
     if "<|channel|>" not in template.source:  # GPT-OSS keeps its developer role
         msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
-    if not template.supports_system_role:
-        msgs = [_flatten_content(m) for m in msgs]
-        msgs = _merge_system(msgs)
-    extra = _template_context(enable_thinking, tools, kwargs, now or datetime.now())
-    if last is None:
-        text = template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
-    else:
-        # the history, the template's own generation prompt, then the text to continue
-        before = template.render(msgs, add_generation_prompt=False, **extra)
-        opened = template.render(msgs, add_generation_prompt=True, **extra)
-        n = 0
-        while n < min(len(before), len(opened)) and before[n] == opened[n]:
-            n += 1
-        text = before + opened[n:] + (_flatten_content(last, "\n\n").get("content") or "")
+    with _one_deadline(template.limits):  # the probe and every render: one limit
+        if not template.supports_system_role:
+            msgs = [_flatten_content(m) for m in msgs]
+            msgs = _merge_system(msgs)
+        extra = _template_context(enable_thinking, tools, kwargs, now or datetime.now())
+        if last is None:
+            text = template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        else:
+            # the history, the template's own generation prompt, then the text to continue
+            before = template.render(msgs, add_generation_prompt=False, **extra)
+            opened = template.render(msgs, add_generation_prompt=True, **extra)
+            n = 0
+            while n < min(len(before), len(opened)) and before[n] == opened[n]:
+                n += 1
+            text = before + opened[n:] + (_flatten_content(last, "\n\n").get("content") or "")
     if template.add_bos and template.bos_token and text.startswith(template.bos_token):
         text = text[len(template.bos_token) :]
     if template.add_eos and template.eos_token and text.endswith(template.eos_token):
