@@ -7,6 +7,7 @@ from aiohttp import web
 
 from ..errors import HttpError
 from ..serve.sampling import SamplingParams
+from ..version import version
 from . import endpoints as E
 from . import responses as R
 from .build_info import build_info
@@ -45,6 +46,7 @@ async def props(request: web.Request) -> web.Response:
             "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
             "modalities": {"vision": False, "audio": False},
             "build_info": build_info(),
+            "mixdesk_version": version(),  # ours; llama-server's fields above are unchanged
             "is_sleeping": False,
             "lora_init_without_apply": s.lora_init_without_apply,
         }
