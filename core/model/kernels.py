@@ -381,7 +381,7 @@ def _run_q6_k(w, e0, e1, out):
         oo = b * 256
         for j in range(2):
             for h in range(2):
-                k = o + 192 + j * 8 + h  # scale of the sub-block holding i = i (i < 32)
+                k = o + 192 + j * 8 + h  # scale of elements j*128 + h*16 .. +16 (then +32 ...)
                 s0 = d * np.float32(np.int8(w[k]))
                 s1 = d * np.float32(np.int8(w[k + 2]))
                 s2 = d * np.float32(np.int8(w[k + 4]))
