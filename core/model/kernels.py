@@ -8,20 +8,23 @@ same float32 operations in the same order as ``gguf.quants`` (gguf==0.19.0), so
 the values are the same bits. It is compiled without fastmath (no FMA contraction
 of ``d * q + m``, which would round once instead of twice).
 
-On top of the dequantizers, three parallel skeletons (``prange`` over chunks of
-output rows), specialised per type through a literal type code, so each type's
-kernel holds only its own dequantizer:
+On top of the dequantizers, one parallel kernel per type, ``_launch`` (``prange``
+over output rows), specialised through a literal type code so that it holds only
+its type's dequantizer, does two things:
 
-* ``_rows``: dequantize selected rows (a tile for prefill, an embedding lookup);
-* ``_small``: the product for a few activation rows (decode, 8-mix batches). Each
+* ROWS: dequantize selected rows (a tile for prefill, an embedding lookup);
+* SMALL: the product for a few activation rows (decode, 8-mix batches). Each
   output row is dequantized once, a K-chunk at a time, into a small float32
   scratch that stays in L1, and dotted with all T activation rows (four at a time:
   one load of the weight feeds four FMAs). The K-chunk keeps T rows of x in L1
   too: with T=8 and a 2048-long row, x alone is 64 KB, and sweeping it from L2 for
-  every output row made 8 rows cost 3.5x 4 rows (measured, one thread);
-* ``_gemv_<type>`` for the most used types at T=1: the block's integers dotted with
-  x directly, the block's scales applied once per sub-block (and its mins through
-  per-sub-block sums of x), as llama.cpp's dot products do.
+  every output row made 8 rows cost 3.5x 4 rows (measured, one thread).
+
+A fused T=1 kernel (the block's integers dotted with x directly, scales applied
+per sub-block and mins through per-sub-block sums of x, as llama.cpp does) was
+tried for Q4_K and Q6_K: 0.95-1.25x the speed of dequantize-then-dot in thread
+CPU time on the busy VM, too little to carry a second kernel per type (and its
+compile time).
 
 The public entry points are the per-type wrappers at the bottom (tiny functions
 that pass the code as a constant): numba caches compiled kernels on disk only
