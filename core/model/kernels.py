@@ -8,20 +8,23 @@ same float32 operations in the same order as ``gguf.quants`` (gguf==0.19.0), so
 the values are the same bits. It is compiled without fastmath (no FMA contraction
 of ``d * q + m``, which would round once instead of twice).
 
-On top of the dequantizers, three parallel skeletons (``prange`` over chunks of
-output rows), specialised per type through a literal type code, so each type's
-kernel holds only its own dequantizer:
+On top of the dequantizers, one parallel kernel per type, ``_launch`` (``prange``
+over output rows), specialised through a literal type code so that it holds only
+its type's dequantizer, does two things:
 
-* ``_rows``: dequantize selected rows (a tile for prefill, an embedding lookup);
-* ``_small``: the product for a few activation rows (decode, 8-mix batches). Each
+* ROWS: dequantize selected rows (a tile for prefill, an embedding lookup);
+* SMALL: the product for a few activation rows (decode, 8-mix batches). Each
   output row is dequantized once, a K-chunk at a time, into a small float32
   scratch that stays in L1, and dotted with all T activation rows (four at a time:
   one load of the weight feeds four FMAs). The K-chunk keeps T rows of x in L1
   too: with T=8 and a 2048-long row, x alone is 64 KB, and sweeping it from L2 for
-  every output row made 8 rows cost 3.5x 4 rows (measured, one thread);
-* ``_gemv_<type>`` for the most used types at T=1: the block's integers dotted with
-  x directly, the block's scales applied once per sub-block (and its mins through
-  per-sub-block sums of x), as llama.cpp's dot products do.
+  every output row made 8 rows cost 3.5x 4 rows (measured, one thread).
+
+A fused T=1 kernel (the block's integers dotted with x directly, scales applied
+per sub-block and mins through per-sub-block sums of x, as llama.cpp does) was
+tried for Q4_K and Q6_K: 0.95-1.25x the speed of dequantize-then-dot in thread
+CPU time on the busy VM, too little to carry a second kernel per type (and its
+compile time).
 
 The public entry points are the per-type wrappers at the bottom (tiny functions
 that pass the code as a constant): numba caches compiled kernels on disk only
@@ -34,9 +37,10 @@ LLVM keep 8-bit lanes (measured: 4.0 -> 6.5 G weights/s for Q4_K on one thread).
 Loop lengths: LLVM fully unrolls a loop of a known 16 or 32 steps before its loop
 vectorizer runs, and the unrolled stores to ``out`` may alias the loads from ``w``
 (numba cannot say they do not), so the straight-line code stays scalar. The
-dequantizers' inner loops therefore run ``n32 = min(32, e1 - e0)`` steps: always 32
-(whole blocks), but not a constant, so the loop vectorizer takes them with a
-run-time alias check (Q8_0: 2.3 -> 3.2 G weights/s).
+dequantizers' inner loops therefore run ``n32 = min(32, e1 - e0 - oo)`` steps
+(``oo`` the block's first element): always 32 (whole blocks), but not a constant,
+not even one per call (LLVM versions a loop on a loop-invariant length), so the loop
+vectorizer takes them with a run-time alias check (Q8_0: 2.3 -> 3.2 G weights/s).
 """
 
 from __future__ import annotations
@@ -168,39 +172,39 @@ def _run_bf16(w, e0, e1, out):
 
 @_jit()
 def _run_q8_0(w, e0, e1, out):
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 32 * 34 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 34
         d = _f16(w, o)
         oo = b * 32
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for i in range(n32):
             out[oo + i] = np.float32(np.int8(w[o + 2 + i])) * d
 
 
 @_jit()
 def _run_q4_0(w, e0, e1, out):
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 32 * 18 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 18
         d = _f16(w, o)
         oo = b * 32
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for i in range(n32 // 2):
             v = w[o + 2 + i]
-            out[oo + i] = d * np.float32(np.int8(v & 15) - np.int8(8))
-            out[oo + 16 + i] = d * np.float32(np.int8(v >> 4) - np.int8(8))
+            out[oo + i] = d * np.float32(np.int8(np.int8(v & 15) - np.int8(8)))
+            out[oo + 16 + i] = d * np.float32(np.int8(np.int8(v >> 4) - np.int8(8)))
 
 
 @_jit()
 def _run_q4_1(w, e0, e1, out):
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 32 * 20 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 20
         d = _f16(w, o)
         m = _f16(w, o + 2)
         oo = b * 32
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for i in range(n32 // 2):
             v = w[o + 4 + i]
             out[oo + i] = d * np.float32(np.uint8(v & 15)) + m
@@ -220,24 +224,23 @@ def _qh32(w, o):
 
 @_jit()
 def _run_q5_0(w, e0, e1, out):
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 32 * 22 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 22
         d = _f16(w, o)
         qh = _qh32(w, o + 2)
         oo = b * 32
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for i in range(n32 // 2):
             v = w[o + 6 + i]
             lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
             hi = np.uint8(v >> 4) | np.uint8(((qh >> (i + 16)) & 1) << 4)
-            out[oo + i] = d * np.float32(np.int8(lo) - np.int8(16))
-            out[oo + 16 + i] = d * np.float32(np.int8(hi) - np.int8(16))
+            out[oo + i] = d * np.float32(np.int8(np.int8(lo) - np.int8(16)))
+            out[oo + 16 + i] = d * np.float32(np.int8(np.int8(hi) - np.int8(16)))
 
 
 @_jit()
 def _run_q5_1(w, e0, e1, out):
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 32 * 24 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 24
@@ -245,6 +248,7 @@ def _run_q5_1(w, e0, e1, out):
         m = _f16(w, o + 2)
         qh = _qh32(w, o + 4)
         oo = b * 32
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for i in range(n32 // 2):
             v = w[o + 8 + i]
             lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
@@ -257,13 +261,13 @@ def _run_q5_1(w, e0, e1, out):
 def _run_q2_k(w, e0, e1, out):
     # block: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin;
     # element j*128 + s*32 + l is bits 2s..2s+1 of qs[j*32 + l], sub-block of 16
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 256 * 84 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 84
         d = _f16(w, o + 80)
         dmin = _f16(w, o + 82)
         oo = b * 256
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for j in range(2):
             for s in range(4):
                 for h in range(2):
@@ -282,19 +286,19 @@ def _q3k_scale(w, o, k):
     """Sub-block k's 6-bit signed scale of a Q3_K block whose scales start at w[o]."""
     lo = np.uint8(w[o + k] & 15) if k < 8 else np.uint8(w[o + k - 8] >> 4)
     hi = np.uint8((w[o + 8 + k % 4] >> (2 * (k // 4))) & 3)
-    return np.int8(lo | (hi << 4)) - np.int8(32)
+    return np.int8(np.int8(lo | (hi << 4)) - np.int8(32))
 
 
 @_jit()
 def _run_q3_k(w, e0, e1, out):
     # block: hmask[32], qs[64], scales[12], d; element j*128 + s*32 + l is bits
     # 2s..2s+1 of qs[j*32 + l] minus 4 unless bit j*4+s of hmask[l] is set
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 256 * 110 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 110
         d = _f16(w, o + 108)
         oo = b * 256
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for j in range(2):
             for s in range(4):
                 for h in range(2):
@@ -304,7 +308,7 @@ def _run_q3_k(w, e0, e1, out):
                     for i in range(n32 // 2):
                         ql = np.int8((w[o + 32 + j * 32 + h * 16 + i] >> (2 * s)) & 3)
                         hm = np.int8((w[o + h * 16 + i] >> bit) & 1)
-                        out[base + i] = dl * np.float32(ql - np.int8((hm ^ 1) << 2))
+                        out[base + i] = dl * np.float32(np.int8(ql - np.int8((hm ^ 1) << 2)))
 
 
 @_jit()
@@ -321,13 +325,13 @@ def _k_scale_min(w, o, j):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 144
         d = _f16(w, o)
         dmin = _f16(w, o + 2)
         oo = b * 256
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for c in range(4):
             sc0, m0 = _k_scale_min(w, o + 4, 2 * c)
             sc1, m1 = _k_scale_min(w, o + 4, 2 * c + 1)
@@ -345,13 +349,13 @@ def _run_q4_k(w, e0, e1, out):
 def _run_q5_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, plus bit j of qh[l] as
     # bit 4 of element l of sub-block j
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 256 * 176 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 176
         d = _f16(w, o)
         dmin = _f16(w, o + 2)
         oo = b * 256
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for c in range(4):
             sc0, m0 = _k_scale_min(w, o + 4, 2 * c)
             sc1, m1 = _k_scale_min(w, o + 4, 2 * c + 1)
@@ -373,15 +377,15 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    n32 = min(32, e1 - e0)  # 32, unknown to LLVM: see the module docstring
     w = w[e0 // 256 * 210 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 210
         d = _f16(w, o + 208)
         oo = b * 256
+        n32 = min(32, e1 - e0 - oo)  # 32, unknown to LLVM: see the module docstring
         for j in range(2):
             for h in range(2):
-                k = o + 192 + j * 8 + h  # scale of the sub-block holding i = i (i < 32)
+                k = o + 192 + j * 8 + h  # scale of elements j*128 + h*16 .. +16 (then +32 ...)
                 s0 = d * np.float32(np.int8(w[k]))
                 s1 = d * np.float32(np.int8(w[k + 2]))
                 s2 = d * np.float32(np.int8(w[k + 4]))
@@ -391,10 +395,14 @@ def _run_q6_k(w, e0, e1, out):
                     a = w[o + j * 64 + h * 16 + i]
                     c = w[o + j * 64 + 32 + h * 16 + i]
                     qh = w[o + 128 + j * 32 + h * 16 + i]
-                    q0 = np.int8(np.uint8(a & 15) | np.uint8((qh & 3) << 4)) - np.int8(32)
-                    q1 = np.int8(np.uint8(c & 15) | np.uint8(((qh >> 2) & 3) << 4)) - np.int8(32)
-                    q2 = np.int8(np.uint8(a >> 4) | np.uint8(((qh >> 4) & 3) << 4)) - np.int8(32)
-                    q3 = np.int8(np.uint8(c >> 4) | np.uint8((qh >> 6) << 4)) - np.int8(32)
+                    q0 = np.int8(np.int8(np.uint8(a & 15) | np.uint8((qh & 3) << 4)) - np.int8(32))
+                    q1 = np.int8(
+                        np.int8(np.uint8(c & 15) | np.uint8(((qh >> 2) & 3) << 4)) - np.int8(32)
+                    )
+                    q2 = np.int8(
+                        np.int8(np.uint8(a >> 4) | np.uint8(((qh >> 4) & 3) << 4)) - np.int8(32)
+                    )
+                    q3 = np.int8(np.int8(np.uint8(c >> 4) | np.uint8((qh >> 6) << 4)) - np.int8(32))
                     out[base + i] = s0 * np.float32(q0)
                     out[base + 32 + i] = s1 * np.float32(q1)
                     out[base + 64 + i] = s2 * np.float32(q2)

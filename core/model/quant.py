@@ -7,7 +7,7 @@ memory-mapped GGUF, and offers what the model needs of a weight matrix:
   SMALL rows (decode, a batch of mixes) run on the compiled small-batch kernels
   (core/model/kernels.py), which read each weight block once for all T rows; more
   rows (prefill) dequantize tiles of TILE_FLOATS weights into a scratch buffer and
-  hand each tile to BLAS, so prefill runs at float32 gemm speed.
+  hand each tile to BLAS, so prefill runs near float32 gemm speed.
 * ``dequantize(a, b)``: rows [a, b) as float32, the same bits as ``gguf.quants``;
 * ``take(ids)``: selected rows as float32 (the embedding lookup);
 * ``rows(a, b)``: a view of rows [a, b), still quantized.
@@ -60,7 +60,13 @@ SUPPORTED = frozenset(
 )
 
 SMALL = 16  # up to this many activation rows run on the small-batch kernels
-TILE_FLOATS = 1 << 20  # prefill: weights dequantized per tile (4 MB of float32)
+# prefill: weights dequantized per tile, 16 MB of float32 (2048 rows of a 2048-wide
+# matrix). Larger tiles mean fewer, larger BLAS calls, and each call pays for waking
+# OpenBLAS's threads: 512 rows x Q4_K 8192x2048 with 2 threads took 1.5-1.6 s in
+# 512-row tiles, 0.43-0.54 s in 2048-row tiles, 0.28-0.38 s as numpy's one gemm on
+# the dequantized matrix (busy 2-core VM, /tmp bench of the same run). The tile is
+# written and read once per product, so it need not fit a cache: BLAS packs it anyway.
+TILE_FLOATS = 4 << 20
 
 _lock = threading.Lock()  # one kernel launch at a time (see the module docstring)
 _threads = 0  # numba threads per kernel; 0 until set_threads (numba's default)
@@ -87,13 +93,15 @@ def set_threads(n: int) -> None:
     _threads = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
 
 
-def _use_threads() -> None:
-    # numba's thread count is per calling thread: set it in whichever thread calls
-    if _threads:
+def _use_threads(n: int = 0) -> None:
+    """Run the next kernel on ``n`` threads (0: set_threads's count). numba's thread
+    count is per calling thread: it is set in whichever thread calls."""
+    n = n or _threads
+    if n:
         import numba
 
-        if numba.get_num_threads() != _threads:
-            numba.set_num_threads(_threads)
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
 
 
 def qtype_of(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
@@ -210,12 +218,12 @@ class QuantMatrix:
                 _kernels().KERNELS[int(self.qtype)][0](self.data, ids, out)
         return out
 
-    def _dequantize_into(self, a: int, b: int, out: np.ndarray) -> None:
+    def _dequantize_into(self, a: int, b: int, out: np.ndarray, threads: int = 0) -> None:
         if self.qtype == T.F32:
             out[:] = self.data[a:b].view(np.float32)
         elif b > a:
             with _lock:
-                _use_threads()
+                _use_threads(threads)
                 _kernels().KERNELS[int(self.qtype)][0](
                     self.data, np.arange(a, b, dtype=np.int64), out
                 )
@@ -257,20 +265,26 @@ class QuantMatrix:
             y[:] = dst
 
     def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Tiles of rows dequantized into a reused scratch, each multiplied by BLAS."""
+        """Tiles of rows dequantized into a reused scratch, each multiplied by BLAS.
+
+        The tiles are dequantized on this thread alone: it costs a few percent of the
+        gemm, and waking numba's threads between BLAS calls made both pools fight for
+        the cores (OpenBLAS's threads spin after a call): 512 rows of a Q4_K
+        8192x2048 matrix took 1.6-1.9 s against numpy's 0.35-0.45 s on the busy
+        2-core VM, with numba on two threads."""
         n_out, n_in = self.shape
         tile = max(16, TILE_FLOATS // n_in)  # rows per tile
         scratch = _scratch(min(tile, n_out) * n_in)
         for a in range(0, n_out, tile):
             b = min(n_out, a + tile)
             w = scratch[: (b - a) * n_in].reshape(b - a, n_in)  # (tile, in)
-            self._dequantize_into(a, b, w)
+            self._dequantize_into(a, b, w, threads=1)
             np.matmul(x, w.T, out=y[:, a:b])  # (T, tile)
 
 
 def _scratch(n: int) -> np.ndarray:
     """A float32 buffer of at least ``n`` for this thread, kept between calls: a fresh
-    4 MB array would be page-faulted in anew by every prefill product."""
+    16 MB array would be page-faulted in anew by every prefill product."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < n:
         buf = _local.buf = np.empty(n, dtype=np.float32)
