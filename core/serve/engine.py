@@ -23,24 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ..chat_template import DEFAULT_CHAT, ChatDefaults, ChatTemplate, build_prompt, encode_prompt
-from ..errors import EngineError, UserError
+from ..errors import EngineError
 from ..lora.adapter import Adapter, AdapterError
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix, MixKey
 from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry
-from ..model import quant
 from ..model.config import ModelConfig
-from ..model.families import model_class
 from ..model.kv_cache import ContextOverflow, kv_bytes
 from ..model.llama import LlamaModel
 from ..model.weights import (
-    FROM_CACHE,
-    MAPPED,
     LoadCancelled,
     ModelLoadError,
-    load_weights,
-    map_weights,
-    open_model_file,
 )
 from ..options import EngineOptions
 from ..tokenizer import Tokenizer
@@ -58,6 +51,7 @@ from .events import (
     RequestFinished,
     RequestStarted,
 )
+from .loader import LOAD_CALIBRATED, LOAD_KV_DONE, load_model
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, validate
 from .scheduler import DoneEvent, Event, PromptProgressEvent, Request, Scheduler, TokenEvent
@@ -67,15 +61,6 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[EngineEvent], None]
 LOOP_RESTART_S = 0.1  # pause before the engine loop is restarted after it raised
-# A model load's progress bar: the weights fill it up to LOAD_WEIGHTS_DONE (a cold load
-# dequantizes for tens of seconds); weights mapped from the cache take ~no time, so the
-# bar then stands at LOAD_CACHED_WEIGHTS. Timing the matrix products (LlamaModel's
-# calibration: 4 s for SmolLM2 on 2 busy cores, ~10 s seen on a laptop) fills it up to
-# LOAD_CALIBRATED; the KV pool and the adapters' checks take the rest. 100% is never
-# shown before the model is in service.
-LOAD_OPENED, LOAD_WEIGHTS_DONE, LOAD_CACHED_WEIGHTS = 0.02, 0.8, 0.05
-LOAD_KERNELS = 0.9  # quantized weights: compiling the kernels (first run) fills it to here
-LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
 
 
 class Engine:
@@ -168,55 +153,19 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 raise LoadCancelled()
 
-        def weights_progress(frac: float, msg: str) -> None:
-            if msg == FROM_CACHE:  # mapped, not computed: the work left is all after it
-                report(LOAD_CACHED_WEIGHTS, "weights mapped from the cache")
-            elif msg == MAPPED:  # the file's own blocks: checked, not computed
-                report(
-                    LOAD_OPENED + (LOAD_CACHED_WEIGHTS - LOAD_OPENED) * frac, "mapping the weights"
-                )
-            else:
-                report(LOAD_OPENED + (LOAD_WEIGHTS_DONE - LOAD_OPENED) * frac, msg)
-
         try:
-            gf, cfg = open_model_file(path)
-            n_params = sum(t.n_elements for t in gf.tensors.values())
-            report(LOAD_OPENED / 2, "reading the tokenizer")
-            try:
-                tok = Tokenizer.from_metadata(gf.metadata)
-            except UserError as e:
-                raise ModelLoadError(f"{Path(path).name}: {e}") from None
-            template = ChatTemplate.from_metadata(gf.metadata, tok)
-            if self.template_source is not None:
-                template = template.with_source(self.template_source)
-            check()
-            load = map_weights if self.weights == "quantized" else load_weights
-            weights = load(gf, cfg, progress=weights_progress, cancel=cancel)
-            check()
-            if weights.quantized:
-                lo = self.load_progress
-
-                def compiling(frac: float) -> None:
-                    check()
-                    msg = "preparing the matrix kernels (compiled on first use, then cached)"
-                    report(lo + (LOAD_KERNELS - lo) * frac, msg)
-
-                took = quant.warm_up(weights.qtypes(), compiling)
-                log.info(
-                    "matrix kernels for %s ready in %.2f s",
-                    ", ".join(sorted(weights.qtypes())),
-                    took,
-                )
+            got = load_model(
+                path,
+                report,
+                check,
+                cancel,
+                weights=self.weights,
+                threads=self.threads,
+                template_source=self.template_source,
+            )
+            model, cfg = got.model, got.cfg
+            tok, template, n_params = got.tokenizer, got.template, got.n_params
             ctx = self.requested_ctx or cfg.ctx_len
-            lo = self.load_progress
-
-            def calibrating(frac: float) -> None:
-                check()
-                report(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
-
-            make = model_class(cfg)  # the forward pass of this architecture
-            model = make(cfg, weights, threads=self.threads)
-            model.calibrate(calibrating)  # closes the model's threads if cancelled
             try:
                 report(LOAD_CALIBRATED, "reserving the KV cache")
                 scheduler = self._new_scheduler(model, tok, path, cfg, ctx)

@@ -1,0 +1,120 @@
+"""Loading a model file into everything that serves it, on the caller's thread.
+
+``load_model`` opens and checks the GGUF, reads its tokenizer and chat template, holds
+its weights (the file's own blocks, or float32 with ``--weights f32``), gets the
+compiled kernels of its block types ready, builds the forward pass of its architecture
+and, for float32 weights, times the small-batch products. The Engine
+(core/serve/engine.py) wraps it: events, Cancel, the KV pool, the adapters' refit and
+the swap into service. Progress goes to ``report(fraction, message)`` on the scale below;
+``check()`` is called between stages and raises to cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..chat_template import ChatTemplate
+from ..errors import UserError
+from ..model import quant
+from ..model.config import ModelConfig
+from ..model.families import model_class
+from ..model.llama import LlamaModel
+from ..model.weights import (
+    FROM_CACHE,
+    MAPPED,
+    ModelLoadError,
+    load_weights,
+    map_weights,
+    open_model_file,
+)
+from ..tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# A model load's progress bar: float32 weights fill it up to LOAD_WEIGHTS_DONE (a cold
+# load dequantizes for tens of seconds); weights mapped from the model file or the
+# float32 cache take ~no time, so the bar then stands at LOAD_CACHED_WEIGHTS. The
+# kernels of quantized weights (compiled on first use, seconds per type; then read
+# from the cache) fill it up to LOAD_KERNELS. Timing the float32 products (LlamaModel's
+# calibration: 4 s for SmolLM2 on 2 busy cores) fills it up to LOAD_CALIBRATED; the
+# engine's KV pool and adapter checks take the rest. 100% is never shown before the
+# model is in service.
+LOAD_OPENED, LOAD_WEIGHTS_DONE, LOAD_CACHED_WEIGHTS = 0.02, 0.8, 0.05
+LOAD_KERNELS = 0.9
+LOAD_CALIBRATED, LOAD_KV_DONE = 0.96, 0.98
+
+Report = Callable[[float, str], None]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    cfg: ModelConfig
+    n_params: int  # the elements of every tensor in the file
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    model: LlamaModel  # its helper threads are the caller's to close (model.lin.close())
+
+
+def load_model(
+    path: str | Path,
+    report: Report,
+    check: Callable[[], None],
+    cancel: threading.Event | None = None,
+    weights: str = "quantized",
+    threads: int | None = None,
+    template_source: str | None = None,
+) -> LoadedModel:
+    """Everything that serves ``path``; ModelLoadError naming the file for a file that
+    cannot be served, LoadCancelled when ``check`` or ``cancel`` says so."""
+    at = [0.0]  # the bar's position, so each stage starts where the last one ended
+
+    def say(frac: float, msg: str) -> None:
+        at[0] = frac
+        report(frac, msg)
+
+    def weights_progress(frac: float, msg: str) -> None:
+        if msg == FROM_CACHE:  # mapped, not computed: the work left is all after it
+            say(LOAD_CACHED_WEIGHTS, "weights mapped from the cache")
+        elif msg == MAPPED:  # the file's own blocks: checked, not computed
+            say(LOAD_OPENED + (LOAD_CACHED_WEIGHTS - LOAD_OPENED) * frac, "mapping the weights")
+        else:
+            say(LOAD_OPENED + (LOAD_WEIGHTS_DONE - LOAD_OPENED) * frac, msg)
+
+    gf, cfg = open_model_file(path)
+    n_params = sum(t.n_elements for t in gf.tensors.values())
+    say(LOAD_OPENED / 2, "reading the tokenizer")
+    try:
+        tok = Tokenizer.from_metadata(gf.metadata)
+    except UserError as e:
+        raise ModelLoadError(f"{Path(path).name}: {e}") from None
+    template = ChatTemplate.from_metadata(gf.metadata, tok)
+    if template_source is not None:
+        template = template.with_source(template_source)
+    check()
+    read = map_weights if weights == "quantized" else load_weights
+    w = read(gf, cfg, progress=weights_progress, cancel=cancel)
+    check()
+    if w.quantized:
+        lo = at[0]
+
+        def compiling(frac: float) -> None:
+            check()
+            msg = "preparing the matrix kernels (compiled on first use, then cached)"
+            say(lo + (LOAD_KERNELS - lo) * frac, msg)
+
+        took = quant.warm_up(w.qtypes(), compiling)
+        log.info("matrix kernels for %s ready in %.2f s", ", ".join(sorted(w.qtypes())), took)
+    lo = at[0]
+
+    def calibrating(frac: float) -> None:
+        check()
+        say(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
+
+    model = model_class(cfg)(cfg, w, threads=threads)  # the forward pass of this architecture
+    model.calibrate(calibrating)  # closes the model's threads if cancelled
+    return LoadedModel(Path(path), cfg, n_params, tok, template, model)
