@@ -89,17 +89,21 @@ def roofline(model, batch: int, reps: int, regime: str | None = None) -> float:
     xs = {m.shape[1]: np.random.rand(batch, m.shape[1]).astype(np.float32) for m in mats}
 
     def run():
-        if batch == 1:
-            for m in mats:
+        for m in mats:
+            if not isinstance(m, np.ndarray):  # GGUF blocks: their own compiled product
+                m.matmul(xs[m.shape[1]])
+            elif batch == 1:
                 m @ xs[m.shape[1]][0]
-        else:
-            for m in mats:
+            else:
                 xs[m.shape[1]] @ m.T
 
     def run_regime():
         with model.lin.small_batch(regime):
             for m in mats:
-                model.lin.small_product(regime, xs[m.shape[1]], m)
+                if not isinstance(m, np.ndarray):
+                    m.matmul(xs[m.shape[1]])
+                else:
+                    model.lin.small_product(regime, xs[m.shape[1]], m)
 
     fn = run_regime if regime else run
     # untimed passes for 0.2 s first: a pass right after another regime's pays for its
@@ -314,6 +318,12 @@ def bench_args() -> tuple[argparse.Namespace, Path, int, int]:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model")
     ap.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
+    ap.add_argument(
+        "--weights",
+        choices=("quantized", "f32"),
+        default="quantized",
+        help="the engine's weights (f32: the dequantized path, as before issue 35)",
+    )
     args = ap.parse_args()
     path = Path(args.model) if args.model else ensure_default_model(log=lambda m: None)
     print(blas_header())
@@ -344,14 +354,14 @@ def main() -> None:
     # draft_max=0: the figures below are plain decoding; speculation is measured last.
     # The first engine load times the small-batch products and stores the choice (as
     # a user's first load on a machine does); "warm" is the load after it.
-    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0, weights=args.weights))
     t = time.perf_counter()
     eng.load_model(path)
     first = time.perf_counter() - t  # weights cached by now: mostly the calibration
     eng.model.lin.close()
     cpu = time.process_time()
     t = time.perf_counter()
-    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0, weights=args.weights))
     eng.load_model(path)
     warm, warm_cpu = time.perf_counter() - t, time.process_time() - cpu
     eng.start()

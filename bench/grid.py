@@ -28,7 +28,11 @@ def run(ctx) -> None:
         print("grid: skipped (needs two reference adapters that fit this model)")
         return
     n = 16 if ctx.args.quick else 48
-    eng = Engine(EngineOptions(ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0))
+    eng = Engine(
+        EngineOptions(
+            ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0, weights=ctx.args.weights
+        )
+    )
     eng.load_model(ctx.path)
     grid_ids = [eng.add_adapter(ctx.eng.adapter(i).path) for i in ids[:2]]
     eng.start()

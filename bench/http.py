@@ -244,7 +244,7 @@ def main() -> None:
     from core.serve.engine import Engine
 
     args, path, n_decode, n_prefill = bench_args()
-    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0))
+    eng = Engine(EngineOptions(ctx_size=2048, n_parallel=8, draft_max=0, weights=args.weights))
     eng.load_model(path)
     eng.start()
     tmp = Path(tempfile.mkdtemp(prefix="mixdesk-bench-http-"))
