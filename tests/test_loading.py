@@ -150,8 +150,9 @@ def test_cold_load_refuses_a_cache_the_disk_cannot_hold(tmp_path, cache_home, mo
         "MIXDESK_CACHE to a folder on a disk with room"
     )
     assert not list((cache_home / "weights").iterdir())  # not a byte written
-    # the engine reports it as the user's problem and stays usable
-    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
+    # the engine (on the float32 path, the one that writes a cache) reports it as the
+    # user's problem and stays usable
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1, weights="f32"))
     with pytest.raises(ModelLoadError):
         eng.load_model(path)
     monkeypatch.setattr(weights.shutil, "disk_usage", real)

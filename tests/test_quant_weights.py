@@ -128,9 +128,10 @@ def test_weights_option_is_checked():
 def test_old_float32_caches_are_noted_and_can_be_cleared(both, caplog):
     from core.model.weights import clear_f32_caches, note_f32_caches
 
-    note = note_f32_caches()  # the f32 engine of the fixture wrote one
-    assert note and "1 float32 weight cache(s)" in note and "--clear-f32-cache" in note
+    before = len(list((cache_dir() / "weights").glob("*.f32")))  # the f32 engine's, at least
+    note = note_f32_caches()
+    assert note and f"{before} float32 weight cache(s)" in note and "--clear-f32-cache" in note
     n, freed = clear_f32_caches()
-    assert n == 1 and freed > 4 * 100_000_000
+    assert n == before >= 1 and freed > 4 * 100_000_000  # SmolLM2's alone is 538 MB
     assert note_f32_caches() is None
     assert not list((cache_dir() / "weights").glob("*"))

@@ -221,7 +221,14 @@ def map_weights(
                 arrays[name] = np.concatenate([gf.dequantize(s).reshape(-1) for s in sources])
             else:
                 parts = [_matrix(gf, s, f32) for s in sources]
-                arrays[name] = parts[0] if len(parts) == 1 else FusedMatrix(parts, name)
+                if len(parts) == 1:
+                    arrays[name] = parts[0]
+                elif all(isinstance(m, np.ndarray) for m in parts):
+                    # all float32 (an F32 file, or types without kernels): one array, so
+                    # the products keep BLAS's regimes and their calibration
+                    arrays[name] = np.concatenate(parts)  # (sum of rows, in)
+                else:
+                    arrays[name] = FusedMatrix(parts, name)
         except (UnsupportedQuant, GGUFError) as e:
             raise ModelLoadError(str(e)) from None
         progress((i + 1) / len(plan), MAPPED)
