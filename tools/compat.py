@@ -1,7 +1,8 @@
 """``make compat``: llama.cpp's own server tests, run against Mixdesk.
 
 The tests come from the pinned llama-cpp-python sdist (it vendors llama.cpp):
-``tools/server/tests`` is extracted into build/compat/ and run unchanged, except
+``tools/server/tests`` is extracted into the user cache dir (``compat/`` under
+``core.paths.cache_dir()``, never the repository) and run unchanged, except
 for one adapter of ours, the ``utils.py`` they import. It wraps upstream's
 ``utils.py`` (renamed ``_upstream_utils.py``) so that:
 
@@ -21,16 +22,24 @@ for one adapter of ours, the ``utils.py`` they import. It wraps upstream's
   is relaxed.
 
 Nothing from upstream is committed: the sdist is fetched with pip (or taken from
-``--sdist``), the tests are extracted to build/compat/ each run. The extra test
-dependencies (filelock, wget, prometheus-client) go to build/compat/site, never
-into the project's venv. Prints a per-file passed/failed table.
+``--sdist``), the tests are extracted to the cache each run. The extra test
+dependencies (filelock, wget, prometheus-client) go to its site/ folder, never
+into the project's venv. Prints a per-file passed/failed table; ``--record FILE``
+also writes every test's outcome per server as JSON (docs/compat-results.json is
+the recorded run that tools/compat_docs.py turns into docs/compatibility.md).
 
     python tools/compat.py [--sdist FILE.tar.gz] [--files test_basic.py ...] [--all] [-k EXPR]
+        [--vs-llama-server | --llama-server-bin PATH | --only-llama-server] [--record FILE]
+
+A llama-server built beforehand is taken from ``--llama-server-bin`` or the
+``MIXDESK_LLAMA_SERVER_BIN`` environment variable; otherwise ``--vs-llama-server``
+builds one from the sdist in the same cache folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -41,8 +50,17 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# the sdist, the extracted tests, their extra dependencies and a llama-server build live
+# in the user cache (MIXDESK_CACHE moves it), never in the repository
+def work_dir() -> Path:
+    from core.paths import cache_dir
+
+    return cache_dir() / "compat"
+
+
 PIN = "llama-cpp-python==0.3.36"
-WORK = REPO / "build" / "compat"
 SUBDIR = "vendor/llama.cpp/tools/server/tests/"
 TEMPLATES = "vendor/llama.cpp/models/templates/"
 EXTRA_DEPS = ["filelock", "wget", "prometheus-client"]
@@ -153,7 +171,7 @@ match_regex = _match_regex
 def fetch_sdist(given: str | None) -> Path:
     if given:
         return Path(given)
-    dl = WORK / "sdist"
+    dl = work_dir() / "sdist"
     found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
     if found:
         return found[-1]
@@ -167,7 +185,7 @@ def fetch_sdist(given: str | None) -> Path:
 
 
 def extract_tests(sdist: Path) -> Path:
-    dest = WORK / "tests"
+    dest = work_dir() / "tests"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
@@ -192,7 +210,7 @@ def extract_tests(sdist: Path) -> Path:
 
 
 def ensure_deps() -> Path:
-    site = WORK / "site"
+    site = work_dir() / "site"
     missing = [d for d in EXTRA_DEPS if not any(site.glob(d.replace("-", "_") + "*"))]
     if missing:
         subprocess.run(
@@ -219,13 +237,13 @@ def fim_model() -> Path | None:
 
 def build_llama_server(sdist: Path) -> Path:
     """llama-server itself, built once from the same sdist's vendored llama.cpp (CPU,
-    Release, no web UI download: the machine may be offline) into build/compat/; the
+    Release, no web UI download: the machine may be offline) into the cache folder; the
     comparison then runs llama.cpp's tests against the real thing on the same model,
     presets and adapter. Nothing of it is committed."""
-    binary = WORK / "llama-server-build" / "bin" / "llama-server"
+    binary = work_dir() / "llama-server-build" / "bin" / "llama-server"
     if binary.exists():
         return binary
-    src = WORK / "llama.cpp"
+    src = work_dir() / "llama.cpp"
     if not (src / "CMakeLists.txt").exists():
         shutil.rmtree(src, ignore_errors=True)
         prefix = "vendor/llama.cpp/"
@@ -264,11 +282,11 @@ def run(
 
     model = ensure_default_model(log=print)
     fim = fim_model()
-    report = WORK / ("report-llama-server.xml" if server_bin else "report.xml")
+    report = work_dir() / ("report-llama-server.xml" if server_bin else "report.xml")
     report.unlink(missing_ok=True)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(WORK / "site"), str(tests)]),
+        "PYTHONPATH": os.pathsep.join([str(work_dir() / "site"), str(tests)]),
         "MIXDESK_REPO": str(REPO),
         "MIXDESK_MODEL": str(model),
         "MIXDESK_FIM_MODEL": str(fim) if fim else "",
@@ -364,9 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also run the tests against llama-server itself (built once from the sdist, "
         "or --llama-server-bin) on the same model and adapter, and compare",
     )
-    ap.add_argument("--llama-server-bin", help="a llama-server binary to compare against")
+    ap.add_argument(
+        "--llama-server-bin",
+        default=os.environ.get("MIXDESK_LLAMA_SERVER_BIN"),
+        help="a llama-server binary built beforehand to compare against "
+        "(default: $MIXDESK_LLAMA_SERVER_BIN)",
+    )
     ap.add_argument(
         "--only-llama-server", action="store_true", help="run llama-server's column only"
+    )
+    ap.add_argument(
+        "--record",
+        metavar="FILE",
+        help="also write every test's outcome per server to FILE (JSON); a server this run "
+        "did not test keeps its recorded column (docs/compat-results.json is the recorded run)",
     )
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -390,7 +419,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table(runs))
     if len(runs) == 2:
         print(differences(runs["Mixdesk"], runs["llama-server"]))
+    if a.record:
+        record(Path(a.record), runs, ["python tools/compat.py", *(argv or sys.argv[1:])])
     return 0
+
+
+def record(path: Path, runs: dict[str, dict[tuple[str, str], str]], command: list[str]) -> None:
+    """Write each server's per-test outcomes as JSON ({"servers": {name: {"file::test":
+    outcome}}, "commands": {name: command line}}); columns this run did not produce stay
+    as recorded, so llama-server's and Mixdesk's may come from separate runs."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["pin"] = PIN
+    servers = data.setdefault("servers", {})
+    commands = data.setdefault("commands", {})
+    for name, got in runs.items():
+        servers[name] = {f"{f}::{t}": v for (f, t), v in sorted(got.items())}
+        commands[name] = " ".join(command)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"compat: recorded {', '.join(runs)} in {path}")
 
 
 if __name__ == "__main__":
