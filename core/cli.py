@@ -17,6 +17,7 @@ from pathlib import Path
 # name(s) -> takes a value?
 from .errors import UserError
 from .options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_HOST, DEFAULT_PARALLEL, DEFAULT_PORT
+from .version import version
 
 GPU_ONLY_FLAGS = {
     ("-ngl", "--n-gpu-layers", "--gpu-layers"): True,
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export flag it opens the desktop window.",
         allow_abbrev=False,
     )
+    p.add_argument("--version", action="version", version=f"mixdesk {version()}")
     m = p.add_argument_group("model and adapters")
     m.add_argument("-m", "--model", help="base model GGUF (default: the embedded SmolLM2-135M)")
     m.add_argument(

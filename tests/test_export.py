@@ -18,6 +18,7 @@ from core.lora.adapter import AdapterError
 from core.lora.export import ExportError, export_lora, export_merged, export_peft
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
+from core.version import version
 from tests.mixing import mix_logits
 from tests.tiny_gguf import write_lora_gguf
 
@@ -165,6 +166,7 @@ def test_lora_export_reproduces_mix(engine, mix, mix_items, mix_ref, work):
     assert gf.metadata["general.type"] == "adapter"
     assert gf.metadata["adapter.type"] == "lora"
     assert "adapter.lora.alpha" not in gf.metadata
+    assert gf.metadata["mixdesk.version"] == version()  # which Mixdesk wrote it
     # attn (8) + all_q8 (32) on layer 0's q; ffn (16) + all_q8 (32) on its gate
     assert gf.tensors["blk.0.attn_q.weight.lora_a"].shape == (40, 576)
     assert gf.tensors["blk.0.attn_q.weight.lora_b"].shape == (576, 40)
@@ -244,8 +246,12 @@ def test_peft_export_round_trip(engine, full_mix, full_ref, work):
     assert "model.layers.5.self_attn.q_proj" not in conf["rank_pattern"]  # r == 8 is common
     assert conf["r"] == 8
 
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
+    with safe_open(out / "adapter_model.safetensors", "np") as f:  # not in the config:
+        assert f.metadata()["mixdesk_version"] == version()  # PEFT warns on unknown keys
+    assert "mixdesk_version" not in conf
     st = load_file(out / "adapter_model.safetensors")
     assert st["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (40, 576)
     assert st["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (576, 48)
@@ -293,6 +299,7 @@ def merged_f32(engine, full_mix, work):
 def test_merged_f32_reproduces_mix(full_ref, merged_f32, merged_cache, smollm_path):
     base, out = GGUFFile(smollm_path), GGUFFile(merged_f32)
     # every KV of the base is kept (the tokenizer included), file type updated
+    assert out.metadata["mixdesk.version"] == version()
     for k, v in base.metadata.items():
         if k == "general.file_type":
             continue
@@ -323,6 +330,20 @@ def test_merged_from_path_matches_engine_export(engine, full_mix, merged_f32, sm
         smollm_path, [(engine.adapter(a), s) for a, s in full_mix.items()], out, outtype="f32"
     )
     assert out.read_bytes() == merged_f32.read_bytes()
+    out.unlink()
+
+
+def test_merging_into_a_merged_export_writes_one_version_key(
+    ref_dir, merged_f32, merged_cache, work
+):
+    """A merged export carries mixdesk.version; using it as the base of another merged
+    export must not copy that key next to the new one (a GGUF with the key twice is
+    refused by the writer), and the new file names the version that wrote it."""
+    out = work / "merged_again.gguf"
+    export_merged(merged_f32, [(ref_dir / "adapters" / "lora_attn.gguf", 0.5)], out, outtype="q8_0")
+    gf = GGUFFile(out)
+    assert gf.metadata["mixdesk.version"] == version()
+    assert gf.metadata["general.file_type"] == 7
     out.unlink()
 
 

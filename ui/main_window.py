@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from core.serve.engine import Engine
 from core.settings import Conversations, Settings
+from core.version import version
 
 from .adapters import AdapterPanel, problem_text
 from .bridge import EngineBridge
@@ -243,7 +244,7 @@ class MainWindow(FileDropMixin, QMainWindow):
             lambda: QMessageBox.about(
                 self,
                 "About Mixdesk",
-                "Mixdesk: a LoRA mixing desk for local LLMs.\n"
+                f"Mixdesk {version()}: a LoRA mixing desk for local LLMs.\n"
                 "Mix adapters live, chat, compare, and serve a llama-server compatible API.",
             )
         )

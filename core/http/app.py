@@ -38,6 +38,7 @@ from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.relay import LoopRelay
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent, TokenEvent
+from ..version import version
 from . import embeddings as EMB
 from . import endpoints as E
 from . import responses as R
@@ -610,6 +611,7 @@ async def props(request: web.Request) -> web.Response:
             "eos_token": eng.chat_template.eos_token if eng.chat_template else "",
             "modalities": {"vision": False, "audio": False},
             "build_info": build_info(),
+            "mixdesk_version": version(),  # ours; llama-server's fields above are unchanged
             "is_sleeping": False,
             "lora_init_without_apply": s.lora_init_without_apply,
         }

@@ -40,10 +40,14 @@ from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant
 from ..model import layout
 from ..model.config import ModelConfig
 from ..model.weights import open_model_file
+from ..version import version
 from .adapter import Adapter, load_adapter
 from .merge import MergeSpec
 from .mix import merged_adapter, mix_key
 from .naming import gguf_to_hf_module, rope_heads, unpermute_qk_rows
+
+# the metadata key naming the Mixdesk version that wrote a GGUF (both GGUF exports)
+VERSION_KEY = "mixdesk.version"
 
 Progress = Callable[[float, str], None]
 
@@ -100,6 +104,7 @@ def _resolve(
     adapters: Iterable | Mapping | None,
     merge: MergeSpec | None = None,
     progress: Progress | None = None,
+    allow_empty: bool = False,
 ) -> _Mix:
     engine = None
     if hasattr(base, "config") and hasattr(base, "add_adapter"):  # an Engine (no import cycle)
@@ -142,14 +147,14 @@ def _resolve(
             ad = load_adapter(ref, cfg)  # AdapterError names the adapter
         if scale != 0.0:
             chosen.append((ad, scale))
-    if not chosen:
+    if not chosen and not allow_empty:
         raise ExportError(
             "nothing to export: no adapter with a non-zero scale "
             "(add adapters with --lora or --lora-scaled)"
         )
     names = [ad.name for ad, _ in chosen]
     merge = merge if merge is not None else getattr(adapters, "merge", None)  # an engine Mix's
-    if merge is not None and merge.builds:
+    if merge is not None and merge.builds and chosen:
         chosen = [(_merged(engine, chosen, merge, progress), 1.0)]
         names.append(f"merged by {merge.label()}")
 
@@ -214,6 +219,7 @@ def _atomic_gguf(out: Path, arch: str, what: str):
     w = None
     try:
         w = GGUFWriter(tmp, arch)
+        w.add_string(VERSION_KEY, version())  # which Mixdesk wrote it (llama.cpp ignores it)
         yield w
         w.close()
         os.replace(tmp, out)
@@ -350,17 +356,20 @@ def export_merged(
     outtype: str = "f16",
     progress: Progress | None = None,
     merge: MergeSpec | None = None,
+    allow_empty: bool = False,
 ) -> ExportResult:
     """Write base + mix as a normal model GGUF: W' = W + Σ s_i B_i A_i per tensor,
     every KV of the base kept (general.file_type updated), names and shapes as in
-    the base. Streams one tensor at a time, so memory stays about one tensor."""
+    the base. Streams one tensor at a time, so memory stays about one tensor.
+    ``allow_empty``: an empty mix writes the base itself in ``outtype`` (the float32
+    base that llama-server serves in ``make interop``); otherwise it is refused."""
     if outtype not in OUTTYPES:
         raise ExportError(
             f"export-merged: outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}"
         )
     report = _Reporter(progress)
     out = Path(out)
-    mix = _resolve(base, adapters, merge, lambda f, m: report(0.0, m))
+    mix = _resolve(base, adapters, merge, lambda f, m: report(0.0, m), allow_empty)
     if mix.base_path is None:
         raise ExportError("export-merged: the engine has no model file")
     _check_target(out, mix, "export-merged")
@@ -393,6 +402,8 @@ def export_merged(
             for key, vtype, sub, val in typed_metadata(mix.base_path):
                 if key in ("general.architecture", "general.file_type", "general.alignment"):
                     continue
+                if key == VERSION_KEY:
+                    continue  # a base Mixdesk exported: this export's own version is written
                 if vtype == GGUFValueType.ARRAY and len(val) == 0:
                     continue  # the writer cannot write an empty array; nothing reads one
                 w.add_key_value(
@@ -452,9 +463,8 @@ def export_merged(
     finally:
         gf.close()
     report(1.0, f"wrote {out.name}")
-    return ExportResult(
-        out, len(mix.pairs), max(_rank_of(p) for p in mix.pairs.values()), out.stat().st_size
-    )
+    rank = max((_rank_of(p) for p in mix.pairs.values()), default=0)
+    return ExportResult(out, len(mix.pairs), rank, out.stat().st_size)
 
 
 # ---- 3. a PEFT folder ----------------------------------------------------------
@@ -534,7 +544,9 @@ def export_peft(
         "init_lora_weights": True,
         "inference_mode": True,
     }
-    meta = {"format": "pt", "mixdesk_mix": json.dumps(mix.names)}
+    # the version goes in the safetensors header, not adapter_config.json: PEFT warns on
+    # an unknown config key, and other loaders may refuse one
+    meta = {"format": "pt", "mixdesk_mix": json.dumps(mix.names), "mixdesk_version": version()}
     created = False
     st_tmp = cfg_tmp = None
     try:
