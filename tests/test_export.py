@@ -583,3 +583,25 @@ def test_export_refuses_bad_requests(engine, mix_items, smollm_path, work):
     with pytest.raises(ExportError, match="overwrite the base"):
         export_merged(smollm_path, mix_items, smollm_path, outtype="f32")
     assert not list(work.glob("a.gguf")) and not list(work.glob("a_peft"))
+
+
+def test_an_empty_mix_writes_the_base_in_outtype_only_when_asked(tmp_path):
+    """make interop serves the float32 base in llama-server: export_merged with no
+    adapters and allow_empty=True writes every tensor of the base, dequantized and
+    unchanged, with its metadata; without allow_empty an empty mix stays refused."""
+    from gguf import GGMLQuantizationType
+
+    from tests.tiny_gguf import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path / "base.gguf", qtype=GGMLQuantizationType.Q8_0)
+    with pytest.raises(ExportError, match="nothing to export"):
+        export_merged(base, [], tmp_path / "refused.gguf", outtype="f32")
+    res = export_merged(base, [], tmp_path / "f32.gguf", outtype="f32", allow_empty=True)
+    assert res.rank == 0 and res.n_tensors == 0
+    src, out = GGUFFile(base), GGUFFile(res.path)
+    assert set(out.tensors) == set(src.tensors)
+    for name in src.tensors:
+        assert out.tensors[name].qtype.name == "F32"
+        np.testing.assert_array_equal(out.dequantize(name), src.dequantize(name))
+    assert out.metadata["general.architecture"] == src.metadata["general.architecture"]
+    assert out.metadata["mixdesk.version"] == version()
