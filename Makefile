@@ -7,7 +7,7 @@ PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
 
-.PHONY: run test lint serve bench package model clean compat
+.PHONY: run test lint serve bench package model clean compat interop
 
 $(STAMP): requirements.txt
 	test -x $(PYBIN) || $(PY) -m venv $(VENV)
@@ -40,9 +40,18 @@ bench: model
 # make compat: llama.cpp's own server tests (from the pinned llama-cpp-python sdist)
 # against main.py --headless, through our adapter (tools/compat.py); prints a per-file
 # passed/failed table. Not part of make test: the full run takes ~25 minutes.
-# COMPAT_ARGS="--files test_basic.py test_completion.py" runs a subset, "--all" every file.
+# COMPAT_ARGS="--files test_basic.py test_completion.py" runs a subset, "--all" every file;
+# "--llama-server-bin PATH --record docs/compat-results.json" records both servers' run,
+# from which tools/compat_docs.py writes docs/compatibility.md. Works in the user cache dir.
 compat: model
 	$(PYBIN) tools/compat.py $(COMPAT_ARGS)
+
+# make interop: three mixes exported from Mixdesk (linear, ties, a negative scale) give
+# llama-server's greedy tokens (--lora and merged, float32 SmolLM2, f32 KV cache) and
+# PEFT's logits (within 1e-3) (tools/interop.py). Not part of make test: llama-server is
+# built once from the pinned sdist (~25 min), or INTEROP_ARGS="--llama-server-bin PATH".
+interop: model $(DEVSTAMP)
+	$(PYBIN) tools/interop.py $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist
