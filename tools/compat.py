@@ -54,10 +54,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # the sdist, the extracted tests, their extra dependencies and a llama-server build live
 # in the user cache (MIXDESK_CACHE moves it), never in the repository
+WORK: Path | None = None  # --work: another folder (two runs at once must not share one)
+
+
 def work_dir() -> Path:
     from core.paths import cache_dir
 
-    return cache_dir() / "compat"
+    return WORK or cache_dir() / "compat"
 
 
 PIN = "llama-cpp-python==0.3.36"
@@ -168,6 +171,23 @@ match_regex = _match_regex
 '''
 
 
+LOG_PLUGIN = '''"""Each test's outcome as soon as it is known (written by tools/compat.py): a run
+stopped by its timeout may leave no junit report, and then these lines are the record."""
+import json
+import os
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("MIXDESK_OUTCOMES")
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return
+    outcome = "skipped" if report.skipped else "failed" if report.failed else "passed"
+    file, _, name = report.nodeid.partition("::")  # a parameter may hold "::" ([::1])
+    with open(path, "a") as f:
+        f.write(json.dumps([file.rsplit("/", 1)[-1], name, outcome]) + "\\n")
+'''
+
+
 def fetch_sdist(given: str | None) -> Path:
     if given:
         return Path(given)
@@ -205,6 +225,7 @@ def extract_tests(sdist: Path) -> Path:
             target.write_bytes(tar.extractfile(m).read())
     (dest / "utils.py").rename(dest / "_upstream_utils.py")
     (dest / "utils.py").write_text(ADAPTER)
+    (dest / "_mixdesk_log.py").write_text(LOG_PLUGIN)
     (dest / "tmp").mkdir(exist_ok=True)
     return dest
 
@@ -233,6 +254,14 @@ def fim_model() -> Path | None:
             print(f"compat: cannot fetch {name} ({e}); test_infill.py runs on SmolLM2")
             return None
     return catalog.model_path(name)
+
+
+# Not -march=native: on a VM that advertises AVX-512 FP16/AMX without enabling them, a
+# native build dies with SIGILL at its first matmul (seen here). The comparison needs
+# llama.cpp's results, not its top speed: AVX2/FMA/F16C run on any recent x86-64 (the
+# flags are ignored elsewhere).
+PORTABLE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON"]  # fmt: skip
 
 
 def build_llama_server(sdist: Path) -> Path:
@@ -265,12 +294,25 @@ def build_llama_server(sdist: Path) -> Path:
     subprocess.run(
         ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+         "-DLLAMA_CURL=OFF", *PORTABLE],
         check=True,
     )  # fmt: skip
     jobs = str(os.cpu_count() or 2)
     subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True
+        [
+            "nice",
+            "-n",
+            "10",
+            "cmake",
+            "--build",
+            str(build),
+            "--target",
+            "llama-server",
+            "-j",
+            jobs,
+        ],
+        check=True,
     )
     return binary
 
@@ -284,6 +326,8 @@ def run(
     fim = fim_model()
     report = work_dir() / ("report-llama-server.xml" if server_bin else "report.xml")
     report.unlink(missing_ok=True)
+    log = report.with_suffix(".jsonl")
+    log.unlink(missing_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(work_dir() / "site"), str(tests)]),
@@ -294,9 +338,11 @@ def run(
         "MIXDESK_PYTHON": sys.executable,
         "MIXDESK_SERVER_BIN": str(server_bin or ""),
         "PORT": os.environ.get("PORT", "18080"),
+        "MIXDESK_OUTCOMES": str(log),
     }
+    # a file name runs the file; "file.py::test[id]" runs that one test
     targets = [f"unit/{f}" for f in files] if files else ["unit"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_mixdesk_log",
            f"--junitxml={report}", "-o", "junit_family=xunit1", *targets]  # fmt: skip
     if keyword:
         cmd += ["-k", keyword]
@@ -313,6 +359,22 @@ def run(
             proc.kill()
             proc.wait()
     return report
+
+
+def collect(report: Path) -> dict[tuple[str, str], str] | None:
+    """A run's outcomes: its junit report, or, when a stopped run left none, the lines
+    the _mixdesk_log plugin wrote as each test finished (None: nothing ran)."""
+    if report.exists():
+        return outcomes(report)
+    log = report.with_suffix(".jsonl")
+    if not log.exists():
+        return None
+    out: dict[tuple[str, str], str] = {}
+    for line in log.read_text().splitlines():
+        file, name, outcome = json.loads(line)
+        if out.get((file, name)) != "failed":  # a teardown error after a pass is a failure
+            out[(file, name)] = outcome
+    return out
 
 
 def outcomes(report: Path) -> dict[tuple[str, str], str]:
@@ -371,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sdist", help=f"the {PIN} sdist (default: pip download it)")
     ap.add_argument(
-        "--files", nargs="*", default=[], help="unit test files (default: the 13 of FILES)"
+        "--files",
+        nargs="*",
+        default=[],
+        help="unit test files (default: the 13 of FILES), or single tests as file.py::name",
     )
     ap.add_argument("--all", action="store_true", help="every unit test file of the sdist")
     ap.add_argument("-k", dest="keyword", help="pytest -k expression")
@@ -397,8 +462,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also write every test's outcome per server to FILE (JSON); a server this run "
         "did not test keeps its recorded column (docs/compat-results.json is the recorded run)",
     )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        help="the folder for the sdist, extracted tests and builds (default: compat/ in the "
+        "user cache dir); two runs at once need one each",
+    )
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    if a.work:
+        global WORK
+        WORK = a.work.resolve()
     sdist = fetch_sdist(a.sdist)
     tests = extract_tests(sdist)
     ensure_deps()
@@ -406,13 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     if a.vs_llama_server or a.llama_server_bin or a.only_llama_server:
         binary = Path(a.llama_server_bin) if a.llama_server_bin else build_llama_server(sdist)
-        report = run(tests, files, a.keyword, a.timeout, binary)
-        if report.exists():
-            runs["llama-server"] = outcomes(report)
+        got = collect(run(tests, files, a.keyword, a.timeout, binary))
+        if got is not None:
+            runs["llama-server"] = got
     if not a.only_llama_server:
-        report = run(tests, files, a.keyword, a.timeout, None)
-        if report.exists():
-            runs["Mixdesk"] = outcomes(report)
+        got = collect(run(tests, files, a.keyword, a.timeout, None))
+        if got is not None:
+            runs["Mixdesk"] = got
     if not runs:
         print("compat: no report (pytest did not run)")
         return 1
@@ -425,16 +499,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record(path: Path, runs: dict[str, dict[tuple[str, str], str]], command: list[str]) -> None:
-    """Write each server's per-test outcomes as JSON ({"servers": {name: {"file::test":
-    outcome}}, "commands": {name: command line}}); columns this run did not produce stay
-    as recorded, so llama-server's and Mixdesk's may come from separate runs."""
+    """Add each server's per-test outcomes to the JSON at ``path``: {"servers": {name:
+    {"file::test": outcome}}, "commands": {name: [command lines]}}. A test this run did
+    not reach keeps its recorded outcome and a server this run did not test keeps its
+    column, so one record may join several runs (each command is listed)."""
     data = json.loads(path.read_text()) if path.exists() else {}
     data["pin"] = PIN
     servers = data.setdefault("servers", {})
     commands = data.setdefault("commands", {})
+    line = " ".join(command)
     for name, got in runs.items():
-        servers[name] = {f"{f}::{t}": v for (f, t), v in sorted(got.items())}
-        commands[name] = " ".join(command)
+        column = servers.setdefault(name, {})
+        column.update({f"{f}::{t}": v for (f, t), v in got.items()})
+        servers[name] = dict(sorted(column.items()))
+        done = commands.get(name, [])
+        done = [done] if isinstance(done, str) else done
+        commands[name] = done + ([line] if line not in done else [])
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"compat: recorded {', '.join(runs)} in {path}")
 

@@ -100,13 +100,11 @@ def greedy(eng, mix, prompt: list[int]) -> list[int]:
 
 
 def all_logits(eng, mix, tokens: list[int]) -> np.ndarray:
-    """Logits at every position of ``tokens`` under ``mix``: (len(tokens), vocab)."""
-    from core.lora.mix import mix_key
-    from core.model.llama import BatchItem
+    """Logits at every position of ``tokens`` under ``mix`` (its method included):
+    (len(tokens), vocab), the engine's own forward as the tests run it."""
+    from tests.mixing import mix_logits
 
-    built = eng.mixes.get(mix_key(mix, mix.merge), eng._adapters)
-    cache = eng.model.new_cache(len(tokens) + 8)
-    return eng.model.forward([BatchItem(np.asarray(tokens), cache, built, all_logits=True)])[0]
+    return mix_logits(eng, mix, tokens)
 
 
 # ---- llama-server's side ----------------------------------------------------------
