@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_gui(args)
     except UserError as e:  # a user's mistake: one line; anything else is a bug (traceback)
         return _fail(str(e))
-    except OSError as e:
-        return _fail(f"{e.filename or ''}: {e.strerror or e}")
+    except OSError as e:  # one line too; no ": " before a message that names no file
+        what = e.strerror or str(e)
+        return _fail(f"{e.filename}: {what}" if e.filename else what)
 
 
 if __name__ == "__main__":

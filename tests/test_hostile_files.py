@@ -719,3 +719,68 @@ def test_default_model_path_that_is_a_fifo_is_refused(tmp_path, monkeypatch):
         assert "not a regular file" in str(err)
     finally:
         _unblock(dest)
+
+
+# ---- a model bigger than the memory (issue #33, item 5) -----------------------------------
+
+ADDRESS_SPACE = 6 << 30  # ulimit -v 6291456
+
+
+def _sparse_llama(path: Path, n_layers: int) -> Path:
+    """A llama of 4096-wide F32 layers (~0.7 GB each) whose tensor bytes are a hole:
+    gigabytes on paper, a few KB on disk."""
+    return write_tiny_llama(
+        path, dim=4096, n_heads=32, n_kv_heads=8, ffn=11008, n_layers=n_layers, sparse=True
+    )
+
+
+def _under_ulimit_v(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    """``python args...`` with its address space capped at ADDRESS_SPACE, as under
+    ``ulimit -v``: every map and allocation beyond it fails with ENOMEM."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=cap,
+        env={**os.environ, "MIXDESK_CACHE": str(cache)},
+    )
+
+
+LOAD_AND_SAY = (
+    "import sys\n"
+    "from core.serve.engine import Engine\n"
+    "try:\n"
+    "    Engine(ctx_size=64).load_model(sys.argv[1])\n"
+    "except Exception as e:\n"
+    "    print(type(e).__name__, e, sep=': ')\n"
+)
+
+
+@pytest.mark.parametrize(
+    "n_layers, message",
+    [
+        # the file itself does not fit in the address space
+        (12, "open it: mapping the file needs 8.51 GB of address space (Cannot allocate memory)"),
+        # the file maps, its float32 weights do not fit beside it
+        (5, "load it: its float32 weights need 3.55 GB"),
+    ],
+)
+def test_model_bigger_than_the_memory_is_one_line_naming_the_file(tmp_path, n_layers, message):
+    model = _sparse_llama(tmp_path / "huge.gguf", n_layers)
+    cache = tmp_path / "cache"
+    r = _under_ulimit_v(["-c", LOAD_AND_SAY, str(model)], cache)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip() == f"ModelLoadError: huge.gguf: not enough memory to {message}"
+    assert not list((cache / "weights").glob(".*partial"))  # no half-written cache left
+
+    r = _under_ulimit_v(["main.py", "-m", str(model), "-p", "Hi", "-n", "1"], cache)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert last == f"mixdesk: error: huge.gguf: not enough memory to {message}"

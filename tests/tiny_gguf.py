@@ -6,6 +6,7 @@ sliding window)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,15 @@ def write_tiny_llama(
     head_dim: int | None = None,
     sliding_window: int | None = None,
     long_rope: tuple[int, float] | None = None,
+    sparse: bool = False,
 ) -> Path:
     """``kv`` overrides metadata after the normal keys are set: key -> (value, type),
     or None to drop the key; for writing hostile but well-formed files. ``head_dim``
     writes attention.key_length (gemma3: head_dim * n_heads need not be dim);
     ``sliding_window`` writes attention.sliding_window (gemma3); ``long_rope``
-    (original context, attn_factor) writes phi3's LongRoPE keys and factor tensors."""
+    (original context, attn_factor) writes phi3's LongRoPE keys and factor tensors.
+    ``sparse`` writes only the header and leaves every F32 tensor's bytes a hole in a
+    sparse file: a file that claims gigabytes of weights and takes a few KB of disk."""
     rng = np.random.default_rng(seed)
     hd = head_dim or dim // n_heads
     w = GGUFWriter(str(path), arch)
@@ -134,6 +138,9 @@ def write_tiny_llama(
             w.kv_data[0][key] = GGUFValue(value=value, type=vtype, sub_type=sub)
 
     def t(name, shape, scale=0.2, norm=False):
+        if sparse:  # the tensor's info only: its bytes are left a hole below
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+            return
         a = (
             1.0 + 0.1 * rng.standard_normal(shape) if norm else scale * rng.standard_normal(shape)
         ).astype(np.float32)
@@ -185,6 +192,14 @@ def write_tiny_llama(
         w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, hd // 2, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
+    if sparse:
+        w.write_ti_data_to_file()
+        w.close()
+        align = w.data_alignment
+        pad = lambda n: -(-n // align) * align  # noqa: E731
+        end = pad(path.stat().st_size) + sum(pad(ti.nbytes) for ti in w.tensors[0].values())
+        os.truncate(path, end)  # a hole: no disk blocks for the tensor data
+        return path
     w.write_tensors_to_file()
     w.close()
     return path

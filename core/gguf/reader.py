@@ -230,7 +230,13 @@ class GGUFFile:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise GGUFError(f"{name} is not a valid GGUF file: it is too small ({size} bytes)")
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:  # ENOMEM: no address space left (ulimit -v, 32-bit)
+                raise GGUFError(
+                    f"{name}: not enough memory to open it: mapping the file needs "
+                    f"{byte_size(size)} of address space ({e.strerror or e})"
+                ) from None
         buf = memoryview(self._mm)
         if bytes(buf[:4]) != GGUF_MAGIC:
             # never show the bytes: the user may have picked any file, even a secret one
@@ -359,6 +365,11 @@ class GGUFFile:
             self._mm.close()
         except (BufferError, ValueError):
             pass  # numpy views still reference the map; it is freed with them
+
+
+def byte_size(n_bytes: int) -> str:
+    """A size for a message: "7.93 GB", "512 MB"."""
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.0f} MB"
 
 
 def _count(n: int) -> str:

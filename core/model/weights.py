@@ -14,6 +14,7 @@ or replaced model file gets a fresh cache.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant
+from ..gguf.reader import GGUFError, GGUFFile, UnsupportedQuant, byte_size
 from ..paths import cache_dir
 from . import layout
 from .config import ModelConfig
@@ -201,7 +202,7 @@ def load_weights(
 
     # Cold path: dequantize into a memory-mapped file (or RAM if the cache is not writable).
     tmp = None
-    size = f"{total * 4 / 1e9:.2f} GB" if total * 4 >= 1e8 else f"{total * 4 / 1e6:.0f} MB"
+    size = byte_size(total * 4)
     try:
         if not use_cache:
             raise OSError("cache disabled")
@@ -212,7 +213,13 @@ def load_weights(
         tmp = cdir / f".{key}.{os.getpid()}.partial"
         buf = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(total,))
     except OSError:
-        tmp, buf = None, np.empty(total, dtype=np.float32)
+        if tmp is not None:  # np.memmap sized the file before its map failed
+            tmp.unlink(missing_ok=True)
+        tmp = None
+        try:
+            buf = np.empty(total, dtype=np.float32)
+        except MemoryError:
+            raise out_of_memory(gf.path, size) from None
     views = _views(buf, offsets)
 
     # (destination view, source tensor, its rows [a, b), destination row of a): shapes
@@ -256,6 +263,7 @@ def load_weights(
         if tmp is not None:
             buf.flush()
             crc = _sample_crc(buf)
+            jobs.clear()  # their views hold the writable map: unmap it before the next
             del views, buf
             os.replace(tmp, bin_path)
             _write_index(idx_path, gf.path, total, crc)
@@ -263,11 +271,25 @@ def load_weights(
             tmp = None
             # serve from a read-only map, exactly as a warm load would
             views = _views(np.memmap(bin_path, dtype=np.float32, mode="r", shape=(total,)), offsets)
+    except MemoryError:  # a dequantized piece found no room
+        raise out_of_memory(gf.path, size) from None
+    except OSError as e:
+        if e.errno == errno.ENOMEM:  # the cache's read-only map found no address space
+            raise out_of_memory(gf.path, size) from None
+        raise
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()
     progress(1.0, "loaded")
     return _assemble(cfg, views)
+
+
+def out_of_memory(model: Path, size: str) -> ModelLoadError:
+    """The one-line error of a load that ran out of memory (RAM, or address space
+    under ``ulimit -v``), naming the file and what it needed."""
+    return ModelLoadError(
+        f"{model.name}: not enough memory to load it: its float32 weights need {size}"
+    )
 
 
 def check_disk(model: Path, cdir: Path, need: int) -> None:
