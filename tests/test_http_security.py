@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 
 import aiohttp
 import pytest
@@ -110,6 +112,101 @@ def test_openai_client_with_key(locked):
         bad.models.list()
     good = openai.OpenAI(base_url=locked.url + "/v1", api_key=KEY, max_retries=0)
     assert good.models.list().data[0].object == "model"
+
+
+@pytest.fixture(scope="module")
+def logged(engine):
+    """An API key, a CORS allow-list, and the request log kept (srv.lines)."""
+    lines: list[str] = []
+    with serving(engine, api_keys=[KEY], cors_origins=[ALLOWED], on_log=lines.append) as srv:
+        srv.lines = lines
+        yield srv
+
+
+def raw(srv, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte (headers aiohttp's client would refuse to
+    send); (status, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(head + b"\r\nHost: localhost\r\nConnection: close\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+WRONG_KEY = json.dumps(
+    {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+).encode()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"Authorization: Bearer \xff\xfe",  # not UTF-8: once a 500 UnicodeEncodeError
+        b"X-Api-Key: \xff",
+        b"Authorization: Bearer s3cret\x00key",  # a NUL: once aiohttp's plain-text 400
+        b"X-Api-Key: s3cret\x00key",
+        b"Authorization: Bearer wrong-key",
+    ],
+)
+def test_a_malformed_key_is_a_401_like_any_wrong_key(logged, header):
+    assert raw(logged, b"GET /props HTTP/1.1\r\n" + header) == (401, WRONG_KEY)
+    still_serving(logged, auth())
+
+
+def test_the_key_is_never_logged_nor_echoed(logged, caplog):
+    """A control character after the key makes aiohttp refuse the header line, and its
+    own answer quoted that line, key and all, in the 400 body and an ERROR traceback."""
+    n = len(logged.lines)
+    answers = []
+    with caplog.at_level(logging.DEBUG):
+        for header in (
+            f"Authorization: Bearer {KEY}\x01",
+            f"X-Api-Key: {KEY}\x00",
+            f"Authorization: Bearer {KEY}\x7f",
+        ):
+            answers.append(raw(logged, b"GET /props HTTP/1.1\r\n" + header.encode()))
+        # a malformed header that is not a key's: a JSON 400 naming the fault, not the line
+        answers.append(raw(logged, b"GET /props HTTP/1.1\r\nX-Note: " + KEY.encode() + b"\x01"))
+        still_serving(logged, auth())
+    assert answers[:3] == [(401, WRONG_KEY)] * 3
+    st, body = answers[3]
+    assert st == 400 and json.loads(body)["error"] == {
+        "code": 400,
+        "message": "malformed request: Invalid header value char",
+        "type": "invalid_request_error",
+    }
+    logged_text = "\n".join(logged.lines[n:]) + caplog.text
+    assert KEY not in logged_text and not any(KEY.encode() in b for _, b in answers)
+    assert "Traceback" not in logged_text
+    assert logged.lines[n:n + 4] == ["malformed request from 127.0.0.1: 401 (malformed API key header)"] * 3 + [
+        "malformed request from 127.0.0.1: 400 (malformed request: Invalid header value char)"
+    ]  # fmt: skip
+
+
+def test_an_abrupt_disconnect_is_one_line_without_traceback(logged, caplog):
+    """50 clients POST a whole /completion body and reset the connection at once: each
+    is one INFO line of the request log (or nothing, if the server never read it),
+    never aiohttp's 45-line ConnectionResetError traceback."""
+    body = json.dumps({"prompt": "Hi", "n_predict": 4}).encode()
+    head = (
+        b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    n = len(logged.lines)
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(50):
+            s = socket.create_connection(("127.0.0.1", logged.port))
+            s.sendall(head + body)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") * 2)
+            s.close()  # linger 0: a reset, not a polite FIN
+        still_serving(logged, auth())  # also gives the server time to see every reset
+    disconnects = [ln for ln in logged.lines[n:] if "/completion 499" in ln]
+    assert disconnects  # the reset did reach handlers that were reading the body
+    assert all("(client disconnected)" in ln for ln in disconnects)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
 
 
 # ---- Host header (DNS rebinding) -------------------------------------------------------
@@ -269,6 +366,22 @@ def test_cors_localhost_refuses_every_other_origin(loopback_cors, engine, origin
     st, _, h = preflight(loopback_cors, "/completions", origin)
     assert st == 200 and not any(k.lower().startswith("access-control") for k in h)
     assert_simple_post_refused(loopback_cors, engine, origin)
+
+
+def test_a_refused_preflight_is_200_as_llama_server_and_the_log_says_why(logged):
+    """llama-server answers every preflight 200 and its own tests assert it (test_security's
+    test_cors_origins_localhost_rejects): no Access-Control-Allow-Origin is the refusal.
+    The request log names the origin and the flag, as llama-server's warning does."""
+    n = len(logged.lines)
+    st, _, h = preflight(logged, "/completion", "http://evil.example", "authorization")
+    assert st == 200 and not any(k.lower().startswith("access-control") for k in h)
+    assert logged.lines[n].startswith("OPTIONS /completion 200 ")
+    assert logged.lines[n].endswith(
+        "(CORS: origin http://evil.example refused, see --cors-origins)"
+    )
+    st, _, h = preflight(logged, "/completion", ALLOWED, "authorization")
+    assert st == 200 and h["Access-Control-Allow-Origin"] == ALLOWED
+    assert "CORS" not in logged.lines[n + 1]
 
 
 def test_cors_header_on_streams(locked):

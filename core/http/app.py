@@ -201,6 +201,7 @@ class _EngineBox:
 
 ENGINE = web.AppKey("engine", _EngineBox)
 SETTINGS = web.AppKey("settings", ServerSettings)
+REQUEST_LOG = web.AppKey("request_log", Callable[[str], None])  # one line per request
 LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
@@ -229,6 +230,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     )
     app[ENGINE] = _EngineBox(engine)
     app[SETTINGS] = settings
+    app[REQUEST_LOG] = on_line
     app[LOAD_LOCK] = asyncio.Lock() if _has_loop() else None  # created lazily otherwise
     app[ADAPTER_POOL] = BlockingPool(
         "adapter load", workers=2, queue=4, timeout=settings.adapter_load_timeout

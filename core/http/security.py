@@ -15,12 +15,14 @@ can send requests to ``http://127.0.0.1:8080``. The defences, outermost first:
   loopback origin on any port (``http://127.0.0.1:3000``, ``http://[::1]``, ...),
   llama-server's meaning. A preflight OPTIONS is answered 200 either way, with
   CORS headers only for a listed origin (llama-server's form: a preflight without
-  ``Access-Control-Allow-Origin`` is the browser's "no").
+  ``Access-Control-Allow-Origin`` is the browser's "no"; the request log says why).
 * Body size (413) before anything reads the body; the app's client_max_size
   enforces the same limit for chunked bodies.
 * API key (401) with ``hmac.compare_digest`` on every endpoint but /health and,
-  when the web UI is on, its static files (:func:`public_paths`). The key is never
-  logged.
+  when the web UI is on, its static files (:func:`public_paths`). A key that is not
+  UTF-8 or holds a control character is a 401 like any wrong key. The key is never
+  logged nor echoed, not even in the answer to a header aiohttp cannot parse
+  (:func:`malformed_request`).
 
 Runtime adapter loading opens a path the client names, so it is off unless the
 server was started with ``--allow-runtime-lora``, and then only paths inside the
@@ -34,6 +36,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -49,6 +52,7 @@ log = logging.getLogger("mixdesk.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DISCONNECTED = web.RequestKey("disconnected", bool)
+LOG_NOTE = web.RequestKey("log_note", str)  # why, appended to the request's log line
 CORS_ORIGIN = web.RequestKey("cors_origin", str)
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -195,10 +199,36 @@ def api_key_ok(request: web.Request, keys: list[str]) -> bool:
     elif "x-api-key" in request.headers:
         given = request.headers["x-api-key"].strip()
     ok = False
-    g = given.encode("utf-8")
+    # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: encode them
+    # back to those bytes, which then match no key (a 401, never a UnicodeEncodeError)
+    g = given.encode("utf-8", "surrogateescape")
     for k in keys:  # compare against every key so timing says nothing about which matched
         ok |= hmac.compare_digest(g, k.encode("utf-8"))
     return ok and bool(given)
+
+
+# the header line aiohttp quotes in a parse error: b'Authorization: Bearer ...'
+_KEY_HEADER_LINE = re.compile(r"\n\s*b?['\"](authorization|x-api-key)\s*:", re.IGNORECASE)
+
+
+def malformed_request(exc: BaseException, api_keys: list[str]) -> tuple[int, dict, str]:
+    """The answer to a request aiohttp could not parse (a control character in a
+    header, a line too long, ...): (status, JSON body, what the log line says).
+
+    aiohttp's own answer quotes the offending header line, an API key included, in a
+    plain-text 400 and in an ERROR traceback. Here neither the body nor the log holds
+    any of the request's bytes, only the kind of fault. A fault inside the API key's
+    own header, with keys set, is answered as a wrong key is: 401."""
+    text = str(getattr(exc, "message", "") or exc)
+    if api_keys and _KEY_HEADER_LINE.search(text):
+        body = error_body("Invalid API Key", 401, "authentication_error")
+        return 401, body, "401 (malformed API key header)"
+    # the fault's name: the first line, up to any quoted bytes
+    first = text.split("\n", 1)[0]
+    reason = re.split(r"\s*b?['\"]", first, maxsplit=1)[0].strip().rstrip(":").strip()
+    reason = printable(reason or "Bad Request", 200)
+    body = error_body(f"malformed request: {reason}", 400, "invalid_request_error")
+    return 400, body, f"400 (malformed request: {reason})"
 
 
 def same_origin(origin: str, host_header: str | None) -> bool:
@@ -254,7 +284,8 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             status_s = "499 (client disconnected)" if request.get(DISCONNECTED) else str(status)
-            on_line(f"{request.method} {printable(request.path)} {status_s} {ms:.1f} ms")
+            note = f" ({request[LOG_NOTE]})" if LOG_NOTE in request else ""
+            on_line(f"{request.method} {printable(request.path)} {status_s} {ms:.1f} ms{note}")
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -305,7 +336,11 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
             and "Access-Control-Request-Method" in request.headers
         ):
             if not allowed_origins or not origin_listed(origin):
-                return web.Response(status=200)  # no CORS headers: the browser's "no"
+                # llama-server's answer (its own tests assert the 200): no CORS headers,
+                # which the browser reads as "no". The log says what happened, as
+                # llama-server's "(CORS) skip non-localhost origin" warning does.
+                request[LOG_NOTE] = f"CORS: origin {printable(origin)} refused, see --cors-origins"
+                return web.Response(status=200)
             return web.Response(status=200, headers=cors_headers(origin, preflight=True))
         if origin is not None and not origin_listed(origin) and not same_origin(origin, host):
             return json_error(

@@ -17,11 +17,57 @@ import sys
 import threading
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from .app import SETTINGS, ServerSettings, create_app, set_engine
-from .security import WILDCARD_HOSTS, is_loopback, split_host
+from .app import REQUEST_LOG, SETTINGS, ServerSettings, create_app, set_engine
+from .security import WILDCARD_HOSTS, is_loopback, malformed_request, split_host
 
 log = logging.getLogger("mixdesk.http")
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's per-connection handler, with two of its answers changed:
+
+    * a request it cannot parse: aiohttp answers a plain-text 400 that quotes the
+      offending header line (an API key with it) and logs that line in an ERROR
+      traceback; here it is llama-server's JSON error and one INFO line naming only
+      the kind of fault (:func:`security.malformed_request`).
+    * a client gone while its handler ran (a ConnectionResetError out of
+      ``request.read()``): aiohttp logs a 45-line traceback per client; here the
+      request log's "499 (client disconnected)" line is all, and the connection is
+      dropped the way aiohttp drops one that vanished while its answer was written.
+    """
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if isinstance(exc, ConnectionError):
+            raise exc  # RequestHandler.start() drops the connection without a log line
+        if isinstance(exc, HttpProcessingError) and status == 400:
+            app = self._manager.app
+            code, body, what = malformed_request(exc, app[SETTINGS].api_keys)
+            app[REQUEST_LOG](f"malformed request from {request.remote}: {what}")
+            resp = web.json_response(body, status=code)
+            resp.force_close()  # the rest of the stream cannot be trusted
+            return resp
+        return super().handle_error(request, status, exc, message)
+
+
+class _Server(web.Server):
+    app: web.Application
+
+    def __call__(self) -> _Protocol:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose connections are served by :class:`_Protocol`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # the very server aiohttp built (it has no hook for the handler class), with
+        # only its connection factory replaced
+        server.__class__ = _Server
+        server.app = self.app
+        return server
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -30,7 +76,7 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     settings = app.get(SETTINGS) or ServerSettings()
     # keepalive_timeout also closes a connection whose request headers are still
     # incomplete after that long (a slowloris client sending them byte by byte)
-    runner = web.AppRunner(
+    runner = _Runner(
         app,
         handler_cancellation=True,
         access_log=None,
