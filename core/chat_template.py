@@ -16,6 +16,7 @@ over either raises ChatTemplateError, which the HTTP API answers with a 400.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -78,7 +79,10 @@ class _Budget:
     """The limits of the render running on this thread."""
 
     def __init__(self, limits: RenderLimits, input_chars: int):
-        self.deadline = time.monotonic() + limits.seconds
+        # inside build_prompt, every render of one prompt shares that prompt's deadline
+        shared = getattr(_current, "deadline", None)
+        own = time.monotonic() + limits.seconds
+        self.deadline = own if shared is None else min(own, shared)
         self.seconds = limits.seconds
         self.chars = limits.min_chars + limits.per_input_char * input_chars
         self.max_int_bits = limits.max_int_bits
@@ -97,6 +101,9 @@ class _Budget:
 
 
 _current = threading.local()  # .budget: the _Budget of the render on this thread
+# .deadline: the time limit of the prompt being built on this thread (build_prompt), which
+# may render the template up to three times (the system-role probe, and the two renders
+# of a continued message): the limit is the prompt's, not each render's
 # .probe: a marker text whose reading the capability probe records in .probe_seen
 
 
@@ -107,6 +114,19 @@ def _note_probe(value: Any) -> Any:
     if marker is not None and isinstance(value, str) and value == marker:
         _current.probe_seen = True
     return value
+
+
+@contextlib.contextmanager
+def _one_deadline(limits: RenderLimits):
+    """Every render inside shares one deadline, ``limits.seconds`` from now (an outer
+    one, if earlier, stays)."""
+    outer = getattr(_current, "deadline", None)
+    mine = time.monotonic() + limits.seconds
+    _current.deadline = mine if outer is None else min(mine, outer)
+    try:
+        yield
+    finally:
+        _current.deadline = outer
 
 
 def _budget() -> _Budget | None:
@@ -427,6 +447,8 @@ class ChatTemplate:
             _current.probe, _current.probe_seen = marker, False
             try:
                 self.render(probe, add_generation_prompt=True, tools=[])
+            except TemplateLimitError:
+                raise  # over its limits on a two-message probe: decide nothing, say so
             except ChatTemplateError:
                 pass  # a template that raises may still have read it
             finally:
@@ -707,7 +729,9 @@ def build_prompt(
     - a BOS (EOS) text the template writes first (last) is cut when the tokenizer adds
       its own, so the prompt has one BOS.
 
-    Raises ChatTemplateError (a 400 on the API) for requests llama-server refuses."""
+    All of it, however many renders it takes, runs within one ``template.limits``
+    time limit. Raises ChatTemplateError (a 400 on the API) for requests llama-server
+    refuses."""
     kwargs = {**defaults.template_kwargs, **(template_kwargs or {})}
     enable_thinking = defaults.enable_thinking
     if "enable_thinking" in kwargs:
@@ -736,20 +760,21 @@ def build_prompt(
         msgs = msgs[:-1]
     if "<|channel|>" not in template.source:  # GPT-OSS keeps its developer role
         msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
-    if not template.supports_system_role:
-        msgs = [_flatten_content(m) for m in msgs]
-        msgs = _merge_system(msgs)
-    extra = _template_context(enable_thinking, tools, kwargs, now or datetime.now())
-    if last is None:
-        text = template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
-    else:
-        # the history, the template's own generation prompt, then the text to continue
-        before = template.render(msgs, add_generation_prompt=False, **extra)
-        opened = template.render(msgs, add_generation_prompt=True, **extra)
-        n = 0
-        while n < min(len(before), len(opened)) and before[n] == opened[n]:
-            n += 1
-        text = before + opened[n:] + (_flatten_content(last, "\n\n").get("content") or "")
+    with _one_deadline(template.limits):  # the probe and every render: one limit
+        if not template.supports_system_role:
+            msgs = [_flatten_content(m) for m in msgs]
+            msgs = _merge_system(msgs)
+        extra = _template_context(enable_thinking, tools, kwargs, now or datetime.now())
+        if last is None:
+            text = template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        else:
+            # the history, the template's own generation prompt, then the text to continue
+            before = template.render(msgs, add_generation_prompt=False, **extra)
+            opened = template.render(msgs, add_generation_prompt=True, **extra)
+            n = 0
+            while n < min(len(before), len(opened)) and before[n] == opened[n]:
+                n += 1
+            text = before + opened[n:] + (_flatten_content(last, "\n\n").get("content") or "")
     if template.add_bos and template.bos_token and text.startswith(template.bos_token):
         text = text[len(template.bos_token) :]
     if template.add_eos and template.eos_token and text.endswith(template.eos_token):

@@ -274,6 +274,26 @@ def test_endless_template_is_400_and_the_server_keeps_answering(default_srv, hos
     assert "chat template" in msg
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi"}],
+        # a trailing assistant message is continued: two renders of the template
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+    ],
+)
+def test_the_render_limit_is_the_requests_not_each_renders(default_srv, hostile_template, messages):
+    """A prompt may render the template up to three times (the system-role probe, and
+    twice for a continued message); each render once had the whole 2 s of its own, so
+    the answer came after 4 or 6 s. One limit now covers them all. The bound is loose
+    (1.5x the limit; the old answers took 2x and 3x): a busy machine adds a little."""
+    t0 = time.monotonic()
+    answer = req(default_srv, "POST", "/apply-template", {"messages": messages})
+    took = time.monotonic() - t0
+    assert "longer than 2 s" in assert_error(*answer, 400)
+    assert took < 3.0, f"answered after {took:.1f} s for a 2 s limit"
+
+
 def test_huge_template_output_is_400(default_srv, engine):
     saved = engine.chat_template
     engine.chat_template = ChatTemplate("{{ 'x' * 10**9 }}")
