@@ -153,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "llama3, gemma, mistral-v1, mistral-v3, mistral-v7, phi3, deepseek3, zephyr, ...) "
         "or an inline Jinja template",
     )
-    m.add_argument("--chat-template-file", help="Jinja chat template overriding the model's")
+    m.add_argument(
+        "--chat-template-file",
+        metavar="FNAME",
+        help="a file holding a Jinja chat template that overrides the model's",
+    )
     m.add_argument(
         "--chat-template-kwargs",
         metavar="JSON",
@@ -196,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="treat a trailing assistant message as a finished turn",
     )
-    m.add_argument("-t", "--threads", type=int, help="BLAS threads (default: all cores)")
+    m.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        help="threads for the matrix products, BLAS's and the engine's own (default: all cores)",
+    )
     m.add_argument(
         "--draft-max",
         "--draft",
@@ -209,8 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = p.add_argument_group("server")
     s.add_argument("--headless", action="store_true", help="serve the HTTP API without the GUI")
-    s.add_argument("--host", default=DEFAULT_HOST)
-    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on, or several comma-separated (default {DEFAULT_HOST}; "
+        "any other address prints a warning)",
+    )
+    s.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
+    )
     s.add_argument(
         "--api-key",
         action="append",
@@ -225,13 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="file with API keys, one per line (added to --api-key)",
     )
     s.add_argument(
-        "-np", "--parallel", type=int, default=DEFAULT_PARALLEL, help="sequences batched at once"
+        "-np",
+        "--parallel",
+        type=int,
+        default=DEFAULT_PARALLEL,
+        help=f"slots: requests generated at once, batched (default {DEFAULT_PARALLEL})",
     )
     s.add_argument(
         "-a",
         "--alias",
-        help="model name(s) reported by the API, comma-separated: the first is the id, "
-        "all are listed in /v1/models aliases",
+        help="model name(s) reported by the API, comma-separated: all are listed in "
+        "/v1/models aliases, and the first in sorted order is the id (as llama-server)",
     )
     s.add_argument("--tags", help="comma-separated tags listed in /v1/models (informative)")
     s.add_argument(
@@ -240,7 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated origins allowed by CORS; 'localhost' means any loopback "
         "origin on any port, '*' any origin (default: none)",
     )
-    s.add_argument("--verbose", "-v", action="store_true", help="log prompts and responses")
+    s.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="debug logging; each request's prompt and output in the log, and llama-server's "
+        "__verbose field in every completion answer",
+    )
     s.add_argument(
         "-to",
         "--timeout",
@@ -260,8 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--slot-save-path",
         metavar="DIR",
-        help="enables POST /slots/{id}?action=erase (drops the cached prompts); "
-        "save/restore answer 501: Mixdesk writes no KV cache files (without it: 501)",
+        help="folder of POST /slots/{id}?action=save|restore: a slot's tokens, KV cache and "
+        "mix, saved to and restored from a file named by the request's filename; "
+        "action=erase drops the slot's cached prompt (without this flag every action "
+        "answers 501)",
     )
     s.add_argument("--metrics", action="store_true", help="expose GET /metrics (Prometheus)")
     s.add_argument(
@@ -299,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="generation: no effect (the scheduler picks its own prefill chunks); "
-        "embeddings: caps an input's tokens with --ubatch-size",
+        help="llama-server's logical batch (default 2048): prompts are evaluated in "
+        "steps of min(-b, -ub) tokens, /infill fits its prefix and suffix in it",
     )
     s.add_argument(
         "-ub",
@@ -308,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="the most tokens of one embedding input (default 512), as llama-server's "
-        "physical batch; no effect on generation",
+        help="llama-server's physical batch (default 512): prompt tokens each sequence "
+        "evaluates per step (with -b: the smaller), and the most tokens of one "
+        "embedding input",
     )
     s.add_argument(
         "-kvu",
@@ -359,20 +388,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=-1,
         help="tokens to generate (-1: until EOS)",
     )
-    g.add_argument("--temp", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
     g.add_argument(
-        "--repeat-last-n", type=int, default=64, help="tokens the penalties look back on"
+        "--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1.0: off)"
     )
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument(
+        "--min-p", type=float, default=0.05, help="min-p sampling (default 0.05; 0.0: off)"
+    )
+    g.add_argument(
+        "--repeat-penalty",
+        type=float,
+        default=1.0,
+        help="penalty on repeated tokens (default 1.0: off)",
+    )
+    g.add_argument(
+        "--repeat-last-n",
+        type=int,
+        default=64,
+        help="tokens the penalties look back on (default 64; 0: off, -1: all of them)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="penalty on tokens already present (default 0.0: off)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="penalty growing with a token's count (default 0.0: off)",
+    )
     g.add_argument(
         "-s", "--seed", type=int, default=-1, help="default sampling seed (-1: random each time)"
     )
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate past the end-of-generation tokens, until -n or the context is full",
+    )
 
     p.add_argument(
         "--get-model",

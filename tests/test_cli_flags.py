@@ -268,3 +268,35 @@ def test_context_shift_is_off_unless_asked():
     assert parse_args([]).context_shift is False
     assert parse_args(["--context-shift"]).context_shift is True
     assert parse_args(["--context-shift", "--no-context-shift"]).context_shift is False
+
+
+# ---- --help (issue #33, item 6) ----------------------------------------------------------
+
+
+def flag_help() -> dict[str, str]:
+    """Each option's help text, by its longest name, as ``--help`` prints it."""
+    from core.cli import build_parser
+
+    return {
+        max(a.option_strings, key=len): a.help or ""
+        for a in build_parser()._actions
+        if a.option_strings and a.help != "==SUPPRESS=="
+    }
+
+
+def test_every_flag_says_what_it_does():
+    undocumented = [flag for flag, text in flag_help().items() if not text]
+    assert undocumented == []  # --host, --port and most sampling flags once had no help
+
+
+def test_help_matches_what_the_flags_do_today():
+    h = flag_help()
+    # save and restore work (tests/test_slots.py); the text once said they answer 501
+    assert "save|restore" in h["--slot-save-path"] and "501: Mixdesk" not in h["--slot-save-path"]
+    # -b and -ub set the prompt step (prefill_chunk); the text once said "no effect"
+    for flag in ("--batch-size", "--ubatch-size"):
+        assert "no effect" not in h[flag] and "min(-b, -ub)" in h["--batch-size"]
+    # -t also sizes the engine's own threads, not only BLAS's
+    assert "engine" in h["--threads"]
+    # the id is the first alias in sorted order (test_alias_list_tags_hosts_and_timeout)
+    assert "sorted" in h["--alias"]
