@@ -171,7 +171,7 @@ def loop_wakeups(srv) -> int | None:
     """Hand-overs of engine events to the server's loop so far (None: a server
     without the per-step relay, i.e. one wake-up per event)."""
     try:
-        from core.http.app import RELAY
+        from core.http.plumbing import RELAY
     except ImportError:
         return None
     return srv.app[RELAY].wakeups

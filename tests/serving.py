@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.http.app import ServerSettings
+from core.http.parsing import parse_lora
 from core.http.server import ServerThread
 from core.serve.engine import Engine
 
@@ -53,3 +54,8 @@ def serving(engine: Engine, **settings) -> Iterator[ServerThread]:
         yield srv
     finally:
         srv.stop()
+
+
+def wire_mix(engine, entries, what="lora"):
+    """A mix in its HTTP wire form, read as the server reads it (core/http/parsing.py)."""
+    return parse_lora(entries, what, [a["id"] for a in engine.adapters()])

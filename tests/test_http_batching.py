@@ -13,7 +13,7 @@ import threading
 import aiohttp
 import pytest
 
-from core.http.app import RELAY
+from core.http.plumbing import RELAY
 from core.serve.engine import Engine
 from core.serve.relay import LoopRelay, step_events
 from tests.serving import running_engine, serving

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from core.errors import HttpError
+from core.http import parsing as P
 from core.http import responses as R
 from core.http.app import ServerSettings
-from core.http.responses import HttpError
 from core.http.security import host_allowed, is_loopback, same_origin, split_host
 from core.http.server import exposure_warnings
 from core.serve.scheduler import DoneEvent, Timings
@@ -38,30 +39,34 @@ class FakeTok:
 )
 def test_json_body_rejects_non_objects(raw):
     with pytest.raises(HttpError) as e:
-        R.parse_json_body(raw)
+        P.parse_json_body(raw)
     assert e.value.code == 400 and e.value.type == "invalid_request_error"
-    assert set(e.value.body()["error"]) == {"code", "message", "type"}
+    assert set(R.error_body(e.value.message, e.value.code, e.value.type)["error"]) == {
+        "code",
+        "message",
+        "type",
+    }
 
 
 def test_prompt_forms():
     tok = FakeTok()
-    assert R.parse_prompt("ab", tok) == [1, 97, 98]
-    assert R.parse_prompt([5, 6], tok) == [5, 6]  # tokens: no BOS
-    assert R.parse_prompt(["ab"], tok) == [1, 97, 98]
-    assert R.parse_prompt(["a", 5, "b"], tok) == [1, 97, 5, 98]  # BOS only for leading text
-    assert R.parse_prompt([5, "a"], tok) == [5, 97]
-    assert R.parse_prompt({"prompt_string": "a"}, tok) == [1, 97]
+    assert P.parse_prompt("ab", tok) == [1, 97, 98]
+    assert P.parse_prompt([5, 6], tok) == [5, 6]  # tokens: no BOS
+    assert P.parse_prompt(["ab"], tok) == [1, 97, 98]
+    assert P.parse_prompt(["a", 5, "b"], tok) == [1, 97, 5, 98]  # BOS only for leading text
+    assert P.parse_prompt([5, "a"], tok) == [5, 97]
+    assert P.parse_prompt({"prompt_string": "a"}, tok) == [1, 97]
     for bad in (None, 3, [], [True], [1.5], ["a", "b"], {"x": 1}):
         with pytest.raises(HttpError):
-            R.parse_prompt(bad, tok)
+            P.parse_prompt(bad, tok)
 
 
 def test_sampling_fields_are_type_checked():
-    p = R.parse_sampling({"n_predict": 5, "temperature": 0, "top_k": 3, "stop": "x", "seed": -1})
+    p = P.parse_sampling({"n_predict": 5, "temperature": 0, "top_k": 3, "stop": "x", "seed": -1})
     assert (p.n_predict, p.temperature, p.top_k, p.stop, p.seed) == (5, 0.0, 3, ["x"], None)
-    assert R.parse_sampling({}, n_predict_default=7).n_predict == 7
-    assert R.parse_sampling({"max_tokens": 3}, oai=True).n_predict == 3
-    assert R.parse_sampling({"max_completion_tokens": 2, "max_tokens": 3}, oai=True).n_predict == 2
+    assert P.parse_sampling({}, n_predict_default=7).n_predict == 7
+    assert P.parse_sampling({"max_tokens": 3}, oai=True).n_predict == 3
+    assert P.parse_sampling({"max_completion_tokens": 2, "max_tokens": 3}, oai=True).n_predict == 2
     for body in (
         {"temperature": "hot"},
         {"n_predict": 1.5},
@@ -74,15 +79,15 @@ def test_sampling_fields_are_type_checked():
         {"temperature": float("nan")},
     ):
         with pytest.raises(HttpError):
-            R.parse_sampling(body)
+            P.parse_sampling(body)
     with pytest.raises(HttpError):
-        R.parse_generation({"n": 100})  # more completions than one request may ask
+        P.parse_generation({"n": 100})  # more completions than one request may ask
     with pytest.raises(HttpError):
-        R.parse_generation({"lora": None})
+        P.parse_generation({"lora": None})
 
 
 def test_messages_and_tokens_validation():
-    assert R.parse_messages({"messages": [{"role": "user", "content": "hi"}]})
+    assert P.parse_messages({"messages": [{"role": "user", "content": "hi"}]})
     for body in (
         {},
         {"messages": []},
@@ -92,11 +97,11 @@ def test_messages_and_tokens_validation():
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     ):
         with pytest.raises(HttpError):
-            R.parse_messages(body)
-    assert R.parse_token_list([1, 2], 10) == [1, 2]
+            P.parse_messages(body)
+    assert P.parse_token_list([1, 2], 10) == [1, 2]
     for bad in ("x", [1, "2"], [10], [-1], [True]):
         with pytest.raises(HttpError):
-            R.parse_token_list(bad, 10)
+            P.parse_token_list(bad, 10)
 
 
 def test_probability_shapes():

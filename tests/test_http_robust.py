@@ -22,8 +22,9 @@ import aiohttp
 import pytest
 
 from core.chat_template import ChatTemplate, RenderLimits
+from core.errors import HttpError
 from core.http import ServerSettings, ServerThread
-from core.http.app import BlockingPool, HttpError
+from core.http.plumbing import BlockingPool
 from tests.serving import running_engine, serving
 
 KEY = "k3y-that-must-never-be-logged"

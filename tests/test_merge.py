@@ -11,7 +11,7 @@ import peft.utils.merge_utils as merge_utils
 import pytest
 import torch
 
-from core.errors import UserError
+from core.errors import MixdeskError
 from core.lora import merge as M
 from core.lora.adapter import Adapter, LoraPair
 from core.lora.export import export_lora, export_merged
@@ -19,6 +19,7 @@ from core.lora.merge import MergeError, MergeSpec
 from core.lora.mix import MergedKey, Mix, merged_adapter, mix_key
 from core.serve.engine import Engine
 from core.serve.sampling import SamplingParams
+from tests.serving import wire_mix
 
 OUT, IN = 24, 16
 # (name, rank, alpha, targets): adapter 2 has no k module, so the k merge has two inputs
@@ -335,12 +336,13 @@ def test_global_mix_carries_its_method(smol):
 
 def test_object_form_parses_and_bad_fields_change_nothing(smol):
     a, b = smol.ids
-    mix = smol.parse_mix(
-        {"adapters": [{"id": a, "scale": 0.5}], "method": "dare_ties", "density": 0.25, "seed": 9}
+    mix = wire_mix(
+        smol,
+        {"adapters": [{"id": a, "scale": 0.5}], "method": "dare_ties", "density": 0.25, "seed": 9},
     )
     assert mix == {a: 0.5, b: 0.0}
     assert mix.merge == MergeSpec.make("dare_ties", density=0.25, seed=9)
-    assert type(smol.parse_mix([{"id": a, "scale": 0.5}])) is dict  # llama-server's list
+    assert type(wire_mix(smol, [{"id": a, "scale": 0.5}])) is dict  # llama-server's list
     for bad in (
         {"adapters": [], "method": "slerp"},
         {"adapters": [], "method": "ties", "density": 0},
@@ -348,8 +350,8 @@ def test_object_form_parses_and_bad_fields_change_nothing(smol):
         {"adapters": [], "metod": "ties"},
         {"method": "ties"},
     ):
-        with pytest.raises(UserError):
-            smol.parse_mix(bad)
+        with pytest.raises(MixdeskError):  # the wire form's HttpError or MergeError
+            wire_mix(smol, bad)
 
 
 @pytest.mark.parametrize(

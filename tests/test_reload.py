@@ -10,8 +10,10 @@ import threading
 import numpy as np
 import pytest
 
+from core.errors import HttpError
 from core.model.weights import LoadCancelled
-from core.serve.engine import Engine, EngineError
+from core.serve.engine import Engine
+from tests.serving import wire_mix
 from tests.tiny_gguf import write_lora_gguf, write_tiny_llama
 
 DIM, RANK = 64, 4
@@ -63,7 +65,7 @@ def test_reloading_the_same_file_keeps_adapters_ids_and_scales(engine, files, ev
     assert [x["id"] for x in engine.adapters()] == [a, b] == [0, 1]
     assert engine.get_mix() == {a: 0.5, b: -1.25}
     # the HTTP form names adapters by id: id 0 is still the same adapter
-    assert engine.parse_mix([{"id": 0, "scale": 1.0}]) == {0: 1.0, 1: 0.0}
+    assert wire_mix(engine, [{"id": 0, "scale": 1.0}]) == {0: 1.0, 1: 0.0}
     assert engine.adapter(0).path == files["l0"]
     assert not [e for e in events if e[0] == "adapters_dropped"]
     # a new adapter gets a new id; the kept ones were not re-numbered
@@ -80,8 +82,8 @@ def test_adapters_that_do_not_fit_the_new_model_are_dropped_with_the_reason(engi
     engine.load_model(files["two"])
     assert [x["id"] for x in engine.adapters()] == [a]
     assert engine.get_mix() == {a: 0.75}
-    with pytest.raises(EngineError, match="no adapter with id 1"):
-        engine.parse_mix([{"id": b, "scale": 1.0}])
+    with pytest.raises(HttpError, match="no adapter with id 1"):
+        wire_mix(engine, [{"id": b, "scale": 1.0}])
     dropped = [p["dropped"] for name, p in events if name == "adapters_dropped"]
     assert len(dropped) == 1 and [d["id"] for d in dropped[0]] == [b]
     entry = dropped[0][0]

@@ -22,6 +22,7 @@ from core.lora.adapter import AdapterError, LoraPair
 from core.serve.engine import Engine, EngineError
 from core.serve.sampling import SamplingParams
 from core.serve.scheduler import DoneEvent
+from tests.serving import wire_mix
 from tests.tiny_gguf import write_lora_gguf
 
 WAIT_S = 120  # a request that never finishes fails the test instead of hanging it
@@ -124,18 +125,18 @@ def test_lora_scales_are_bounded_where_they_enter(engine, ref_dir):
     with pytest.raises(EngineError, match=rf"scale of adapter {aid} .*\[-100, 100\]"):
         engine.set_mix({aid: 1e308})
     with pytest.raises(EngineError, match=rf"lora: scale of adapter {aid}"):
-        engine.parse_mix([{"id": aid, "scale": 1e20}], "lora")
+        wire_mix(engine, [{"id": aid, "scale": 1e20}], "lora")
     with pytest.raises(EngineError, match=r"lora: scale .*got 1e\+20"):
         engine.submit_many(
-            [job(engine, SHORT, greedy(), mix=engine.parse_mix([{"id": 0, "scale": 1e20}]))]
+            [job(engine, SHORT, greedy(), mix=wire_mix(engine, [{"id": 0, "scale": 1e20}]))]
         )
     n = len(engine.adapters())
     with pytest.raises(EngineError, match="scale"):
         engine.add_adapter(ref_dir / "adapters" / "lora_attn.gguf", scale=1e308)
     assert len(engine.adapters()) == n and engine.get_mix() == before
-    assert engine.parse_mix([{"id": 0, "scale": -100}])[0] == -100.0
+    assert wire_mix(engine, [{"id": 0, "scale": -100}])[0] == -100.0
     with pytest.raises(EngineError):
-        engine.parse_mix([{"id": 0, "scale": 100.5}])
+        wire_mix(engine, [{"id": 0, "scale": 100.5}])
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_survives(engine, monkeypatch):

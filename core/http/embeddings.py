@@ -1,7 +1,7 @@
 """/embedding, /embeddings and /v1/embeddings: llama-server's input forms and answers.
 
-Pure parsing and response building (the handler is ``app.embeddings``; the forward
-and pooling are ``core/serve/embeddings.py``). The input forms are llama-server's
+The route's handler, then the pure parsing and response building it uses (the
+forward and pooling are ``core/serve/embeddings.py``). The input forms are llama-server's
 (``handle_embeddings_impl``): ``input`` (or, non-OpenAI, ``content``) is a string, a
 token list, tokens mixed with strings, a ``{"prompt_string"}`` object or an OpenAI
 ``{"content": [{"type": "text", "text"}]}`` object; or a list of those, which is
@@ -10,18 +10,74 @@ several inputs (a list holding a bare token id is one input).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 
-from ..serve.embeddings import normalize, parse_normalize, pool
-from . import responses as R
-from .responses import HttpError
+from ..errors import HttpError
+from ..serve.embeddings import check_pooling, normalize, packed, parse_normalize, pool
+from . import endpoints as E
+from . import parsing as P
+from .plumbing import (
+    METRICS,
+    TEXT_POOL,
+    TOKENIZE_INLINE_CHARS,
+    adapter_ids,
+    get_engine,
+    json_body,
+    mixes_ready,
+    model_id,
+)
 
 NOT_OAI_POOLING = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
 MEDIA_PARTS = ("image_url", "input_audio", "input_video")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """/embedding, /embeddings (llama-server's form) and /v1/embeddings (OpenAI's):
+    the final hidden states under the request's ``lora`` or the global mix, pooled by
+    --pooling (core/serve/embeddings.py). 501 without --embedding."""
+    eng = get_engine(request)
+    opts = eng.embeddings
+    if not opts.enabled:
+        raise E.not_supported(
+            "This server does not support embeddings. Start it with `--embeddings`"
+        )
+    pooling = check_pooling(opts.pooling_for(eng.config))
+    oai = request.path.startswith("/v1/")
+    if oai and pooling == "none":
+        raise HttpError(NOT_OAI_POOLING)
+    body = await json_body(request)
+    if (request.content_length or 0) > TOKENIZE_INLINE_CHARS:  # long texts: off the loop
+        inputs, content = await request.app[TEXT_POOL].run(parse_inputs, body, eng.tokenizer)
+    else:
+        inputs, content = parse_inputs(body, eng.tokenizer)
+    b64 = parse_encoding(body)
+    norm = parse_normalize_field(body)
+    mix = (
+        P.parse_lora(body["lora"], "lora", adapter_ids(eng))
+        if body.get("lora") is not None
+        else None
+    )
+    await mixes_ready(request, eng, [mix])
+    t0 = time.perf_counter()
+    hidden = await asyncio.wrap_future(eng.embed(inputs, mix))  # (n_i, d) per input
+    request.app[METRICS].record_embedding(
+        sum(len(ids) for ids in inputs),
+        len(packed(inputs, opts.ubatch)),
+        (time.perf_counter() - t0) * 1e3,
+    )
+    vectors = pooled(hidden, pooling, norm)
+    if oai and not content:
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        counts = [len(ids) for ids in inputs]
+        return web.json_response(oai_body(vectors, counts, model or model_id(request, eng), b64))
+    return web.json_response(native_body(vectors))
 
 
 def _is_token(x: Any) -> bool:
@@ -49,7 +105,7 @@ def _entry(p: Any, tokenizer) -> list[int]:
     if isinstance(p, list) and not p:
         return []  # refused as an empty input, with llama-server's words
     if isinstance(p, str | list | dict):
-        return R.parse_prompt(p, tokenizer)
+        return P.parse_prompt(p, tokenizer)
     raise HttpError(
         "input must be a string, a list of token ids, tokens mixed with strings, or a list of those"
     )

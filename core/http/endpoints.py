@@ -12,9 +12,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from ..errors import HttpError
 from ..serve import slots
 from ..serve.scheduler import DoneEvent
-from .responses import HttpError
 from .security import printable
 
 NOT_SUPPORTED = "not_supported_error"

@@ -27,21 +27,22 @@ from aiohttp import web
 
 from .. import grid as G
 from ..serve.scheduler import DoneEvent
+from . import parsing as P
 from . import responses as R
-from .app import (
+from .plumbing import (
     METRICS,
     POLL_S,
     RELAY,
-    _body,
-    _encode_prompt,
-    _engine,
-    _mixes_ready,
-    _open_sse,
-    _raise_for_done,
-    _refused,
-    _render_chat,
-    _settings,
-    _stream_error,
+    encode_prompt,
+    get_engine,
+    get_settings,
+    json_body,
+    mixes_ready,
+    open_sse,
+    raise_for_done,
+    refused,
+    render_chat,
+    stream_error,
 )
 from .security import DISCONNECTED
 
@@ -58,18 +59,18 @@ def _axis_json(axis: G.Axis | None, names: dict[int, str]) -> dict | None:
 
 
 async def grid(request: web.Request) -> web.StreamResponse:
-    eng = _engine(request)
-    s = _settings(request)
-    body = await _body(request)
-    params = R.parse_sampling(body, s.n_predict_default, False, s.sampling)
-    stream = R.get_bool(body, "stream", False)
-    cache_prompt = R.get_bool(body, "cache_prompt", True)
+    eng = get_engine(request)
+    s = get_settings(request)
+    body = await json_body(request)
+    params = P.parse_sampling(body, s.n_predict_default, False, s.sampling)
+    stream = P.get_bool(body, "stream", False)
+    cache_prompt = P.get_bool(body, "cache_prompt", True)
     names = {a["id"]: a["name"] for a in eng.adapters()}
     spec = G.parse_spec(body, params, names)  # GridError (a UserError): 400
     if spec.messages is not None:
-        prompt = await _encode_prompt(request, eng, await _render_chat(request, eng, body))
+        prompt = await encode_prompt(request, eng, await render_chat(request, eng, body))
     else:
-        prompt = await _encode_prompt(request, eng, spec.prompt)
+        prompt = await encode_prompt(request, eng, spec.prompt)
     cells = G.cells(spec, eng.get_mix(), names)
 
     loop = asyncio.get_running_loop()
@@ -87,12 +88,12 @@ async def grid(request: web.Request) -> web.StreamResponse:
     def on_event(i: int, ev) -> None:  # the engine thread
         send((i, ev))
 
-    await _mixes_ready(request, eng, [c.mix for c in cells])  # a method axis builds off the loop
+    await mixes_ready(request, eng, [c.mix for c in cells])  # a method axis builds off the loop
     run = None
     try:
         run = G.submit_grid(eng, cells, prompt, on_event, source="http", cache_prompt=cache_prompt)
     except Exception as e:
-        raise _refused(e, prompt, eng) from None
+        raise refused(e, prompt, eng) from None
 
     def client_gone() -> bool:
         t = request.transport
@@ -129,20 +130,20 @@ async def grid(request: web.Request) -> web.StreamResponse:
             while len(dones) < len(cells):
                 i, ev = await next_event()
                 if isinstance(ev, DoneEvent):
-                    _raise_for_done(ev)  # a failed cell fails the grid (500, its message)
+                    raise_for_done(ev)  # a failed cell fails the grid (500, its message)
                     out[i] = finish(i, ev)
         finally:
             run.cancel()  # no-op for finished cells
         return web.json_response({**head, "cells": out})
 
-    resp = await _open_sse(request)
+    resp = await open_sse(request)
     try:
         await resp.write(R.sse({"grid": head}))
         while len(dones) < len(cells):
             i, ev = await next_event()
             if isinstance(ev, DoneEvent):
                 if ev.stop_type in ("error", "cancel"):
-                    await resp.write(R.sse({"cell": i, **_stream_error(ev)}))
+                    await resp.write(R.sse({"cell": i, **stream_error(ev)}))
                     break
                 await resp.write(R.sse({"cell": i, "done": True, **finish(i, ev)}))
             elif ev.kind == "token" and ev.text:

@@ -44,8 +44,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ..errors import UserError
-from .responses import HttpError, error_body
+from ..errors import HttpError, UserError
+from .responses import error_body
 from .webui import PATHS as WEBUI_PATHS
 
 log = logging.getLogger("mixdesk.http")
@@ -295,7 +295,7 @@ def make_middlewares(settings, on_line: Callable[[str], None]) -> list:
         try:
             return await handler(request)
         except HttpError as e:
-            return web.json_response(e.body(), status=e.code)
+            return json_error(e.message, e.code, e.type, **e.extra)
         except EngineError as e:
             return json_error(str(e), e.code, e.type)
         except web.HTTPRequestEntityTooLarge:

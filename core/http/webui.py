@@ -28,9 +28,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..errors import HttpError
 from ..paths import resources_dir
 from .build_info import build_info
-from .responses import HttpError
 
 log = logging.getLogger("mixdesk.http")
 

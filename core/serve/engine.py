@@ -27,7 +27,7 @@ from ..errors import EngineError, UserError
 from ..lora.adapter import Adapter, AdapterError
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix, MixKey
-from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry, check_scale
+from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry
 from ..model.config import ModelConfig
 from ..model.families import model_class
 from ..model.kv_cache import ContextOverflow
@@ -320,37 +320,6 @@ class Engine:
         """The global mix: {id: scale} (a dict) with its method as ``.merge``."""
         return self.lora.get_mix()
 
-    def parse_mix(self, entries: Any, what: str = "lora") -> dict[int, float]:
-        """Validate llama-server's [{"id", "scale"}] list (unlisted ids are 0), or our
-        object form {"adapters": [{"id", "scale"}, ...], "method", "density", "rank",
-        "seed", "majority_sign_method"}, which gives a Mix carrying its MergeSpec.
-        Raises a UserError (400) without changing anything."""
-        if isinstance(entries, dict):
-            fields = dict(entries)
-            if "adapters" not in fields:
-                raise EngineError(
-                    f'{what}: the object form needs "adapters": [{{"id", "scale"}}, ...]'
-                )
-            scales = self.parse_mix(fields.pop("adapters"), f"{what}.adapters")
-            return Mix(scales, MergeSpec.from_dict(fields, what))
-        if not isinstance(entries, list):
-            raise EngineError(
-                f'{what} must be a list of {{"id", "scale"}} objects '
-                '(or {"adapters": [...], "method": ...})'
-            )
-        out: dict[int, float] = {}
-        known = self.lora.ids()
-        for e in entries:
-            if not isinstance(e, dict) or "id" not in e:
-                raise EngineError(f'each {what} entry must be an object with "id" and "scale"')
-            aid = e["id"]
-            if not isinstance(aid, int) or isinstance(aid, bool):
-                raise EngineError(f"{what}: adapter id must be an integer, got {aid!r}")
-            if aid not in known:
-                raise EngineError(f"{what}: no adapter with id {aid}")
-            out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
-        return {aid: out.get(aid, 0.0) for aid in known}
-
     def set_mix(
         self,
         scales: Mapping[int, float],
@@ -471,7 +440,7 @@ class Engine:
     def prepare_mixes(self, mixes: Iterable[Mapping[int, float] | None]) -> None:
         """Build every mix that is not built yet, in the calling thread. A merge
         method's build takes seconds, so the HTTP server calls this in a worker
-        thread before it submits (core/http/app.py ``_mixes_ready``): its event loop,
+        thread before it submits (core/http/plumbing.py ``mixes_ready``): its event loop,
         the GUI's too, keeps answering meanwhile. Errors are left to the submit."""
         for mix in mixes:
             try:

@@ -1,0 +1,152 @@
+"""The adapter routes: llama-server's ``/lora-adapters`` (list them, set the global
+mix), Mixdesk's ``/mixdesk/mix`` and runtime loading (``/lora-adapters/load|unload``,
+behind ``--allow-runtime-lora``), and vLLM's ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from aiohttp import web
+
+from ..errors import HttpError, UserError
+from . import parsing as P
+from . import responses as R
+from .plumbing import (
+    ADAPTER_POOL,
+    LOAD_LOCK,
+    adapter_ids,
+    get_engine,
+    get_settings,
+    json_body,
+    read_body,
+)
+from .security import adapter_path, printable, runtime_lora_off
+
+
+async def get_lora(request: web.Request) -> web.Response:
+    eng = get_engine(request)
+    return web.json_response([R.lora_adapter_entry(a) for a in eng.adapters()])
+
+
+async def post_lora(request: web.Request) -> web.Response:
+    """Set the global mix. Validated in full first: an invalid body changes nothing."""
+    eng = get_engine(request)
+    body = P.parse_json_any(await read_body(request))
+    mix = P.parse_lora(body, "lora-adapters", adapter_ids(eng))
+    eng.set_mix(mix, source="http")
+    return web.json_response({"success": True})
+
+
+async def get_mixdesk_mix(request: web.Request) -> web.Response:
+    """The global mix in POST /lora-adapters' object form: {"adapters": [{"id", "scale"}],
+    "method", and the method's parameters} (GET /lora-adapters stays llama-server's)."""
+    eng = get_engine(request)
+    mix = eng.get_mix()
+    return web.json_response({"adapters": R.mix_to_lora(mix), **mix.merge.as_dict()})
+
+
+def _load_lock(app: web.Application) -> asyncio.Lock:
+    if app[LOAD_LOCK] is None:
+        app[LOAD_LOCK] = asyncio.Lock()
+    return app[LOAD_LOCK]
+
+
+_BYTES_LITERAL = re.compile(r"(?<!\w)b'(?:[^'\\]|\\.)*'" + r'|(?<!\w)b"(?:[^"\\]|\\.)*"')
+
+
+def _no_file_bytes(message: str) -> str:
+    """An error about a file a client named must not quote the file's bytes
+    (``bad magic b'root'`` told anyone the start of any readable file)."""
+    return _BYTES_LITERAL.sub("<bytes not shown>", message)
+
+
+def _add_adapter(eng, path, scale: float, name: str | None) -> dict:
+    """Load (blocking) and return the new adapter's entry, read in the same breath,
+    so an unload of the new id racing this load cannot leave us without it."""
+    aid = eng.add_adapter(path, scale, name)
+    info = next((a for a in eng.adapters() if a["id"] == aid), None)
+    if info is None:
+        raise HttpError(
+            f"adapter {aid} was unloaded by another request while it was being loaded",
+            409,
+            "invalid_request_error",
+        )
+    return info
+
+
+async def _load_adapter(request: web.Request, path: str, scale: float, name: str | None) -> dict:
+    s = get_settings(request)
+    if not s.allow_runtime_lora:
+        raise runtime_lora_off()
+    eng = get_engine(request)
+    target = adapter_path(path, s.lora_dirs)
+    async with _load_lock(request.app):  # one load at a time: names stay unique
+        if name is not None and any(a.get("name") == name for a in eng.adapters()):
+            raise HttpError(f"an adapter named {name!r} is already loaded")
+        try:
+            return await request.app[ADAPTER_POOL].run(_add_adapter, eng, target, scale, name)
+        except HttpError:
+            raise
+        except UserError as e:  # AdapterError, GGUFError, ...: the file's fault
+            raise HttpError(_no_file_bytes(str(e))) from None
+        except OSError as e:
+            raise HttpError(
+                f"adapter {printable(path)}: cannot read it ({e.strerror or type(e).__name__})"
+            ) from None
+
+
+async def lora_load(request: web.Request) -> web.Response:
+    """POST /lora-adapters/load {"path", "scale"?, "name"?} -> the new GET entry."""
+    body = await json_body(request)
+    path = P.get_str(body, "path", required=True)
+    default = 0.0 if get_settings(request).lora_init_without_apply else 1.0
+    scale = P.get_float(body, "scale", default)
+    name = P.get_str(body, "name")
+    info = await _load_adapter(request, path, scale, name)
+    return web.json_response(R.lora_adapter_entry(info))
+
+
+async def lora_unload(request: web.Request) -> web.Response:
+    eng = get_engine(request)
+    body = await json_body(request)
+    aid = P.get_int(body, "id", None)
+    if aid is None:
+        raise HttpError('"id" is required')
+    eng.remove_adapter(aid)
+    return web.json_response({"success": True})
+
+
+async def vllm_load(request: web.Request) -> web.Response:
+    """vLLM: {"lora_name", "lora_path"}. Loaded at scale 0: as in vLLM, it applies
+    only to requests whose "model" names it."""
+    body = await json_body(request)
+    name = P.get_str(body, "lora_name", required=True)
+    path = P.get_str(body, "lora_path", required=True)
+    if not name:
+        raise HttpError("lora_name must not be empty")
+    await _load_adapter(request, path, 0.0, name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def vllm_unload(request: web.Request) -> web.Response:
+    eng = get_engine(request)
+    body = await json_body(request)
+    name = P.get_str(body, "lora_name")
+    aid = P.get_int(body, "lora_int_id", None)
+    if name is None and aid is None:
+        raise HttpError('"lora_name" is required')
+    found = [
+        a
+        for a in eng.adapters()
+        if (name is not None and a.get("name") == name) or (name is None and a["id"] == aid)
+    ]
+    if not found:
+        raise HttpError(
+            f"The lora adapter '{name if name is not None else aid}' cannot be found.",
+            404,
+            "not_found_error",
+        )
+    eng.remove_adapter(found[0]["id"])
+    return web.Response(text=f"Success: LoRA adapter '{found[0]['name']}' removed successfully.")
