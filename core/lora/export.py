@@ -322,10 +322,11 @@ def _encoded_nbytes(shape: tuple[int, ...], qt: GGMLQuantizationType) -> int:
 
 
 def _engine_weights(base: Any, mix: _Mix) -> Callable[[str], np.ndarray | None] | None:
-    """With an engine, base tensors come from its already dequantized float32
-    weights (the same values, without dequantizing the file again)."""
+    """With an engine on float32 weights, base tensors come from its already
+    dequantized arrays (the same values, without dequantizing the file again). Weights
+    kept in their GGUF blocks are dequantized from the file, as without an engine."""
     model = getattr(base, "model", None)
-    if model is None or getattr(base, "path", None) != mix.base_path:
+    if model is None or getattr(base, "path", None) != mix.base_path or model.w.quantized:
         return None
     cfg, wts = mix.cfg, model.w
 
