@@ -68,8 +68,6 @@ def test_parts_tile_each_fused_matrix_and_slices_agree(tiny):
         for (_, r0, n), (_, r1, _) in zip(placed, placed[1:]):
             assert r0 + n == r1  # no gap, no overlap
         assert sum(n for _, _, n in placed) == layout.out_rows(cfg, m.name)
-        slices = layout.row_slices(cfg, m.name)
-        assert [(s.start, s.stop) for s in slices.values()] == [(r, r + n) for _, r, n in placed]
     assert layout.fused_slot(cfg, "blk.1.attn_v.weight") == (
         1,
         "wqkv",

@@ -224,11 +224,6 @@ def placed(cfg: ModelConfig, m: Matrix) -> list[tuple[Part, int, int]]:
     return out
 
 
-def row_slices(cfg: ModelConfig, name: str) -> dict[str, slice]:
-    """GGUF tensor name -> its rows of fused matrix ``name`` (for slicing x @ Wᵀ)."""
-    return {p.tensor: slice(r0, r0 + n) for p, r0, n in placed(cfg, matrix(cfg, name))}
-
-
 def out_rows(cfg: ModelConfig, name: str) -> int:
     return sum(size(cfg, p.rows) for p in matrix(cfg, name).parts)
 
