@@ -40,6 +40,7 @@ from .sampling import SamplingForm
 from .server_panel import ServerPanel
 from .theme import ThemeController
 from .util import RESOURCES, FileDropMixin, is_adapter_path
+from .workers import collect_on_gui_thread
 
 TITLE = "Mixdesk — LoRA mixing desk"
 PREFERRED_SIZE = QSize(1400, 880)
@@ -116,6 +117,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         """``args``: main.py's parsed flags, which the Server tab's server is built
         from as --headless builds its own (None: the defaults)."""
         super().__init__()
+        collect_on_gui_thread()  # never a Qt object freed on a worker (ui/workers.py)
         self.setWindowTitle(TITLE)
         icon = RESOURCES / "icons" / "mixdesk.svg"
         if icon.exists():

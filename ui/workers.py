@@ -21,15 +21,59 @@ Connect the signals first, then call :meth:`start` (or use :func:`start_worker`)
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QCoreApplication, QObject, QTimer, Signal
 
 log = logging.getLogger(__name__)
+
+
+class GuiThreadGC(QObject):
+    """Python's cyclic garbage collected on the GUI thread only.
+
+    Python collects cycles on whichever thread happens to allocate past the threshold:
+    with the window open that is often a worker (a model load builds a 128k-entry merge
+    table). A cycle holding a Qt object (a widget, a lambda connected to a signal) is
+    then destroyed off the GUI thread, which crashed the process inside the tokenizer's
+    load (the full test suite, twice, at the same window test). So automatic collection
+    is off while the window runs, and this timer on the GUI thread collects the
+    generation whose count passed its threshold, as Python itself would have.
+    """
+
+    INTERVAL_MS = 500
+
+    def __init__(self, app: QCoreApplication):
+        super().__init__(app)
+        self.threshold = gc.get_threshold()
+        gc.disable()
+        self.timer = QTimer(self)
+        self.timer.timeout.connect(self.check)
+        self.timer.start(self.INTERVAL_MS)
+        app.aboutToQuit.connect(self.stop)
+
+    def check(self) -> None:
+        counts = gc.get_count()
+        passed = [g for g in range(3) if counts[g] > self.threshold[g]]
+        if passed:
+            gc.collect(passed[-1])
+
+    def stop(self) -> None:
+        self.timer.stop()
+        gc.enable()
+
+
+def collect_on_gui_thread() -> GuiThreadGC | None:
+    """Install GuiThreadGC on the running QApplication, once (the window calls this)."""
+    app = QCoreApplication.instance()
+    if app is None:
+        return None
+    found = app.findChild(GuiThreadGC)
+    return found if found is not None else GuiThreadGC(app)
 
 
 class Aborted(Exception):
