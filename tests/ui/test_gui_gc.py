@@ -25,13 +25,15 @@ def test_a_cycle_holding_a_qt_object_is_freed_on_the_gui_thread(window, qtbot):
     ref = weakref.ref(h)
     del h
 
-    def allocate():  # a worker allocating far past generation 0's threshold
-        junk = [[i] for i in range(200_000)]
-        del junk
+    kept = []
+
+    def allocate():  # a worker allocating far past generation 0's threshold (kept alive,
+        kept.append([[i] for i in range(200_000)])  # so the count stays past it)
 
     t = threading.Thread(target=allocate, name="worker")
     t.start()
     t.join()
     assert ref() is not None  # the worker's allocations collected nothing
     qtbot.waitUntil(lambda: ref() is None, timeout=5000)  # the GUI thread's timer did
+    kept.clear()
     assert isinstance(collect_on_gui_thread(), GuiThreadGC)  # one guard, installed once
