@@ -226,3 +226,47 @@ def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.stdout.strip() == str(tmp_path / "mine"), run.stderr
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_fused_gemv_against_the_batched_kernel(qt):
+    """One activation row takes the fused dot (kernels.DOT_TYPES), two rows the
+    dequantize-then-dot kernel: both agree with float64 and with each other, on rows
+    of an odd number of blocks (Q8_0's dot takes four blocks a pass, then the rest)."""
+    from core.model import kernels
+
+    assert int(qt) in kernels.DOT_TYPES
+    rng = np.random.default_rng(300 + int(qt))
+    cols = 41 * 32 if qt == Q.Q8_0 else 3 * 256
+    data = random_matrix(qt, 37, cols, rng)
+    ref = reference(qt, data, (37, cols))
+    m = QuantMatrix(qt, data, (37, cols))
+    check_products(m, ref, rng, counts=(1,))
+    x = rng.standard_normal((2, cols)).astype(np.float32)  # (2, in)
+    one = m.matmul(x[:1])  # (1, out) fused dot
+    two = m.matmul(x)  # (2, out) batched kernel
+    scale = np.abs(x[:1]).astype(np.float64) @ np.abs(ref.astype(np.float64)).T
+    assert np.max(np.abs(one - two[:1]) / scale) < TOL
+
+
+def test_wide_vectors_on_avx512_unless_the_user_chose(tmp_path):
+    """kernels.py asks LLVM for 512-bit vectors on a CPU with AVX-512 (the dots ran
+    faster so); a NUMBA_CPU_FEATURES the user set is kept as it is."""
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as llvm
+
+    code = "import core.model.kernels, numba.core.config as c; print(c.CPU_FEATURES)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    features = run.stdout.strip()
+    if llvm.get_host_cpu_features().get("avx512f"):
+        assert features.endswith(",-prefer-256-bit") and "+avx512f" in features, run.stderr
+    else:
+        assert features == "None", run.stderr
+    env["NUMBA_CPU_FEATURES"] = "+avx2"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == "+avx2", run.stderr

@@ -88,7 +88,7 @@ def _kernels():
 def set_threads(n: int) -> None:
     """Run the kernels on ``n`` threads (at most numba's pool size, NUMBA_NUM_THREADS)."""
     global _threads
-    import numba
+    numba = _kernels().numba  # kernels.py configures numba before importing it
 
     _threads = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
 
@@ -98,8 +98,7 @@ def _use_threads(n: int = 0) -> None:
     count is per calling thread: it is set in whichever thread calls."""
     n = n or _threads
     if n:
-        import numba
-
+        numba = _kernels().numba
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
 
