@@ -76,10 +76,11 @@ def prompts() -> list[list[int]]:
 
 
 def load_engine(model: Path):
+    from core.options import EngineOptions
     from core.serve.engine import Engine
     from tests.reference import reference_dir
 
-    eng = Engine.from_path(model, n_parallel=1, ctx_size=512)
+    eng = Engine.from_path(model, EngineOptions(n_parallel=1, ctx_size=512))
     ids = {n: eng.add_adapter(reference_dir() / "adapters" / n, scale=0.0) for n in ADAPTERS}
     return eng, ids
 
