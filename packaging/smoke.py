@@ -4,6 +4,7 @@
 
 1. headless: `mixdesk --headless --port P`, poll GET /health until {"status": "ok"},
    then generate a few tokens with POST /completion; SIGTERM must exit with 0.
+   The matrix kernels it compiled must be cached in the user cache dir.
 2. GUI: `QT_QPA_PLATFORM=offscreen mixdesk --port P` with the window's API server
    switched on in its (isolated) settings, poll /health until ok and /lora-adapters
    until the three demo adapters from the bundle's resources/ are loaded.
@@ -131,6 +132,16 @@ def headless(binary: Path, env: dict, tmp: Path) -> None:
         raise SystemExit(f"smoke: headless exited with {code} on SIGTERM (expected 0)")
 
 
+def kernels_cached(cache: Path) -> None:
+    """The headless start compiled the matrix kernels and cached them in the user cache
+    dir (so the next start loads them): numba caches only a function whose source
+    file it finds, which the spec's module_collection_mode provides."""
+    index = sorted((cache / "numba").rglob("*.nbi"))
+    if not index:
+        raise SystemExit(f"smoke: no compiled kernels cached under {cache / 'numba'}")
+    print(f"smoke: {len(index)} compiled kernels cached in {cache / 'numba'}")
+
+
 def gui(binary: Path, env: dict, tmp: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -181,10 +192,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mixdesk-smoke-") as d:
         tmp = Path(d)
         env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QT_", "MIXDESK_"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PYTHON", "QT_", "MIXDESK_", "NUMBA_"))
         }
         env.update(MIXDESK_CACHE=str(seeded_cache(tmp)), MIXDESK_HOME=str(tmp / "home"))
         headless(binary, env, tmp)
+        kernels_cached(Path(env["MIXDESK_CACHE"]))
         gui(binary, env, tmp)
     print("smoke: OK")
     return 0
