@@ -228,16 +228,20 @@ def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
     assert run.stdout.strip() == str(tmp_path / "mine"), run.stderr
 
 
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+DOT = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+
+
+@pytest.mark.parametrize("qt", DOT, ids=lambda q: q.name)
 def test_fused_gemv_against_the_batched_kernel(qt):
     """One activation row takes the fused dot (kernels.DOT_TYPES), two rows the
     dequantize-then-dot kernel: both agree with float64 and with each other, on rows
-    of an odd number of blocks (Q8_0's dot takes four blocks a pass, then the rest)."""
+    of an odd number of blocks (the 32-element types' dots take four blocks a pass,
+    then the rest)."""
     from core.model import kernels
 
     assert int(qt) in kernels.DOT_TYPES
     rng = np.random.default_rng(300 + int(qt))
-    cols = 41 * 32 if qt == Q.Q8_0 else 3 * 256
+    cols = 41 * 32 if GGML_QUANT_SIZES[qt][0] == 32 else 3 * 256
     data = random_matrix(qt, 37, cols, rng)
     ref = reference(qt, data, (37, cols))
     m = QuantMatrix(qt, data, (37, cols))

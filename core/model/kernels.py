@@ -19,7 +19,7 @@ its type's code, does three things:
   one load of the weight feeds four FMAs). The K-chunk keeps T rows of x in L1
   too: with T=8 and a 2048-long row, x alone is 64 KB, and sweeping it from L2 for
   every output row made 8 rows cost 3.5x 4 rows (measured, one thread);
-* GEMV: one activation row (decode) of Q4_K, Q5_K, Q6_K or Q8_0: a fused dot per
+* GEMV: one activation row (decode) of a type in DOT_TYPES: a fused dot per
   output row, the block's integers multiplied by x as they are unpacked, with the
   scales folded in and the K-quants' mins applied through sums of x (see "fused
   dots" below). 1.7-2.4x the dequantize-then-dot kernel for one row on the 1B's
@@ -481,7 +481,7 @@ def _run(code, w, e0, e1, out):
 # The loops run a constant 32 (16) steps: unlike the dequantizers they store nothing
 # that could alias w, so the fully unrolled body is vectorized as it stands.
 
-DOT_TYPES = (Q4_K, Q5_K, Q6_K, Q8_0)  # types with a fused T=1 dot
+DOT_TYPES = (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # types with a fused T=1 dot
 
 
 @_jit(fastmath=True, inline="always")
@@ -677,6 +677,92 @@ def _dot_q8_0(w, x, xs, acc):
     return _acc_sum(acc, 32)
 
 
+@_jit(fastmath=True, inline="always")
+def _lo_hi(code, w, o, qh, i):
+    """Elements i and 16 + i of the 32-element block at w[o] (Q4_0, Q4_1, Q5_0, Q5_1),
+    before the block's scale and min, as float32; ``qh``: a Q5 block's high bits."""
+    if code == Q4_0:
+        v = w[o + 2 + i]
+        return (
+            np.float32(np.int8(np.int8(v & 15) - np.int8(8))),
+            np.float32(np.int8(np.int8(v >> 4) - np.int8(8))),
+        )
+    if code == Q4_1:
+        v = w[o + 4 + i]
+        return np.float32(np.uint8(v & 15)), np.float32(np.uint8(v >> 4))
+    if code == Q5_0:
+        v = w[o + 6 + i]
+        lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
+        hi = np.uint8(v >> 4) | np.uint8(((qh >> (i + 16)) & 1) << 4)
+        return (
+            np.float32(np.int8(np.int8(lo) - np.int8(16))),
+            np.float32(np.int8(np.int8(hi) - np.int8(16))),
+        )
+    v = w[o + 8 + i]  # Q5_1
+    lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
+    hi = np.uint8(v >> 4) | np.uint8(((qh >> (i + 16)) & 1) << 4)
+    return np.float32(lo), np.float32(hi)
+
+
+@_jit(fastmath=True, inline="always")
+def _head32(code, w, o):
+    """A 32-element block's scale, min (0 for Q4_0, Q5_0) and high bits (Q5 types)."""
+    d = _f16t(w, o)
+    if code == Q4_0:
+        return d, np.float32(0.0), np.uint32(0)
+    if code == Q4_1:
+        return d, _f16t(w, o + 2), np.uint32(0)
+    if code == Q5_0:
+        return d, np.float32(0.0), _qh32(w, o + 2)
+    return d, _f16t(w, o + 2), _qh32(w, o + 4)
+
+
+@_jit(fastmath=True)
+def _dot_32(code, w, x, xs, acc):
+    """The dot for the 32-element block types Q4_0, Q4_1, Q5_0, Q5_1: lane i takes
+    elements i and 16 + i of four blocks a pass (as _dot_q8_0), then the rest a block
+    at a time; Q4_1's and Q5_1's mins through the sums of x per block (``xs``)."""
+    literally(code)
+    bs = 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+    for i in range(16):
+        acc[i] = 0.0
+    mins = np.float32(0.0)
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        d1, m1, h1 = _head32(code, w, o + bs)
+        d2, m2, h2 = _head32(code, w, o + 2 * bs)
+        d3, m3, h3 = _head32(code, w, o + 3 * bs)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b] + m1 * xs[b + 1] + m2 * xs[b + 2] + m3 * xs[b + 3]
+        xb = x[b * 32 : b * 32 + 128]  # (128,)
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            a1, c1 = _lo_hi(code, w, o + bs, h1, i)
+            a2, c2 = _lo_hi(code, w, o + 2 * bs, h2, i)
+            a3, c3 = _lo_hi(code, w, o + 3 * bs, h3, i)
+            acc[i] += (
+                d0 * a0 * xb[i] + d0 * c0 * xb[16 + i]
+                + d1 * a1 * xb[32 + i] + d1 * c1 * xb[48 + i]
+                + d2 * a2 * xb[64 + i] + d2 * c2 * xb[80 + i]
+                + d3 * a3 * xb[96 + i] + d3 * c3 * xb[112 + i]
+            )  # fmt: skip
+        b += 4
+    while b < nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b]
+        xb = x[b * 32 : b * 32 + 32]
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            acc[i] += d0 * a0 * xb[i] + d0 * c0 * xb[16 + i]
+        b += 1
+    return _acc_sum(acc, 16) + mins
+
+
 @_jit()
 def _dot(code, w, x, xs, acc):
     """Row w of type ``code`` (literal; one of DOT_TYPES) dotted with x."""
@@ -689,6 +775,8 @@ def _dot(code, w, x, xs, acc):
         return _dot_q6_k(w, x, xs, acc)
     elif code == Q8_0:
         return _dot_q8_0(w, x, xs, acc)
+    elif code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1:
+        return _dot_32(code, w, x, xs, acc)
     return np.float32(0.0)
 
 
@@ -712,7 +800,10 @@ ROWS, SMALL = 0, 1  # _launch's operations
 @_jit()
 def _has_dot(code):
     literally(code)
-    return code == Q4_K or code == Q5_K or code == Q6_K or code == Q8_0
+    return (
+        code == Q4_K or code == Q5_K or code == Q6_K or code == Q8_0
+        or code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1
+    )  # fmt: skip
 
 
 @_jit(parallel=True)
@@ -730,8 +821,8 @@ def _launch(code, op, w, ids, x, out, kc):
     n_units = ids.shape[0] if op == ROWS else (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
     # one activation row of a type with a fused dot: the decode step's gemv
     gemv = op == SMALL and x.shape[0] == 1 and _has_dot(code)
-    xs = np.empty(0, dtype=np.float32)  # x's sums per 32: the K-quants' mins
-    if gemv and (code == Q4_K or code == Q5_K):
+    xs = np.empty(0, dtype=np.float32)  # x's sums per 32: the mins of these types
+    if gemv and (code == Q4_K or code == Q5_K or code == Q4_1 or code == Q5_1):
         xs = _sums(x[0], 32)
     for u in prange(n_units):
         if op == ROWS:
