@@ -1,0 +1,132 @@
+"""What every compiled kernel shares: numba configured before it is imported (the
+cache dir, the vector width), the block types' codes and sizes, the ``_jit`` decorator
+with the on-disk cache, and the small readers of block fields (float16 scales, Q5 high
+bits, K-quant scales) that the dequantizers (core/model/kernels.py) and the fused dots
+(core/model/kernel_dots.py) both call."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..paths import cache_dir
+
+
+def _configure() -> None:
+    """Set what numba reads when it is imported (a variable the user set wins):
+
+    * NUMBA_CACHE_DIR: compiled kernels go to the user cache dir;
+    * NUMBA_CPU_FEATURES: on a CPU with AVX-512, the host's features without LLVM's
+      preference for 256-bit vectors. LLVM keeps to 256 bits on such CPUs (early
+      ones slowed their clock for 512-bit work); the fused dots then ran at
+      7.5-9.6 G weights/s against 6.8-8.3 (Q4_K) and the dequantize-then-dot kernels
+      1.2-1.3x faster (one thread, Emerald Rapids, 2026-12-06). numba keys its disk
+      cache on the features, so a cached kernel never runs on a CPU it was not
+      built for."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir() / "numba")
+    if not os.environ.get("NUMBA_CPU_FEATURES") and not os.environ.get("NUMBA_CPU_NAME"):
+        import llvmlite.binding as llvm
+
+        features = llvm.get_host_cpu_features()
+        if features.get("avx512f"):
+            os.environ["NUMBA_CPU_FEATURES"] = features.flatten() + ",-prefer-256-bit"
+
+
+_configure()
+
+import numba  # noqa: E402  (after NUMBA_CACHE_DIR is set)
+from numba import njit  # noqa: E402
+
+if not numba.config.CACHE_DIR:  # numba was imported before us (by another library)
+    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+if os.environ.get("NUMBA_CPU_FEATURES") and not numba.config.CPU_FEATURES:
+    numba.config.CPU_FEATURES = os.environ["NUMBA_CPU_FEATURES"]
+
+# GGMLQuantizationType values (gguf.constants): the codes the kernels are specialised on
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+
+# elements per block and bytes per block (gguf.constants.GGML_QUANT_SIZES)
+BLOCK = {
+    F16: (1, 2),
+    BF16: (1, 2),
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q5_1: (32, 24),
+    Q8_0: (32, 34),
+    Q2_K: (256, 84),
+    Q3_K: (256, 110),
+    Q4_K: (256, 144),
+    Q5_K: (256, 176),
+    Q6_K: (256, 210),
+}
+
+_CACHE = True  # compiled kernels go to NUMBA_CACHE_DIR (core/model/quant.py sets it)
+
+
+def _jit(**kw):
+    """njit with the on-disk cache; without a place to cache (a frozen app whose
+    sources are not files), compile in memory instead of failing at import."""
+
+    def deco(fn):
+        try:
+            return njit(cache=_CACHE, **kw)(fn)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return njit(**kw)(fn)
+
+    return deco
+
+
+# f16 exponent e -> 2^(e-25) (the value is (1024 + mantissa) * that), and 2^-24 for
+# subnormals (mantissa * 2^-24); both products are exact in float32
+_F16_SCALE = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+
+@_jit()
+def _f16(w, o):
+    """The float16 stored little-endian at w[o:o+2], as float32 (exact)."""
+    h = np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
+    e = (h >> 10) & 31
+    m = h & 1023
+    if e == 31:
+        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
+    elif e == 0:
+        v = np.float32(m) * _F16_SCALE[0]
+    else:
+        v = np.float32(m | 1024) * _F16_SCALE[e]
+    return -v if h & 0x8000 else v
+
+
+# every float16 bit pattern as float32 (256 KB): the dots read a block's scale with
+# one load instead of _f16's branches (the Q4_K dot ran 1.1x faster)
+_F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+@_jit(inline="always")
+def _f16t(w, o):
+    """_f16 through _F16_TABLE (the same value)."""
+    return _F16_TABLE[np.int32(w[o]) | (np.int32(w[o + 1]) << 8)]
+
+
+@_jit()
+def _qh32(w, o):
+    """The 32 high bits of a Q5 block (little-endian uint32 at w[o:o+4])."""
+    return (
+        np.uint32(w[o])
+        | (np.uint32(w[o + 1]) << 8)
+        | (np.uint32(w[o + 2]) << 16)
+        | (np.uint32(w[o + 3]) << 24)
+    )
+
+
+@_jit()
+def _k_scale_min(w, o, j):
+    """Sub-block j's 6-bit scale and min in the 12 packed bytes at w[o] (Q4_K, Q5_K)."""
+    if j < 4:
+        return np.uint8(w[o + j] & 63), np.uint8(w[o + j + 4] & 63)
+    sc = np.uint8(w[o + j + 4] & 15) | np.uint8((w[o + j - 4] >> 6) << 4)
+    m = np.uint8(w[o + j + 4] >> 4) | np.uint8((w[o + j] >> 6) << 4)
+    return sc, m

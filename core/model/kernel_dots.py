@@ -1,0 +1,347 @@
+"""The fused dots: one activation row (decode) times a row of weights left in its
+GGUF blocks, ``w . x``, with no dequantized row in between (core/model/kernels.py's
+GEMV operation calls ``_dot`` per output row)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import literally
+
+from .kernel_base import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    _f16t,
+    _jit,
+    _qh32,
+)
+
+# ---- fused dots for one activation row (decode): w . x with no dequantized row ----
+#
+# Each keeps 32 (Q6_K: 16) partial sums in ``acc`` and adds every weight's product to
+# its lane, the sub-block's scale folded in: elementwise work LLVM vectorizes whole
+# (32 lanes = two AVX-512 registers), with one horizontal sum per row. A sum per
+# sub-block (the obvious form) is a 32-step reduction per 32 weights, and that form
+# measured 1.7-7.7 G weights/s against these 7.5-9.6 (one thread, 8192x2048, AVX-512;
+# 2026-12-06, /tmp bench). The K-quants' mins are applied once per block through the
+# sums of x per 32 (``xs``), as llama.cpp does. Values: d * scale * q * x summed in
+# another order than dequantize-then-dot, so products agree to float32 rounding
+# (tests/test_quant_kernels.py bounds both against float64).
+#
+# The loops run a constant 32 (16) steps: unlike the dequantizers they store nothing
+# that could alias w, so the fully unrolled body is vectorized as it stands.
+
+DOT_TYPES = (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # types with a fused T=1 dot
+
+
+@_jit(fastmath=True, inline="always")
+def _k_scales(s, j):
+    """Sub-block j's scale and min as float32, from a K-quant block's 12 scale bytes
+    ``s`` (_k_scale_min inlined into the dot: as a call it cost the Q4_K dot a third)."""
+    if j < 4:
+        return np.float32(s[j] & 63), np.float32(s[j + 4] & 63)
+    return (
+        np.float32(np.uint8(s[j + 4] & 15) | np.uint8((s[j - 4] >> 6) << 4)),
+        np.float32(np.uint8(s[j + 4] >> 4) | np.uint8((s[j] >> 6) << 4)),
+    )
+
+
+@_jit(fastmath=True)
+def _acc_sum(acc, n):
+    s = np.float32(0.0)
+    for i in range(n):
+        s += acc[i]
+    return s
+
+
+@_jit(fastmath=True)
+def _dot_q4_k(w, x, xs, acc):
+    for i in range(32):
+        acc[i] = 0.0
+    mins = np.float32(0.0)
+    for b in range(x.shape[0] // 256):
+        o = b * 144
+        d = _f16t(w, o)
+        dmin = _f16t(w, o + 2)
+        ks = w[o + 4 : o + 16]  # (12,) packed 6-bit scales and mins
+        sc0, m0 = _k_scales(ks, 0)
+        sc1, m1 = _k_scales(ks, 1)
+        sc2, m2 = _k_scales(ks, 2)
+        sc3, m3 = _k_scales(ks, 3)
+        sc4, m4 = _k_scales(ks, 4)
+        sc5, m5 = _k_scales(ks, 5)
+        sc6, m6 = _k_scales(ks, 6)
+        sc7, m7 = _k_scales(ks, 7)
+        s = xs[b * 8 : b * 8 + 8]  # sums of x over the block's 8 sub-blocks
+        mins += dmin * (
+            m0 * s[0] + m1 * s[1] + m2 * s[2]
+            + m3 * s[3] + m4 * s[4] + m5 * s[5]
+            + m6 * s[6] + m7 * s[7]
+        )  # fmt: skip
+        f0, f1 = d * sc0, d * sc1
+        f2, f3 = d * sc2, d * sc3
+        f4, f5 = d * sc4, d * sc5
+        f6, f7 = d * sc6, d * sc7
+        q = w[o + 16 : o + 144]  # (128,) two sub-blocks per 32 bytes: low, high nibbles
+        xb = x[b * 256 : b * 256 + 256]  # (256,)
+        for i in range(32):
+            v0, v1, v2, v3 = q[i], q[32 + i], q[64 + i], q[96 + i]
+            acc[i] += (
+                f0 * np.float32(np.uint8(v0 & 15)) * xb[i]
+                + f1 * np.float32(np.uint8(v0 >> 4)) * xb[32 + i]
+                + f2 * np.float32(np.uint8(v1 & 15)) * xb[64 + i]
+                + f3 * np.float32(np.uint8(v1 >> 4)) * xb[96 + i]
+                + f4 * np.float32(np.uint8(v2 & 15)) * xb[128 + i]
+                + f5 * np.float32(np.uint8(v2 >> 4)) * xb[160 + i]
+                + f6 * np.float32(np.uint8(v3 & 15)) * xb[192 + i]
+                + f7 * np.float32(np.uint8(v3 >> 4)) * xb[224 + i]
+            )
+    return _acc_sum(acc, 32) - mins
+
+
+@_jit(fastmath=True, inline="always")
+def _q5(v, h, bit):
+    """A Q5_K value: the nibble ``v`` with bit ``bit`` of ``h`` as its fifth bit."""
+    return np.float32(np.uint8(v) | np.uint8(((h >> bit) & 1) << 4))
+
+
+@_jit(fastmath=True)
+def _dot_q5_k(w, x, xs, acc):
+    for i in range(32):
+        acc[i] = 0.0
+    mins = np.float32(0.0)
+    for b in range(x.shape[0] // 256):
+        o = b * 176
+        d = _f16t(w, o)
+        dmin = _f16t(w, o + 2)
+        ks = w[o + 4 : o + 16]  # (12,) packed 6-bit scales and mins
+        sc0, m0 = _k_scales(ks, 0)
+        sc1, m1 = _k_scales(ks, 1)
+        sc2, m2 = _k_scales(ks, 2)
+        sc3, m3 = _k_scales(ks, 3)
+        sc4, m4 = _k_scales(ks, 4)
+        sc5, m5 = _k_scales(ks, 5)
+        sc6, m6 = _k_scales(ks, 6)
+        sc7, m7 = _k_scales(ks, 7)
+        s = xs[b * 8 : b * 8 + 8]
+        mins += dmin * (
+            m0 * s[0] + m1 * s[1] + m2 * s[2]
+            + m3 * s[3] + m4 * s[4] + m5 * s[5]
+            + m6 * s[6] + m7 * s[7]
+        )  # fmt: skip
+        f0, f1 = d * sc0, d * sc1
+        f2, f3 = d * sc2, d * sc3
+        f4, f5 = d * sc4, d * sc5
+        f6, f7 = d * sc6, d * sc7
+        qh = w[o + 16 : o + 48]  # (32,) bit j of qh[i]: fifth bit of sub-block j's element i
+        q = w[o + 48 : o + 176]  # (128,)
+        xb = x[b * 256 : b * 256 + 256]  # (256,)
+        for i in range(32):
+            h = qh[i]
+            v0, v1, v2, v3 = q[i], q[32 + i], q[64 + i], q[96 + i]
+            acc[i] += (
+                f0 * _q5(v0 & 15, h, 0) * xb[i]
+                + f1 * _q5(v0 >> 4, h, 1) * xb[32 + i]
+                + f2 * _q5(v1 & 15, h, 2) * xb[64 + i]
+                + f3 * _q5(v1 >> 4, h, 3) * xb[96 + i]
+                + f4 * _q5(v2 & 15, h, 4) * xb[128 + i]
+                + f5 * _q5(v2 >> 4, h, 5) * xb[160 + i]
+                + f6 * _q5(v3 & 15, h, 6) * xb[192 + i]
+                + f7 * _q5(v3 >> 4, h, 7) * xb[224 + i]
+            )
+    return _acc_sum(acc, 32) - mins
+
+
+@_jit(fastmath=True, inline="always")
+def _q6(lo, h, shift):
+    """A Q6_K value: the nibble ``lo`` and two bits of ``h`` at ``shift``, minus 32."""
+    return np.float32(
+        np.int8(np.int8(np.uint8(lo) | np.uint8(((h >> shift) & 3) << 4)) - np.int8(32))
+    )
+
+
+@_jit(fastmath=True)
+def _dot_q6_k(w, x, xs, acc):
+    # per half j of the block: ql[64], qh[32], and 8 scales of 16 elements; lane i
+    # takes elements i and 16 + i of each of the half's four 32-element runs. (Taking
+    # the -32 out through sums of x per 16, one operation fewer per weight, measured
+    # no faster.)
+    for i in range(16):
+        acc[i] = 0.0
+    for b in range(x.shape[0] // 256):
+        o = b * 210
+        d = _f16t(w, o + 208)
+        for j in range(2):
+            ql = w[o + j * 64 : o + j * 64 + 64]  # (64,)
+            qh = w[o + 128 + j * 32 : o + 128 + j * 32 + 32]  # (32,)
+            xb = x[b * 256 + j * 128 : b * 256 + j * 128 + 128]  # (128,)
+            k = o + 192 + j * 8  # scales: k + 2r for run r's first 16, k + 2r + 1 its second
+            s0, t0 = d * np.float32(np.int8(w[k])), d * np.float32(np.int8(w[k + 1]))
+            s1, t1 = d * np.float32(np.int8(w[k + 2])), d * np.float32(np.int8(w[k + 3]))
+            s2, t2 = d * np.float32(np.int8(w[k + 4])), d * np.float32(np.int8(w[k + 5]))
+            s3, t3 = d * np.float32(np.int8(w[k + 6])), d * np.float32(np.int8(w[k + 7]))
+            for i in range(16):
+                a, c, h = ql[i], ql[32 + i], qh[i]
+                a2, c2, h2 = ql[16 + i], ql[48 + i], qh[16 + i]
+                acc[i] += (
+                    s0 * _q6(a & 15, h, 0) * xb[i]
+                    + s1 * _q6(c & 15, h, 2) * xb[32 + i]
+                    + s2 * _q6(a >> 4, h, 4) * xb[64 + i]
+                    + s3 * _q6(c >> 4, h, 6) * xb[96 + i]
+                    + t0 * _q6(a2 & 15, h2, 0) * xb[16 + i]
+                    + t1 * _q6(c2 & 15, h2, 2) * xb[48 + i]
+                    + t2 * _q6(a2 >> 4, h2, 4) * xb[80 + i]
+                    + t3 * _q6(c2 >> 4, h2, 6) * xb[112 + i]
+                )
+    return _acc_sum(acc, 16)
+
+
+@_jit(fastmath=True)
+def _dot_q8_0(w, x, xs, acc):
+    # four blocks per pass: one 32-step pass per block was a quarter as fast
+    for i in range(32):
+        acc[i] = 0.0
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        o = b * 34
+        d0, d1, d2, d3 = _f16t(w, o), _f16t(w, o + 34), _f16t(w, o + 68), _f16t(w, o + 102)
+        q = w[o : o + 136]  # (136,) four blocks
+        xb = x[b * 32 : b * 32 + 128]  # (128,)
+        for i in range(32):
+            acc[i] += (
+                d0 * np.float32(np.int8(q[2 + i])) * xb[i]
+                + d1 * np.float32(np.int8(q[36 + i])) * xb[32 + i]
+                + d2 * np.float32(np.int8(q[70 + i])) * xb[64 + i]
+                + d3 * np.float32(np.int8(q[104 + i])) * xb[96 + i]
+            )
+        b += 4
+    while b < nb:
+        o = b * 34
+        d0 = _f16t(w, o)
+        q = w[o : o + 34]
+        xb = x[b * 32 : b * 32 + 32]
+        for i in range(32):
+            acc[i] += d0 * np.float32(np.int8(q[2 + i])) * xb[i]
+        b += 1
+    return _acc_sum(acc, 32)
+
+
+@_jit(fastmath=True, inline="always")
+def _lo_hi(code, w, o, qh, i):
+    """Elements i and 16 + i of the 32-element block at w[o] (Q4_0, Q4_1, Q5_0, Q5_1),
+    before the block's scale and min, as float32; ``qh``: a Q5 block's high bits."""
+    if code == Q4_0:
+        v = w[o + 2 + i]
+        return (
+            np.float32(np.int8(np.int8(v & 15) - np.int8(8))),
+            np.float32(np.int8(np.int8(v >> 4) - np.int8(8))),
+        )
+    if code == Q4_1:
+        v = w[o + 4 + i]
+        return np.float32(np.uint8(v & 15)), np.float32(np.uint8(v >> 4))
+    if code == Q5_0:
+        v = w[o + 6 + i]
+        lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
+        hi = np.uint8(v >> 4) | np.uint8(((qh >> (i + 16)) & 1) << 4)
+        return (
+            np.float32(np.int8(np.int8(lo) - np.int8(16))),
+            np.float32(np.int8(np.int8(hi) - np.int8(16))),
+        )
+    v = w[o + 8 + i]  # Q5_1
+    lo = np.uint8(v & 15) | np.uint8(((qh >> i) & 1) << 4)
+    hi = np.uint8(v >> 4) | np.uint8(((qh >> (i + 16)) & 1) << 4)
+    return np.float32(lo), np.float32(hi)
+
+
+@_jit(fastmath=True, inline="always")
+def _head32(code, w, o):
+    """A 32-element block's scale, min (0 for Q4_0, Q5_0) and high bits (Q5 types)."""
+    d = _f16t(w, o)
+    if code == Q4_0:
+        return d, np.float32(0.0), np.uint32(0)
+    if code == Q4_1:
+        return d, _f16t(w, o + 2), np.uint32(0)
+    if code == Q5_0:
+        return d, np.float32(0.0), _qh32(w, o + 2)
+    return d, _f16t(w, o + 2), _qh32(w, o + 4)
+
+
+@_jit(fastmath=True)
+def _dot_32(code, w, x, xs, acc):
+    """The dot for the 32-element block types Q4_0, Q4_1, Q5_0, Q5_1: lane i takes
+    elements i and 16 + i of four blocks a pass (as _dot_q8_0), then the rest a block
+    at a time; Q4_1's and Q5_1's mins through the sums of x per block (``xs``)."""
+    literally(code)
+    bs = 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+    for i in range(16):
+        acc[i] = 0.0
+    mins = np.float32(0.0)
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        d1, m1, h1 = _head32(code, w, o + bs)
+        d2, m2, h2 = _head32(code, w, o + 2 * bs)
+        d3, m3, h3 = _head32(code, w, o + 3 * bs)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b] + m1 * xs[b + 1] + m2 * xs[b + 2] + m3 * xs[b + 3]
+        xb = x[b * 32 : b * 32 + 128]  # (128,)
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            a1, c1 = _lo_hi(code, w, o + bs, h1, i)
+            a2, c2 = _lo_hi(code, w, o + 2 * bs, h2, i)
+            a3, c3 = _lo_hi(code, w, o + 3 * bs, h3, i)
+            acc[i] += (
+                d0 * a0 * xb[i] + d0 * c0 * xb[16 + i]
+                + d1 * a1 * xb[32 + i] + d1 * c1 * xb[48 + i]
+                + d2 * a2 * xb[64 + i] + d2 * c2 * xb[80 + i]
+                + d3 * a3 * xb[96 + i] + d3 * c3 * xb[112 + i]
+            )  # fmt: skip
+        b += 4
+    while b < nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b]
+        xb = x[b * 32 : b * 32 + 32]
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            acc[i] += d0 * a0 * xb[i] + d0 * c0 * xb[16 + i]
+        b += 1
+    return _acc_sum(acc, 16) + mins
+
+
+@_jit()
+def _dot(code, w, x, xs, acc):
+    """Row w of type ``code`` (literal; one of DOT_TYPES) dotted with x."""
+    literally(code)
+    if code == Q4_K:
+        return _dot_q4_k(w, x, xs, acc)
+    elif code == Q5_K:
+        return _dot_q5_k(w, x, xs, acc)
+    elif code == Q6_K:
+        return _dot_q6_k(w, x, xs, acc)
+    elif code == Q8_0:
+        return _dot_q8_0(w, x, xs, acc)
+    elif code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1:
+        return _dot_32(code, w, x, xs, acc)
+    return np.float32(0.0)
+
+
+@_jit(fastmath=True)
+def _sums(x, n):
+    """Sums of x over each run of n ((in,) -> (in // n,))."""
+    out = np.empty(x.shape[0] // n, dtype=np.float32)
+    for j in range(out.shape[0]):
+        s = np.float32(0.0)
+        for i in range(n):
+            s += x[j * n + i]
+        out[j] = s
+    return out
