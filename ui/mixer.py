@@ -43,7 +43,7 @@ from core.settings import Settings
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
-from .util import ElidedLabel
+from .util import ElidedLabel, UndoBar
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
@@ -267,10 +267,15 @@ class MixerPanel(QWidget):
         more.setToolTip("Rename or delete the selected preset")
         more.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(more)
-        menu.addAction("Rename…", self._rename_clicked)
-        menu.addAction("Delete", self._delete_clicked)
+        self.rename_action = menu.addAction("Rename…", self._rename_clicked)
+        self.delete_action = menu.addAction("Delete", self._delete_clicked)
+        self.delete_action.setToolTip("Delete the selected preset (Undo or Ctrl+Z brings it back)")
         more.setMenu(menu)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
+        # Rename and Delete act on the selected preset: with none, they cannot act
+        self.preset_box.currentTextChanged.connect(lambda _: self._enable_preset_actions())
+        self.preset_undo = UndoBar()
+        self.preset_undo.undo.connect(self.undo_preset_delete)
 
         top = QHBoxLayout()
         title = QLabel("Mix")
@@ -321,6 +326,7 @@ class MixerPanel(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(top)
         lay.addLayout(presets)
+        lay.addWidget(self.preset_undo)
         lay.addLayout(merge_row)
         lay.addWidget(scroll, 1)
 
@@ -586,6 +592,10 @@ class MixerPanel(QWidget):
     def undo(self) -> bool:
         if not self._undo:
             return False
+        if "deleted_preset" in self._undo[-1]:  # a preset's deletion is a step too
+            self._redo.append(self._undo.pop())
+            self._put_back_preset(self._redo[-1])
+            return True
         self._redo.append(self.snapshot())
         self._restore(self._undo.pop())
         self.message.emit("Undo: the mix as it was")
@@ -594,6 +604,13 @@ class MixerPanel(QWidget):
     def redo(self) -> bool:
         if not self._redo:
             return False
+        if "deleted_preset" in self._redo[-1]:
+            step = self._redo.pop()
+            self.settings.presets.delete(step["deleted_preset"])
+            self.refresh_presets()
+            self._undo.append(step)
+            self.message.emit(f"Redo: preset “{step['deleted_preset']}” deleted")
+            return True
         self._undo.append(self.snapshot())
         self._restore(self._redo.pop())
         self.message.emit("Redo")
@@ -745,8 +762,38 @@ class MixerPanel(QWidget):
         self.refresh_presets(select=new.strip())
 
     def delete_preset(self, name: str) -> None:
+        """Delete ``name``; the Undo bar (or Ctrl+Z, as one step of the mix's undo list)
+        brings it back."""
+        preset = self.settings.presets.get(name)
+        if preset is None:
+            return
         self.settings.presets.delete(name)
         self.refresh_presets()
+        self._undo.append({"deleted_preset": name, "preset": preset})
+        del self._undo[:-HISTORY]
+        self._redo.clear()
+        self.preset_undo.say(f"Deleted preset “{name}”")
+
+    def undo_preset_delete(self) -> bool:
+        """The Undo bar: bring back the last deleted preset, wherever it is in the list."""
+        for i in range(len(self._undo) - 1, -1, -1):
+            if "deleted_preset" in self._undo[i]:
+                self._redo.append(self._undo.pop(i))
+                self._put_back_preset(self._redo[-1])
+                return True
+        return False
+
+    def _put_back_preset(self, step: dict) -> None:
+        self.preset_undo.dismiss()
+        self.settings.presets.save(step["deleted_preset"], step["preset"])
+        self.refresh_presets(select=step["deleted_preset"])
+        self._mark_modified()
+        self.message.emit(f"Undo: preset “{step['deleted_preset']}” is back")
+
+    def _enable_preset_actions(self) -> None:
+        on = bool(self.preset_box.currentText())
+        for action in (self.rename_action, self.delete_action):
+            action.setEnabled(on)
 
     def refresh_presets(self, select: str | None = None) -> None:
         cur = select or self.preset_box.currentText()
@@ -756,6 +803,7 @@ class MixerPanel(QWidget):
         idx = self.preset_box.findText(cur)
         self.preset_box.setCurrentIndex(idx)
         self.preset_box.blockSignals(False)
+        self._enable_preset_actions()
         self.presets_changed.emit()
 
     def _load_clicked(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, Qt
+from PySide6.QtCore import QMimeData, Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 from core.paths import resources_dir
 
 RESOURCES = resources_dir()
+UNDO_MS = 15000  # how long an Undo bar ("Deleted … Undo") stays
 PROMPT_BOX_HEIGHT = 70  # A/B compare's and the grid's prompt: a few lines, the rest for replies
 
 
@@ -180,3 +181,34 @@ class ElidedLabel(QLabel):
         room = self.contentsRect().width()
         shown = self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(room, 0))
         super().setText(shown if self.width() > 0 else self.full_text)
+
+
+class UndoBar(QWidget):
+    """ "Deleted “x”  [Undo]" under what was deleted (a chat, a preset), for UNDO_MS;
+    ``undo`` is emitted by its button."""
+
+    undo = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setObjectName("hint")
+        self.button = QPushButton("Undo")
+        self.button.clicked.connect(self.undo)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.label, 1)
+        lay.addWidget(self.button)
+        self._timer = QTimer(self, singleShot=True, interval=UNDO_MS)
+        self._timer.timeout.connect(self.hide)
+        self.hide()
+
+    def say(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+        self._timer.start()
+
+    def dismiss(self) -> None:
+        self.hide()
+        self._timer.stop()
