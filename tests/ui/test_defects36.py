@@ -43,3 +43,58 @@ def test_rename_and_delete_are_disabled_with_no_preset_selected(loaded):
     assert m.rename_action.isEnabled() and m.delete_action.isEnabled()
     m.delete_action.trigger()
     assert not m.rename_action.isEnabled() and not m.delete_action.isEnabled()
+
+
+# -- 2. A failed server start squeezes the desk ----------------------------------------------
+@pytest.fixture
+def styled(qapp):
+    """The real window's style and stylesheet (sizes depend on them)."""
+    from ui.app import load_stylesheet
+
+    old = qapp.styleSheet()
+    qapp.setStyleSheet(load_stylesheet())
+    yield
+    qapp.setStyleSheet(old)
+
+
+@pytest.fixture
+def busy_port():
+    """A port another program listens on."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _start_server(w, qtbot) -> bool:
+    import asyncio
+
+    fut = asyncio.ensure_future(w.server.start())
+    qtbot.waitUntil(fut.done, timeout=10000)
+    return fut.result()
+
+
+def test_a_busy_port_says_so_plainly_logs_it_and_moves_no_splitter(
+    loaded, qloop, qtbot, styled, busy_port
+):
+    w = loaded
+    w.resize(1024, 700)
+    w.tabs.setCurrentIndex(3)  # Server
+    qtbot.wait(50)
+    sizes = w.splitter.sizes()
+    w.server.host.setText("127.0.0.1")
+    w.server.port.setValue(busy_port)
+    assert not _start_server(w, qtbot)
+    qtbot.wait(50)
+    assert w.splitter.sizes() == sizes  # no layout jump
+    plain = f"Port {busy_port} is already in use — pick another port or stop the program using it"
+    assert plain in w.server.state.toolTip()
+    assert w.server.state.text().startswith("Not running")
+    assert plain in w.server.log_view.toPlainText()  # the failure is in the request log
+    for i in range(w.tabs.count()):
+        w.tabs.setCurrentIndex(i)
+        qtbot.wait(20)
+        assert w.splitter.sizes() == sizes
