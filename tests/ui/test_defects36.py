@@ -6,6 +6,9 @@ import json
 
 import pytest
 from PySide6.QtCore import Qt
+from test_defects import LONG_INFO
+
+from core.serve.events import ModelLoaded
 
 
 # -- 1. Preset Delete loses data --------------------------------------------------------------
@@ -98,3 +101,36 @@ def test_a_busy_port_says_so_plainly_logs_it_and_moves_no_splitter(
         w.tabs.setCurrentIndex(i)
         qtbot.wait(20)
         assert w.splitter.sizes() == sizes
+
+
+# -- 3. The red error banner hides the tab bar and the top of the desk ----------------------
+def _rect_in(w, widget):
+    from PySide6.QtCore import QRect
+
+    return QRect(widget.mapTo(w, widget.rect().topLeft()), widget.size())
+
+
+def test_an_error_banner_covers_no_control(loaded, qtbot, styled):
+    from PySide6.QtWidgets import QAbstractButton, QComboBox, QTabBar
+
+    w = loaded
+    w.resize(1024, 700)
+    qtbot.wait(50)
+    size = w.size()
+    w.show_error("Model not loaded: " + "a long reason that wraps " * 12)
+    qtbot.wait(50)
+    assert w.banner.isVisible() and w.size() == size
+    banner = _rect_in(w, w.banner)
+    controls = [
+        c
+        for kind in (QAbstractButton, QComboBox, QTabBar)
+        for c in w.centralWidget().findChildren(kind)
+        if c.isVisible() and not w.banner.isAncestorOf(c)
+    ]
+    assert w.mixer.bypass in controls and w.tabs.tabBar() in controls
+    covered = [c for c in controls if banner.intersects(_rect_in(w, c))]
+    assert covered == []
+    assert w.banner.geometry().top() >= w.model_bar.geometry().bottom()  # under the bar
+    w.bridge.model_loaded.emit(ModelLoaded(dict(LONG_INFO)))  # the next action succeeds
+    qtbot.wait(50)
+    assert not w.banner.isVisible()
