@@ -249,7 +249,7 @@ class MixerPanel(QWidget):
         self.bypass.setObjectName("bypassButton")
         self.bypass.setToolTip("Master bypass: run the base model with every adapter at 0")
         self.bypass.toggled.connect(lambda _: self._apply())
-        reset = QPushButton("Zero all")
+        reset = self.zero_btn = QPushButton("Zero all")
         reset.setToolTip("Set every fader to 0")
         reset.clicked.connect(self.zero_all)
 

@@ -134,3 +134,40 @@ def test_an_error_banner_covers_no_control(loaded, qtbot, styled):
     w.bridge.model_loaded.emit(ModelLoaded(dict(LONG_INFO)))  # the next action succeeds
     qtbot.wait(50)
     assert not w.banner.isVisible()
+
+
+# -- 4. Keyboard focus is invisible on M/S and the faders ------------------------------------
+def _focus_changes_pixels(w, qtbot, widget) -> bool:
+    """The widget drawn with keyboard focus differs from it drawn without."""
+    w.mixer.bypass.setFocus(Qt.TabFocusReason)  # focus somewhere else first
+    qtbot.waitUntil(lambda: w.mixer.bypass.hasFocus(), timeout=2000)
+    plain = widget.grab().toImage()
+    widget.setFocus(Qt.TabFocusReason)
+    qtbot.waitUntil(widget.hasFocus, timeout=2000)
+    focused = widget.grab().toImage()
+    return plain != focused
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_keyboard_focus_is_visible_on_the_strip_controls(loaded, qtbot, mode):
+    w = loaded
+    w.theme_actions[mode].trigger()
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=2000)
+    w.tabs.setCurrentIndex(3)  # Server, for its checkbox
+    strip = w.mixer.strips[w.ids["lora_attn"]]
+    strip.on.setChecked(False)  # a muted M is lit: the ring must show on it too
+    unseen = [
+        name
+        for name, widget in (
+            ("mute", strip.on),
+            ("solo", strip.solo),
+            ("fader", strip.slider),
+            ("scale box", strip.spin),
+            ("Zero all", w.mixer.zero_btn),
+            ("preset box", w.mixer.preset_box),
+            ("HTTP checkbox", w.server.allow_lora),
+        )
+        if not _focus_changes_pixels(w, qtbot, widget)
+    ]
+    assert unseen == []
