@@ -34,6 +34,7 @@ from .chat import ChatPane
 from .compare import ComparePane
 from .export import MixExporter
 from .grid import GridPane
+from .mix_history import build_edit_menu
 from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
@@ -227,6 +228,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         act = QAction("&Quit", self, shortcut=QKeySequence.Quit)
         act.triggered.connect(self.close)
         m.addAction(act)
+        build_edit_menu(self, self.mixer)
         v = self.menuBar().addMenu("&View")
         t = v.addMenu("&Theme")
         group = QActionGroup(self)

@@ -10,11 +10,9 @@ through ``bridge.mix_changed`` and move the faders.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -43,6 +41,7 @@ from core.settings import Settings
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
+from .mix_history import MixHistory
 from .util import ElidedLabel, UndoBar
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
@@ -54,7 +53,6 @@ FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
 # 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
 # wide for a 1024 px window's desk, which then scrolled sideways.
 FADER_MIN_WIDTH = 100
-HISTORY = 200  # undo steps kept
 
 
 def detent(value: float) -> float:
@@ -239,11 +237,8 @@ class MixerPanel(QWidget):
         self._pending: dict[str, dict] = {}
         self._pending_bypass: bool | None = None
         self._ready = False
-        # undo/redo of the desk: snapshots before each change (a drag is one step)
-        self._undo: list[dict] = []
-        self._redo: list[dict] = []
-        self._last: dict | None = None
-        self._last_change: tuple[Any, float] = (None, 0.0)
+        # undo/redo of the desk: named steps (a drag is one), the Edit menu's
+        self.steps = MixHistory(self)
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
@@ -342,12 +337,7 @@ class MixerPanel(QWidget):
         self.refresh_presets()
         self.set_adapters(bridge.engine.adapters())
         self._ready = True
-        ctx = Qt.WindowShortcut  # a focused text box keeps Ctrl+Z for its own text
-        # explicit keys: the platform's Redo binding may also be Ctrl+Shift+Z, and two
-        # shortcuts on one key are ambiguous (neither fires)
-        QShortcut(QKeySequence("Ctrl+Z"), self, self.undo, context=ctx)
-        QShortcut(QKeySequence("Ctrl+Shift+Z"), self, self.redo, context=ctx)
-        QShortcut(QKeySequence("Ctrl+Y"), self, self.redo, context=ctx)
+        # Ctrl+Z and the Redo keys are the Edit menu's (ui/mix_history.py)
 
     # -- activity ------------------------------------------------------------------
     def _request_started(self, ev: RequestStarted) -> None:
@@ -558,22 +548,9 @@ class MixerPanel(QWidget):
         }
 
     def _record(self) -> None:
-        """Called on each change the user makes: the state before it becomes an undo
-        step, except while one fader keeps moving (a drag, a wheel) within a second."""
-        now = self.snapshot()
-        before, self._last = self._last, now
-        if before is None or before == now or before["strips"].keys() != now["strips"].keys():
-            return
-        moved = [a for a in now["strips"] if now["strips"][a][0] != before["strips"][a][0]]
-        key = moved[0] if len(moved) == 1 and before["bypass"] == now["bypass"] else None
-        last_key, at = self._last_change
-        t = time.monotonic()
-        self._last_change = (key, t)
-        if key is not None and key == last_key and t - at < 1.0 and self._undo:
-            return  # the same fader still moving: one step
-        self._undo.append(before)
-        del self._undo[:-HISTORY]
-        self._redo.clear()
+        """Called on each change the user makes: a step of the undo history."""
+        names = {aid: st.info["name"] for aid, st in self.strips.items()}
+        self.steps.record(self.snapshot(), names)
 
     def _restore(self, snap: dict) -> None:
         self._syncing = True
@@ -586,35 +563,43 @@ class MixerPanel(QWidget):
                     self.strips[aid].set_flags(muted=muted, solo=solo)
         finally:
             self._syncing = False
-        self._last, self._last_change = self.snapshot(), (None, 0.0)
+        self.steps.settle(self.snapshot())
         self._apply(record=False)
 
     def undo(self) -> bool:
-        if not self._undo:
+        if not self.steps.undo_steps:
             return False
-        if "deleted_preset" in self._undo[-1]:  # a preset's deletion is a step too
-            self._redo.append(self._undo.pop())
-            self._put_back_preset(self._redo[-1])
-            return True
-        self._redo.append(self.snapshot())
-        self._restore(self._undo.pop())
-        self.message.emit("Undo: the mix as it was")
+        step = self.steps.pop_undo(self.snapshot())
+        if "deleted_preset" in step:  # a preset's deletion is a step too
+            self._put_back_preset(step)
+        else:
+            self._restore(step["before"])
+            self.message.emit(f"Undo {step['label']}")
         return True
 
     def redo(self) -> bool:
-        if not self._redo:
+        if not self.steps.redo_steps:
             return False
-        if "deleted_preset" in self._redo[-1]:
-            step = self._redo.pop()
+        step = self.steps.pop_redo(self.snapshot())
+        if "deleted_preset" in step:
             self.settings.presets.delete(step["deleted_preset"])
             self.refresh_presets()
-            self._undo.append(step)
             self.message.emit(f"Redo: preset “{step['deleted_preset']}” deleted")
-            return True
-        self._undo.append(self.snapshot())
-        self._restore(self._redo.pop())
-        self.message.emit("Redo")
+        else:
+            self._restore(step["after"])
+            self.message.emit(f"Redo {step['label']}")
         return True
+
+    def history(self) -> list[tuple[str, bool]]:
+        """The Edit menu's Mix history: (label, is now), oldest first ("start" first)."""
+        return self.steps.entries()
+
+    def jump_to(self, position: int) -> None:
+        """Undo or redo until the desk is as it was after ``position`` steps."""
+        while len(self.steps.undo_steps) > position and self.undo():
+            pass
+        while len(self.steps.undo_steps) < position and self.redo():
+            pass
 
     # -- presets: modified mark ----------------------------------------------------------
     def matches_preset(self, name: str) -> bool:
@@ -665,7 +650,7 @@ class MixerPanel(QWidget):
             desk = self.desk_mix()
         finally:
             self._syncing = False
-        self._last = self.snapshot()  # a change from outside is not an undo step
+        self.steps.settle(self.snapshot())  # a change from outside is not an undo step
         self._show(desk)
         if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
@@ -676,7 +661,7 @@ class MixerPanel(QWidget):
         one undo step: the faders move to it as for a mix set from outside."""
         before = self.snapshot()
         self._reconcile(mix)
-        self._last = before  # _reconcile takes a change from outside as no undo step
+        self.steps.last = before  # _reconcile takes a change from outside as no undo step
         self._apply()
 
     def zero_all(self) -> None:
@@ -769,19 +754,16 @@ class MixerPanel(QWidget):
             return
         self.settings.presets.delete(name)
         self.refresh_presets()
-        self._undo.append({"deleted_preset": name, "preset": preset})
-        del self._undo[:-HISTORY]
-        self._redo.clear()
+        label = f"delete preset “{name}”"
+        self.steps.push({"label": label, "deleted_preset": name, "preset": preset})
         self.preset_undo.say(f"Deleted preset “{name}”")
 
     def undo_preset_delete(self) -> bool:
         """The Undo bar: bring back the last deleted preset, wherever it is in the list."""
-        for i in range(len(self._undo) - 1, -1, -1):
-            if "deleted_preset" in self._undo[i]:
-                self._redo.append(self._undo.pop(i))
-                self._put_back_preset(self._redo[-1])
-                return True
-        return False
+        step = self.steps.take_preset_step()
+        if step is not None:
+            self._put_back_preset(step)
+        return step is not None
 
     def _put_back_preset(self, step: dict) -> None:
         self.preset_undo.dismiss()

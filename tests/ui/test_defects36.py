@@ -171,3 +171,69 @@ def test_keyboard_focus_is_visible_on_the_strip_controls(loaded, qtbot, mode):
         if not _focus_changes_pixels(w, qtbot, widget)
     ]
     assert unseen == []
+
+
+# -- 5. Mix undo is hard to reach --------------------------------------------------------------
+def test_the_edit_menu_names_each_mix_step_and_redo(loaded, qtbot):
+    w, aid = loaded, loaded.ids["lora_attn"]
+    s = w.mixer.strips[aid]
+    s.spin.setValue(0.8)
+    assert w.undo_action.text() == "&Undo lora_attn 0.00 → 0.80"
+    s.on.setChecked(False)
+    assert w.undo_action.text() == "&Undo mute lora_attn"
+    assert not w.redo_action.isEnabled()
+    w.undo_action.trigger()
+    assert not s.muted and w.redo_action.text() == "&Redo mute lora_attn"
+    assert w.undo_action.text() == "&Undo lora_attn 0.00 → 0.80"
+    w.undo_action.trigger()
+    assert s.value == 0.0 and not w.undo_action.isEnabled()
+    w.redo_action.trigger()
+    assert s.value == pytest.approx(0.8)
+    edit = [a.text() for a in w.menuBar().actions()]
+    assert "&Edit" in edit
+
+
+def test_the_history_jumps_back_to_any_mix_step(loaded):
+    w = loaded
+    a, f = (w.mixer.strips[w.ids[n]] for n in ("lora_attn", "lora_ffn"))
+    a.spin.setValue(0.5)
+    f.spin.setValue(-0.3)
+    w.mixer.bypass.setChecked(True)
+    steps = w.mixer.history()  # oldest first, with where the desk is now
+    assert [label for label, _ in steps] == [
+        "start",
+        "lora_attn 0.00 → 0.50",
+        "lora_ffn 0.00 → -0.30",
+        "Bypass all on",
+    ]
+    assert [now for _, now in steps] == [False, False, False, True]
+    w.mixer.jump_to(1)  # just after the first step
+    assert a.value == pytest.approx(0.5) and f.value == 0.0 and not w.mixer.bypass.isChecked()
+    assert [now for _, now in w.mixer.history()] == [False, True, False, False]
+    w.mixer.jump_to(3)  # forward again, through the redo steps
+    assert f.value == pytest.approx(-0.3) and w.mixer.bypass.isChecked()
+    w.history_menu.aboutToShow.emit()  # the Edit menu's History lists the same steps
+    items = [x.text() for x in w.history_menu.actions()]
+    assert items == ["start", "lora_attn 0.00 → 0.50", "lora_ffn 0.00 → -0.30", "Bypass all on"]
+    w.history_menu.actions()[0].trigger()
+    assert a.value == 0.0 and f.value == 0.0 and not w.mixer.bypass.isChecked()
+
+
+def test_ctrl_z_in_an_empty_chat_box_undoes_the_mix(loaded, qtbot):
+    w, aid = loaded, loaded.ids["lora_attn"]
+    s = w.mixer.strips[aid]
+    s.spin.setValue(0.6)
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=2000)
+    box = w.chat.input
+    box.setFocus()
+    qtbot.waitUntil(box.hasFocus, timeout=2000)
+    qtbot.keyClick(box, Qt.Key_Z, Qt.ControlModifier)  # nothing typed: the mix's undo
+    assert s.value == 0.0
+    qtbot.keyClicks(box, "hi")
+    s.spin.setValue(0.4)
+    box.setFocus()
+    qtbot.keyClick(box, Qt.Key_Z, Qt.ControlModifier)  # the box's own undo comes first
+    assert box.toPlainText() == "" and s.value == pytest.approx(0.4)
+    qtbot.keyClick(box, Qt.Key_Z, Qt.ControlModifier)  # now it has none left
+    assert s.value == 0.0
