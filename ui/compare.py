@@ -145,7 +145,7 @@ class ComparePane(QWidget):
             grid.addWidget(side.mix_label, 1, col)
             grid.addWidget(side.view, 2, col)
             grid.addWidget(side.meta, 3, col)
-            side.combo.currentTextChanged.connect(self._preview)
+            side.combo.currentTextChanged.connect(self._combo_changed)
         grid.setRowStretch(2, 1)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -157,6 +157,10 @@ class ComparePane(QWidget):
         self._timer.timeout.connect(self._render)
         mixer.presets_changed.connect(self.refresh_presets)
         bridge.adapters_changed.connect(lambda _: self._preview())
+        # "(current desk mix)" is the live desk: its caption follows every change, the
+        # desk's own and one set from outside (the API, the grid's "Use this mix")
+        mixer.mix_applied.connect(lambda _: self._preview())
+        bridge.mix_changed.connect(lambda _: self._preview())
         self.refresh_presets()
 
     def refresh_presets(self) -> None:
@@ -189,6 +193,9 @@ class ComparePane(QWidget):
         for side in (self.a, self.b):
             mix = self.mix_of(side)
             side.mix_label.setText("mix: " + (mix_text(mix, names) if mix is not None else "?"))
+
+    def _combo_changed(self, *_) -> None:
+        self._preview()
         if self.a.combo.currentText():
             self.mixer.settings.set(
                 "compare", {"a": self.a.combo.currentText(), "b": self.b.combo.currentText()}

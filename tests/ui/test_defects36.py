@@ -237,3 +237,16 @@ def test_ctrl_z_in_an_empty_chat_box_undoes_the_mix(loaded, qtbot):
     assert box.toPlainText() == "" and s.value == pytest.approx(0.4)
     qtbot.keyClick(box, Qt.Key_Z, Qt.ControlModifier)  # now it has none left
     assert s.value == 0.0
+
+
+# -- 6. The A/B "(current desk mix)" caption goes stale ---------------------------------------
+def test_the_ab_caption_of_the_current_desk_follows_the_desk(loaded, qtbot):
+    from ui.compare import CURRENT
+
+    w, aid = loaded, loaded.ids["lora_attn"]
+    w.compare.set_presets(CURRENT, CURRENT)
+    assert "base model" in w.compare.a.mix_label.text()
+    w.mixer.strips[aid].spin.setValue(0.8)
+    assert "lora_attn ×0.80" in w.compare.a.mix_label.text()
+    w.engine.set_mix({aid: 0.3}, source="http")  # set from outside, as the API does
+    qtbot.waitUntil(lambda: "lora_attn ×0.30" in w.compare.b.mix_label.text(), timeout=5000)
