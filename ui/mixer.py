@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QSlider,
     QSpinBox,
+    QStyle,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -47,7 +48,9 @@ from .util import ElidedLabel, UndoBar
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
 DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
-DETENT_PULL = 0.04  # 1 px at FADER_MIN_WIDTH, ~2 px at 200 px: a drag a pixel off lands
+# a drag that ends within this many pixels of a detent lands on it, whatever the fader's
+# width (a pull of 0.04 in scale made ±1 about 3 px wide: drags landed on 1.05 or 1.08)
+DETENT_PX = 6
 FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
 # the throw: 4.0 of scale over at least 100 px (0.04 a pixel; the detents still catch
 # 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
@@ -55,10 +58,10 @@ FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
 FADER_MIN_WIDTH = 100
 
 
-def detent(value: float) -> float:
-    """A fader value pulled onto 0 or ±1 when it is within DETENT_PULL of one."""
+def detent(value: float, pull: float) -> float:
+    """A fader value pulled onto 0 or ±1 when it is within ``pull`` (in scale) of one."""
     for d in DETENTS:
-        if abs(value - d) < DETENT_PULL:
+        if abs(value - d) <= pull:
             return d
     return value
 
@@ -72,6 +75,12 @@ class Fader(QSlider):
     def __init__(self):
         super().__init__(Qt.Horizontal)
         self._fine_from: tuple[int, int] | None = None  # (x at press, value at press)
+
+    def pull(self) -> float:
+        """DETENT_PX in scale units on this fader (a Shift+drag's pixels are finer)."""
+        groove = max(self.width() - self.style().pixelMetric(QStyle.PM_SliderLength, None, self), 1)
+        per_px = (SCALE_MAX - SCALE_MIN) / groove
+        return DETENT_PX * per_px * (FINE if self._fine_from is not None else 1.0)
 
     def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 (Qt's name)
         self.reset.emit()
@@ -163,7 +172,7 @@ class Strip:
         if from_slider and abs(round(self.value * TICKS) - value * TICKS) < 0.5:
             return  # the slider is coarser than the spin box: keep the precise value
         if from_slider and self.slider.isSliderDown():
-            value = detent(value)
+            value = detent(value, self.slider.pull())
         self.set_value(value)
 
     def set_busy(self, busy: bool) -> None:

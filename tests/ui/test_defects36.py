@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
 from test_defects import LONG_INFO
 
 from core.serve.events import ModelLoaded
@@ -250,3 +250,38 @@ def test_the_ab_caption_of_the_current_desk_follows_the_desk(loaded, qtbot):
     assert "lora_attn ×0.80" in w.compare.a.mix_label.text()
     w.engine.set_mix({aid: 0.3}, source="http")  # set from outside, as the API does
     qtbot.waitUntil(lambda: "lora_attn ×0.30" in w.compare.b.mix_label.text(), timeout=5000)
+
+
+# -- 7. The ±1 detent is about 3 px wide ---------------------------------------------------------
+@pytest.mark.parametrize("target", [1.0, -1.0, 0.0])
+def test_the_detents_catch_a_drag_a_few_pixels_off(loaded, qtbot, target):
+    from test_mixer_desk import fader_x
+
+    w, aid = loaded, loaded.ids["lora_attn"]
+    s = w.mixer.strips[aid]
+    s.slider.setFixedWidth(160)  # a roomy desk: pixels are finer than at 100 px
+    qtbot.wait(20)
+    y = s.slider.height() // 2
+    for off in (-5, -3, 3, 5):  # a normal drag lands a few pixels off
+        s.spin.setValue(0.5 if target != 0.5 else -0.5)
+        start = fader_x(s.slider, s.value)
+        qtbot.mousePress(s.slider, Qt.LeftButton, pos=QPoint(start, y))
+        x = fader_x(s.slider, target) + off
+        qtbot.mouseMove(s.slider, QPoint(x, y))
+        qtbot.mouseRelease(s.slider, Qt.LeftButton, pos=QPoint(x, y))
+        assert s.value == target, (off, s.value)
+    # beyond the catch the fader moves freely
+    s.spin.setValue(0.5)
+    qtbot.mousePress(s.slider, Qt.LeftButton, pos=QPoint(fader_x(s.slider, 0.5), y))
+    x = fader_x(s.slider, target) + 12
+    qtbot.mouseMove(s.slider, QPoint(x, y))
+    qtbot.mouseRelease(s.slider, Qt.LeftButton, pos=QPoint(x, y))
+    assert s.value != target
+
+
+def test_the_detent_comment_speaks_of_the_real_fader():
+    import ui.mixer as mixer
+
+    src = open(mixer.__file__, encoding="utf-8").read()
+    line = next(ln for ln in src.splitlines() if ln.startswith("DETENT_"))
+    assert "200 px" not in line
