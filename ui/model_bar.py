@@ -152,13 +152,13 @@ class ModelBar(FileDropMixin, QWidget):
             f"{human_count(info.get('n_params', 0))} params",
             str(info.get("quant", "?")),
             f"ctx {info.get('n_ctx', 0)}/{info.get('n_ctx_train', 0)}",
-            f"{human_bytes(info.get('memory_bytes', 0) + info.get('kv_bytes', 0))} RAM",
+            f"{human_bytes(info.get('ram_bytes', 0))} RAM",
             f"loaded in {info.get('load_ms', 0) / 1000:.2f} s",
         ]
         self.info.setText("  ·  ".join(parts))
         storage = "quantized blocks" if info.get("weights") == "quantized" else "float32"
         self.info.setToolTip(
-            f"{self.info.full_text}\nRAM: weights ({storage}) "
+            f"{self.info.full_text}\nRAM (as Get a model counts it): weights ({storage}) "
             f"{human_bytes(info.get('memory_bytes', 0))} + KV cache of one sequence at "
             f"{info.get('n_ctx', 0)} tokens {human_bytes(info.get('kv_bytes', 0))}"
         )

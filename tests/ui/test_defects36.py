@@ -285,3 +285,40 @@ def test_the_detent_comment_speaks_of_the_real_fader():
     src = open(mixer.__file__, encoding="utf-8").read()
     line = next(ln for ln in src.splitlines() if ln.startswith("DETENT_"))
     assert "200 px" not in line
+
+
+# -- 8. Two RAM figures for one model -----------------------------------------------------------
+def _ram_shown(w) -> str:
+    part = next(p for p in w.model_bar.info.full_text.split("  ·  ") if p.endswith(" RAM"))
+    return part.removesuffix(" RAM")
+
+
+def test_the_model_bar_and_get_a_model_give_one_ram_figure(loaded):
+    from test_get_model import _row
+
+    from core import catalog
+    from ui.get_model import GetModelDialog
+    from ui.util import human_bytes
+
+    w = loaded
+    w.model_bar.show_info(w.engine.model_info())
+    dlg = w.model_bar.get_model()
+    assert _row(dlg, "smollm2-135m")["RAM needed"] == _ram_shown(w)
+    dlg.close()
+    from core.model.kv_cache import ram_bytes  # the one formula
+
+    # at the model's own context (the window's default: no -c), each model's own
+    own = GetModelDialog(0)
+    info = w.engine.model_info()
+    at_train = ram_bytes(
+        info["memory_bytes"],
+        info["n_layers"],
+        info["n_kv_heads"],
+        info["head_dim"],
+        info["n_ctx_train"],
+    )
+    assert _row(own, "smollm2-135m")["RAM needed"] == human_bytes(at_train)
+    assert catalog.find("smollm2-135m").n_ctx_train == info["n_ctx_train"]
+    own.close()
+    tip = w.model_bar.info.toolTip()
+    assert "weights" in tip and "KV cache" in tip  # it says what it counts
