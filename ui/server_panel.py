@@ -94,6 +94,11 @@ class ServerPanel(QWidget):
             "(applies when the server starts)"
         )
         self.allow_lora.toggled.connect(lambda _: self._save())
+        # what the server is built with at start: locked while it runs (a change would
+        # silently wait for the next start), with each field's own tooltip kept
+        self._start_fields = {
+            w: w.toolTip() for w in (self.host, self.port, self.api_key, self.allow_lora)
+        }
 
         self.url = QLineEdit(readOnly=True)
         copy_url = QPushButton("Copy")
@@ -235,7 +240,14 @@ class ServerPanel(QWidget):
         coro = self.start() if on else self.stop()
         asyncio.ensure_future(coro)
 
+    def _lock_start_fields(self, running: bool) -> None:
+        for w, tip in self._start_fields.items():
+            w.setEnabled(not running)
+            locked = "Stop the server to change this: it applies when the server starts"
+            w.setToolTip(f"{tip}\n\n{locked}" if running and tip else locked if running else tip)
+
     def _set_toggle(self, on: bool) -> None:
+        self._lock_start_fields(on)
         self._busy = True
         self.toggle.setChecked(on)
         self.toggle.setText("Stop server" if on else "Start server")

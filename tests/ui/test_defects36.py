@@ -322,3 +322,23 @@ def test_the_model_bar_and_get_a_model_give_one_ram_figure(loaded):
     own.close()
     tip = w.model_bar.info.toolTip()
     assert "weights" in tip and "KV cache" in tip  # it says what it counts
+
+
+# -- 9. Host and Port stay editable while the server runs -------------------------------------
+def test_the_fields_that_apply_at_start_are_locked_while_the_server_runs(loaded, qloop, qtbot):
+    from test_http_sync import free_port
+
+    w = loaded
+    fields = (w.server.host, w.server.port, w.server.api_key, w.server.allow_lora)
+    assert all(f.isEnabled() for f in fields)
+    w.server.host.setText("127.0.0.1")
+    w.server.port.setValue(free_port())
+    assert _start_server(w, qtbot)
+    assert not any(f.isEnabled() for f in fields)
+    assert all("Stop the server" in f.toolTip() for f in fields)
+    import asyncio
+
+    fut = asyncio.ensure_future(w.server.stop(remember=False))
+    qtbot.waitUntil(fut.done, timeout=10000)
+    assert all(f.isEnabled() for f in fields)
+    assert not any("Stop the server" in f.toolTip() for f in fields)
