@@ -35,7 +35,7 @@ from core.lora.mix import mix_text
 from .bridge import EngineBridge, Generation
 from .mixer import MixerPanel
 from .sampling import SamplingForm
-from .util import prompt_row
+from .util import ElidedLabel, prompt_row
 
 NONE = "(none)"
 KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
@@ -149,7 +149,10 @@ class Card(QFrame):
         self.done = None
         self.gen: Generation | None = None
         title = " · ".join(t for t in (cell.x_label, cell.y_label) if t)
-        self.title = QLabel(title)
+        # elided to the card's width (it widened the card, then clipped): all of it in
+        # the tooltip
+        self.title = ElidedLabel(title)
+        self.title.setToolTip(title)
         self.title.setObjectName("cardTitle")
         self.mix = QLabel(shown_mix)
         self.mix.setObjectName("hint")

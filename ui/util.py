@@ -183,6 +183,38 @@ class ElidedLabel(QLabel):
         super().setText(shown if self.width() > 0 else self.full_text)
 
 
+class FactsLabel(ElidedLabel):
+    """A line of facts joined by " · " that drops whole facts, least wanted first,
+    when the room is short (at 1024 px the model bar's RAM and load time were the
+    ones cut); only a single fact left too long is elided."""
+
+    SEP = "  ·  "
+
+    def __init__(self, parent: QWidget | None = None):
+        self.parts: list[str] = []
+        self.drop_order: list[int] = []  # indexes into parts, the first dropped first
+        super().__init__("", parent)
+
+    def set_parts(self, parts: list[str], drop_order: list[int]) -> None:
+        self.parts, self.drop_order = list(parts), list(drop_order)
+        self.setText(self.SEP.join(parts))
+
+    def _elide(self) -> None:
+        if not self.parts or self.width() <= 0:
+            super()._elide()
+            return
+        room = self.contentsRect().width()
+        keep = list(range(len(self.parts)))
+        fm = self.fontMetrics()
+        for i in self.drop_order:
+            if fm.horizontalAdvance(self.SEP.join(self.parts[k] for k in keep)) <= room:
+                break
+            if len(keep) > 1:
+                keep.remove(i)
+        shown = self.SEP.join(self.parts[k] for k in keep)
+        QLabel.setText(self, fm.elidedText(shown, Qt.ElideRight, max(room, 0)))
+
+
 class UndoBar(QWidget):
     """ "Deleted “x”  [Undo]" under what was deleted (a chat, a preset), for UNDO_MS;
     ``undo`` is emitted by its button."""

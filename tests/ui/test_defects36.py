@@ -342,3 +342,38 @@ def test_the_fields_that_apply_at_start_are_locked_while_the_server_runs(loaded,
     qtbot.waitUntil(fut.done, timeout=10000)
     assert all(f.isEnabled() for f in fields)
     assert not any("Stop the server" in f.toolTip() for f in fields)
+
+
+# -- 10. At 1024×700 ------------------------------------------------------------------------------
+def test_at_1024_the_model_bar_keeps_ram_and_load_time(window, qtbot, styled):
+    w = window
+    w.resize(1024, 700)
+    info = dict(LONG_INFO, ram_bytes=600 * 2**20, kv_bytes=60 * 2**20)
+    w.model_bar.show_info(info)
+    qtbot.wait(50)
+    shown = w.model_bar.info.text()
+    assert "600.0 MiB RAM" in shown and "loaded in 1.23 s" in shown, shown
+    assert "…" not in shown  # whole facts dropped, none cut in the middle
+    tip = w.model_bar.info.toolTip()
+    assert "llama" in tip and "ctx 4096/8192" in tip  # the ones left out are in the tooltip
+    w.resize(1400, 800)
+    qtbot.wait(50)
+    assert "llama" in w.model_bar.info.text()  # room again: every fact
+
+
+def test_a_grid_card_title_elides_with_its_whole_text_in_the_tooltip(loaded, qtbot, styled):
+    from core import grid as G
+    from core.lora.mix import Mix
+    from ui.grid import Card
+
+    w = loaded
+    long = "a_rather_long_adapter_name_indeed ×0.75"
+    cell = G.Cell(0, 0, 0, Mix({}), w.sampling.params(), long, "seed 123456789")
+    card = Card(cell, "base model (no adapters)")
+    card.resize(180, 220)
+    card.show()
+    qtbot.wait(50)
+    assert card.minimumSizeHint().width() <= 200  # the title does not widen the card
+    assert card.title.text().endswith("…")
+    assert card.title.toolTip() == f"{long} · seed 123456789"
+    card.close()
