@@ -377,3 +377,80 @@ def test_a_grid_card_title_elides_with_its_whole_text_in_the_tooltip(loaded, qtb
     assert card.title.text().endswith("…")
     assert card.title.toolTip() == f"{long} · seed 123456789"
     card.close()
+
+
+# -- 11. Dark theme: a faint checkbox, tiny ‹ › ----------------------------------------------------
+def _max_contrast(image, x0, x1, background) -> float:
+    from ui.theme import contrast
+
+    best = 0.0
+    for x in range(x0, min(x1, image.width())):
+        for y in range(image.height()):
+            best = max(best, contrast(image.pixelColor(x, y), background))
+    return best
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_the_http_checkbox_box_is_visible(window, qtbot, mode):
+    from ui import theme as T
+
+    w = window
+    w.theme_actions[mode].trigger()
+    w.tabs.setCurrentIndex(3)
+    qtbot.wait(20)
+    box = w.server.allow_lora
+    box.setChecked(False)
+    image = box.grab().toImage()
+    bg = (T.DARK if mode == "dark" else T.LIGHT).window
+    # the square alone (its first ~20 px): its edge stands out as a control's must (3:1)
+    assert _max_contrast(image, 0, 20, bg) >= 3.0
+
+
+def _anchor_extent(view, href_prefix):
+    """(width, height) in px of the region where the transcript's link answers clicks."""
+    vp = view.viewport()
+    pts = [
+        (x, y)
+        for y in range(vp.height())
+        for x in range(vp.width())
+        if view.anchorAt(QPoint(x, y)).startswith(href_prefix)
+    ]
+    assert pts, f"no {href_prefix} link shown"
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    return max(xs) - min(xs) + 1, max(ys) - min(ys) + 1
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_the_version_arrows_are_buttons_of_at_least_20_px(window, qtbot, mode):
+    from PySide6.QtGui import QColor
+
+    from ui import theme as T
+
+    w = window
+    w.theme_actions[mode].trigger()
+    w.resize(1280, 800)
+    w.tabs.setCurrentIndex(0)
+    meta = {"tokens": 3, "tps": 2.0, "mix": "m", "stop": "eos"}
+    w.chat.conversation["messages"] = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "two",
+            "meta": meta,
+            "version": 1,
+            "versions": [
+                {"content": "one", "meta": meta},
+                {"content": "two", "meta": meta},
+                {"content": "three", "meta": meta},
+            ],
+        },
+    ]
+    w.chat.render()
+    qtbot.wait(50)
+    for prefix in ("ver:1:-1", "ver:1:1"):
+        width, height = _anchor_extent(w.chat.view, prefix)
+        assert width >= 20 and height >= 20, (prefix, width, height)
+    html = w.chat.view.toHtml()
+    theme = T.DARK if mode == "dark" else T.LIGHT
+    # the arrows are drawn in the text colour on a button face, readable in either theme
+    assert QColor(theme.text).name() in html.lower()
