@@ -454,3 +454,49 @@ def test_the_version_arrows_are_buttons_of_at_least_20_px(window, qtbot, mode):
     theme = T.DARK if mode == "dark" else T.LIGHT
     # the arrows are drawn in the text colour on a button face, readable in either theme
     assert QColor(theme.text).name() in html.lower()
+
+
+# -- 12. Grid exports ------------------------------------------------------------------------------
+@pytest.fixture
+def ran_grid(loaded, qtbot, greedy):
+    """A 2-cell grid run with a random seed (seed -1 in the sampling form)."""
+    w = loaded
+    greedy(w, n_predict=3)
+    w.sampling.set_values({"seed": -1, "temperature": 0.7})
+    g = w.grid
+    w.tabs.setCurrentIndex(w.tabs.indexOf(g.parentWidget()))
+    g.x.set_axis("scale", "0, 1", adapter=w.ids["lora_attn"])
+    g.y.set_axis(None, "")
+    with qtbot.waitSignal(g.finished, timeout=120000):
+        assert g.run("Name a colour.")
+    return w
+
+
+def test_the_grid_csv_records_the_seed_each_cell_used(ran_grid, tmp_path):
+    import csv
+
+    from core.grid import MAX_SEED
+
+    g = ran_grid.grid
+    rows = list(csv.DictReader(open(g.export("csv", tmp_path / "g.csv"), encoding="utf-8")))
+    assert len(rows) == 2
+    seeds = [r["seed"] for r in rows]
+    assert all(s.isdigit() and 0 <= int(s) <= MAX_SEED for s in seeds), seeds
+    # the seed is the one the cell ran with: run again with it, the same reply
+    assert [int(s) for s in seeds] == [c.cell.params.seed for c in g.cards]
+
+
+def test_the_grid_png_has_the_prompt_and_settings_and_no_buttons(ran_grid, tmp_path):
+    from PySide6.QtGui import QImage
+    from PySide6.QtWidgets import QAbstractButton, QLabel
+
+    g = ran_grid.grid
+    view = g.export_view()  # what the PNG draws
+    assert view.findChildren(QAbstractButton) == []  # no "Use this mix"
+    text = "\n".join(label.text() for label in view.findChildren(QLabel))
+    assert "Name a colour." in text
+    assert "temperature 0.70" in text and "max tokens 3" in text
+    assert all(c.done.content.strip()[:10] in text for c in g.cards)  # the replies
+    image = QImage(str(g.export("png", tmp_path / "g.png")))
+    assert (image.width(), image.height()) == (view.width(), view.height())
+    assert all(c.use.isVisible() for c in g.cards)  # the tab itself keeps its buttons
