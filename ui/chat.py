@@ -32,7 +32,7 @@ from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
-from .util import ElidedLabel, run_controls
+from .util import ElidedLabel, ScrollPlace, run_controls
 
 RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
@@ -170,6 +170,7 @@ class ChatPane(QWidget):
         self.view.setObjectName("transcript")
         self.view.setOpenLinks(False)
         self.view.anchorClicked.connect(self._anchor)
+        self.place = ScrollPlace(self.view)  # where the reader is, kept across re-renders
 
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
@@ -245,14 +246,10 @@ class ChatPane(QWidget):
     def render(self) -> None:
         """The transcript as HTML from Markdown; while a reply streams it is rendered
         the same way every RENDER_INTERVAL_MS, so the text never jumps at the end."""
-        sb = self.view.verticalScrollBar()
-        at_end = sb.value() >= sb.maximum() - 4
-        keep = sb.value()
         msgs = self.conversation["messages"]
         streaming = bool(self.generating and msgs and msgs[-1]["role"] == "assistant")
         body, self.codes = transcript_html(self.conversation, palette_colors(self.view), streaming)
-        self.view.setHtml(body)
-        sb.setValue(sb.maximum() if at_end or self.generating else keep)
+        self.place.replace(lambda: self.view.setHtml(body), to_end=self.generating)
 
     def _live(self) -> None:
         self.render()
@@ -486,6 +483,7 @@ class ChatPane(QWidget):
         self.settings.set("last_conversation", cid)
         self.cancel_edit()
         self.refresh_history()
+        self.place.top = ScrollPlace.END  # a chat opens at its last message
         self.render()
         self._update_buttons()
         return True

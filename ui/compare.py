@@ -330,8 +330,7 @@ class ComparePane(QWidget):
     def _show_diff(self) -> None:
         names = {a: s.info["name"] for a, s in self.mixer.strips.items()}
         labels = {
-            s: f"{s.title.text()} · {s.preset}: {mix_text(s.done.mix, names)}"
-            for s in (self.a, self.b)
+            s: side_label(s.title.text(), s.preset, s.done.mix, names) for s in (self.a, self.b)
         }
         for s, o in ((self.a, self.b), (self.b, self.a)):
             eog = self.bridge.engine.tokenizer.is_eog
@@ -360,6 +359,17 @@ class ComparePane(QWidget):
             s.view.setHtml(
                 render_md(s.text or ("…" if s.gen else ""), palette_colors(s.view), codes)
             )
+
+
+def side_label(title: str, preset: str, mix, names) -> str:
+    """One side of A/B as the Diff tooltips name it: "A · warm: pirate ×0.50"; the
+    base model is said once ("(base model, no adapters): base model (no adapters)"
+    said it twice), and the current desk is called the desk."""
+    shown = mix_text(mix, names)  # a {id: scale}, a Mix or a mix key
+    if preset == BASE or shown == mix_text({}, {}):  # "base model (no adapters)"
+        return f"{title} · {shown}"
+    source = "the desk" if preset in (CURRENT, "") else preset
+    return f"{title} · {source}: {shown}"
 
 
 def diff_tooltip(i: int, own: TokenScore, other: TokenScore, own_label: str, other_label: str):

@@ -222,7 +222,8 @@ class Strip:
         self.eff.style().unpolish(self.eff)
         self.eff.style().polish(self.eff)
         self.eff.setToolTip(
-            f"effective scale = scale × alpha / rank = {engine_scale:+.3f} × α{a:g}/r{r}"
+            f"effective scale = scale × α / r = {engine_scale:+.3f} × α{a:g}/r{r}\n"
+            f"α/r = {a:g}/{r} = {a / r:g}"
             if a
             else f"no alpha in the adapter (rank {r}): effective scale = scale"
         )
@@ -278,6 +279,8 @@ class MixerPanel(QWidget):
         self.preset_box.activated.connect(lambda _: self._load_clicked())
         # Rename and Delete act on the selected preset: with none, they cannot act
         self.preset_box.currentTextChanged.connect(lambda _: self._enable_preset_actions())
+        # the selected preset is part of the desk a restart brings back
+        self.preset_box.currentTextChanged.connect(self._remember_preset)
         self.preset_undo = UndoBar()
         self.preset_undo.undo.connect(self.undo_preset_delete)
 
@@ -315,6 +318,12 @@ class MixerPanel(QWidget):
         for text in ("Mute", "Solo", "Name", "Scale", "", "Effective"):
             h = QLabel(text)
             h.setObjectName("gridHeader")
+            if text == "Effective":
+                h.setToolTip(
+                    "The scale the engine applies: scale × α / r (the adapter's LoRA alpha "
+                    "over its rank; 1.0 × α / r is the adapter as trained). Hover a value "
+                    "for its ratio."
+                )
             self.headers.append(h)
         self.empty = QLabel(
             "No adapters loaded. Add a LoRA (GGUF or PEFT folder) below, or drop one on the window."
@@ -343,7 +352,7 @@ class MixerPanel(QWidget):
         bridge.request_started.connect(self._request_started)
         bridge.request_finished.connect(self._request_finished)
         bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
-        self.refresh_presets()
+        self.refresh_presets(select=settings.get("preset") or None)
         self.set_adapters(bridge.engine.adapters())
         self._ready = True
         # Ctrl+Z and the Redo keys are the Edit menu's (ui/mix_history.py)
@@ -780,6 +789,10 @@ class MixerPanel(QWidget):
         self.refresh_presets(select=step["deleted_preset"])
         self._mark_modified()
         self.message.emit(f"Undo: preset “{step['deleted_preset']}” is back")
+
+    def _remember_preset(self, name: str) -> None:
+        if self._ready and self.settings.get("preset") != name:
+            self.settings.set("preset", name)
 
     def _enable_preset_actions(self) -> None:
         on = bool(self.preset_box.currentText())

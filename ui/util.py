@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, Qt, QTimer, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtCore import QMimeData, QObject, QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -213,6 +213,59 @@ class FactsLabel(ElidedLabel):
                 keep.remove(i)
         shown = self.SEP.join(self.parts[k] for k in keep)
         QLabel.setText(self, fm.elidedText(shown, Qt.ElideRight, max(room, 0)))
+
+
+class ScrollPlace(QObject):
+    """Keeps a text view where the reader left it: the text at the top stays at the top
+    (or the view stays at the end) when the document is replaced or laid out again —
+    a re-render, a theme's re-polish, the window's first show. In pixels alone a
+    theme switch moved a long chat by a screen or more."""
+
+    END = -1
+
+    def __init__(self, view):
+        super().__init__(view)
+        self.view = view
+        self.top = self.END  # the text position at the top of the view, or END
+        self._busy = False
+        sb = view.verticalScrollBar()
+        sb.rangeChanged.connect(lambda *_: self.apply())
+        # the reader's own scrolling only (wheel, keys, the bar): the view also moves
+        # itself while it lays out (to the top on show), which is no place to keep
+        sb.actionTriggered.connect(lambda _: QTimer.singleShot(0, self.note))
+        sb.sliderReleased.connect(self.note)
+
+    def note(self) -> None:
+        """The reader scrolled: remember where to."""
+        if self._busy:
+            return
+        sb = self.view.verticalScrollBar()
+        at_end = sb.value() >= sb.maximum() - 4
+        self.top = self.END if at_end else self.view.cursorForPosition(QPoint(4, 4)).position()
+
+    def apply(self) -> None:
+        sb = self.view.verticalScrollBar()
+        self._busy = True
+        try:
+            if self.top == self.END:
+                sb.setValue(sb.maximum())
+                return
+            cursor = QTextCursor(self.view.document())
+            cursor.setPosition(min(self.top, max(self.view.document().characterCount() - 1, 0)))
+            sb.setValue(sb.value() + self.view.cursorRect(cursor).top())
+        finally:
+            self._busy = False
+
+    def replace(self, set_content, to_end: bool = False) -> None:
+        """Run ``set_content`` (a setHtml) and come back to the same place (or the end)."""
+        if to_end:
+            self.top = self.END
+        self._busy = True
+        try:
+            set_content()
+        finally:
+            self._busy = False
+        self.apply()
 
 
 class UndoBar(QWidget):

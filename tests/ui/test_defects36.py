@@ -500,3 +500,80 @@ def test_the_grid_png_has_the_prompt_and_settings_and_no_buttons(ran_grid, tmp_p
     image = QImage(str(g.export("png", tmp_path / "g.png")))
     assert (image.width(), image.height()) == (view.width(), view.height())
     assert all(c.use.isVisible() for c in g.cards)  # the tab itself keeps its buttons
+
+
+# -- 13. Small ones ----------------------------------------------------------------------------------
+def test_the_selected_preset_is_restored_after_a_restart(loaded, make_window):
+    w = loaded
+    w.mixer.save_preset("warm")
+    w.mixer.save_preset("cold")
+    w.mixer.preset_box.setCurrentText("warm")
+    w.close()
+    w2 = make_window()
+    assert w2.mixer.preset_box.currentText() == "warm"
+    assert w2.mixer.rename_action.isEnabled()
+
+
+def _long_chat(n: int = 30) -> list[dict]:
+    meta = {"tokens": 3, "tps": 2.0, "mix": "m", "stop": "eos"}
+    out = []
+    for i in range(n):
+        out.append({"role": "user", "content": f"question {i}"})
+        out.append({"role": "assistant", "content": f"answer {i}\n\n" + "text " * 60, "meta": meta})
+    return out
+
+
+def test_the_chat_reopens_at_the_last_message(window, make_window, qtbot):
+    w = window
+    w.chat.conversation["messages"] = _long_chat()
+    w.chat._save()
+    w.close()
+    w2 = make_window()
+    w2.resize(1280, 800)
+    sb = w2.chat.view.verticalScrollBar()
+    qtbot.waitUntil(lambda: sb.maximum() > 0, timeout=3000)
+    qtbot.wait(100)
+    assert sb.value() == sb.maximum()
+
+
+def test_a_theme_switch_keeps_the_scroll_position(window, qtbot, styled):
+    from PySide6.QtWidgets import QAbstractSlider
+
+    w = window
+    w.resize(1024, 700)
+    w.chat.conversation["messages"] = _long_chat()
+    w.chat.render()
+    view, sb = w.chat.view, w.chat.view.verticalScrollBar()
+    qtbot.waitUntil(lambda: sb.maximum() > 0, timeout=3000)
+    qtbot.wait(100)
+    for frac in (0.3, 0.9):  # the text at the top of the view stays there
+        sb.setValue(int(sb.maximum() * frac))
+        sb.triggerAction(QAbstractSlider.SliderSingleStepAdd)  # as the reader scrolls
+        qtbot.wait(50)
+        top = view.cursorForPosition(QPoint(5, 5)).position()
+        for mode in ("dark", "light"):
+            w.theme_actions[mode].trigger()
+            qtbot.wait(200)
+            assert abs(view.cursorForPosition(QPoint(5, 5)).position() - top) < 40, (frac, mode)
+
+
+def test_the_diff_tooltip_label_does_not_repeat_itself():
+    from core.lora.mix import Mix
+    from ui.compare import BASE, CURRENT, side_label
+
+    names = {0: "pirate"}
+    assert side_label("A", BASE, Mix({0: 0.0}), names) == "A · base model (no adapters)"
+    assert side_label("B", CURRENT, Mix({0: 0.5}), names) == "B · the desk: pirate ×0.50"
+    assert side_label("B", "warm", Mix({0: 0.5}), names) == "B · warm: pirate ×0.50"
+
+
+def test_the_effective_column_explains_alpha_over_rank(loaded):
+    m = loaded.mixer
+    header = next(h for h in m.headers if h.text() == "Effective")
+    assert "α / r" in header.toolTip()
+    with_alpha = [s for s in m.strips.values() if s.info.get("alpha")]
+    assert with_alpha
+    for s in with_alpha:
+        a, r = s.info["alpha"], s.info["rank"]
+        s.spin.setValue(0.5)
+        assert f"α/r = {a:g}/{r} = {a / r:g}" in s.eff.toolTip()
