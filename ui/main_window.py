@@ -207,6 +207,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.server.message.connect(self.show_error)
         self.theme.changed.connect(self._theme_changed)
         self._restore()
+        # typing goes to the chat at start, as in LM Studio, and no focus ring (issue
+        # 36) sits on Open model… before the user has pressed a key
+        self.chat.input.setFocus()
         self._report_unreadable_files()
         self.bridge.start()
 

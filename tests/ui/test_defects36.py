@@ -173,6 +173,12 @@ def test_keyboard_focus_is_visible_on_the_strip_controls(loaded, qtbot, mode):
     assert unseen == []
 
 
+def test_the_window_starts_with_the_focus_in_the_message_box(window, qtbot):
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow, timeout=2000)
+    assert window.focusWidget() is window.chat.input
+
+
 # -- 5. Mix undo is hard to reach --------------------------------------------------------------
 def test_the_edit_menu_names_each_mix_step_and_redo(loaded, qtbot):
     w, aid = loaded, loaded.ids["lora_attn"]
