@@ -175,8 +175,8 @@ class UndoPassThrough(QObject):
     def __init__(self, window: QMainWindow):
         super().__init__(window)
         self.window = window
+        # a child of the window: Qt drops the filter when the window goes
         QApplication.instance().installEventFilter(self)
-        window.destroyed.connect(lambda: QApplication.instance().removeEventFilter(self))
 
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 (Qt's name)
         if event.type() != QEvent.ShortcutOverride or not isinstance(obj, QObject):

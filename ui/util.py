@@ -232,7 +232,7 @@ class ScrollPlace(QObject):
         sb.rangeChanged.connect(lambda *_: self.apply())
         # the reader's own scrolling only (wheel, keys, the bar): the view also moves
         # itself while it lays out (to the top on show), which is no place to keep
-        sb.actionTriggered.connect(lambda _: QTimer.singleShot(0, self.note))
+        sb.actionTriggered.connect(lambda _: QTimer.singleShot(0, self, self.note))
         sb.sliderReleased.connect(self.note)
 
     def note(self) -> None:
