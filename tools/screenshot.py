@@ -6,7 +6,8 @@
 The window fills a 1280x800 screen (a common laptop size it must fit), with the
 default model and the demo adapters, in a throw-away MIXDESK_HOME. SHOT_OUT changes
 where the PNG goes (to look at it before replacing the one in docs/); SHOT_THEME=dark
-takes it in the dark theme.
+takes it in the dark theme; SHOT_SIZE=1024x700 sizes the window (with a screen that
+large: -screen 0 1024x700x24).
 
 The chat scene (docs/screenshot.png, docs/screenshot-dark.png): sets a mix, saves two
 presets, chats at temperature 0 (a code block), regenerates the reply twice and shows
@@ -56,7 +57,8 @@ def run_window(parallel: int, default_name: str, scene) -> None:
     # -c is the total, shared by the slots (llama-server's rule): 2048 tokens each
     argv = ["--ctx-size", str(2048 * parallel), "--parallel", str(parallel)]
     win = create_window(parse_args(argv))
-    win.resize(1280, 800)
+    width, height = (int(n) for n in os.environ.get("SHOT_SIZE", "1280x800").split("x"))
+    win.resize(width, height)
     win.move(0, 0)
     win.show()
 

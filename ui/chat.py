@@ -32,7 +32,7 @@ from .chat_list import ChatList
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
-from .util import ElidedLabel, run_controls
+from .util import ElidedLabel, ScrollPlace, run_controls
 
 RENDER_INTERVAL_MS = 60  # live Markdown while streaming: at most ~16 renders a second
 
@@ -57,8 +57,30 @@ def palette_colors(widget: QWidget) -> Colors:
     code = base.lighter(135) if dark else base.darker(106)
     muted = pal.color(QPalette.PlaceholderText)
     return Colors(
-        code_bg=code.name(), muted=muted.name() if muted.isValid() else text.name(), dark=dark
+        code_bg=code.name(),
+        muted=muted.name() if muted.isValid() else text.name(),
+        dark=dark,
+        text=text.name(),
     )
+
+
+VERSION_ARROW_PX = 18  # the ‹ › glyphs' size: with the spaces around, a ≥20 px target
+
+
+def version_button(i: int, step: int, enabled: bool, colors: Colors) -> str:
+    """‹ or › as a button: the arrow in the text colour on the code blocks' face, with
+    room around it (a bare 6 px link was hard to hit, and dark blue on dark grey)."""
+    glyph = "‹" if step < 0 else "›"
+    color = colors.text if enabled else colors.muted
+    style = f"color:{color}; background-color:{colors.code_bg}; text-decoration:none"
+    face = f"&nbsp;&nbsp;{glyph}&nbsp;&nbsp;"
+    inner = (
+        f'<a href="ver:{i}:{step}" style="{style}">{face}</a>'
+        if enabled
+        else f'<span style="{style}">{face}</span>'
+    )
+    # the size on a span around the link: Qt's rich text drops it on the <a> itself
+    return f'<span style="font-size:{VERSION_ARROW_PX}px">{inner}</span>'
 
 
 def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: bool) -> str:
@@ -78,13 +100,21 @@ def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: b
     versions = m.get("versions") or []
     if len(versions) > 1:
         v = int(m.get("version", len(versions) - 1))
-        prev = f'<a href="ver:{i}:-1">‹</a>' if v > 0 else "‹"
-        nxt = f'<a href="ver:{i}:1">›</a>' if v < len(versions) - 1 else "›"
-        line.append(f"{prev} {v + 1}/{len(versions)} {nxt}")
+        prev = version_button(i, -1, v > 0, colors)
+        nxt = version_button(i, 1, v < len(versions) - 1, colors)
+        count = f'<span style="font-size:small">&nbsp;{v + 1}/{len(versions)}&nbsp;</span>'
+        line.append(f"<span>{prev}{count}{nxt}</span>")
     if m.get("meta"):
         line.append(f"<i>{html.escape(meta_text(m['meta']))}</i>")
     if line:
-        out.append(f"<p {small}>{' &nbsp;·&nbsp; '.join(line)}</p>")
+        # font-size on the paragraph would override the ‹ › buttons' own: each part
+        # carries its size
+        parts = [
+            p if p.startswith("<span") else f'<span style="font-size:small">{p}</span>'
+            for p in line
+        ]
+        sep = '<span style="font-size:small"> &nbsp;·&nbsp; </span>'
+        out.append(f'<p style="color:{colors.muted}">{sep.join(parts)}</p>')
     return "".join(out)
 
 
@@ -140,6 +170,7 @@ class ChatPane(QWidget):
         self.view.setObjectName("transcript")
         self.view.setOpenLinks(False)
         self.view.anchorClicked.connect(self._anchor)
+        self.place = ScrollPlace(self.view)  # where the reader is, kept across re-renders
 
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
@@ -215,14 +246,10 @@ class ChatPane(QWidget):
     def render(self) -> None:
         """The transcript as HTML from Markdown; while a reply streams it is rendered
         the same way every RENDER_INTERVAL_MS, so the text never jumps at the end."""
-        sb = self.view.verticalScrollBar()
-        at_end = sb.value() >= sb.maximum() - 4
-        keep = sb.value()
         msgs = self.conversation["messages"]
         streaming = bool(self.generating and msgs and msgs[-1]["role"] == "assistant")
         body, self.codes = transcript_html(self.conversation, palette_colors(self.view), streaming)
-        self.view.setHtml(body)
-        sb.setValue(sb.maximum() if at_end or self.generating else keep)
+        self.place.replace(lambda: self.view.setHtml(body), to_end=self.generating)
 
     def _live(self) -> None:
         self.render()
@@ -456,6 +483,7 @@ class ChatPane(QWidget):
         self.settings.set("last_conversation", cid)
         self.cancel_edit()
         self.refresh_history()
+        self.place.top = ScrollPlace.END  # a chat opens at its last message
         self.render()
         self._update_buttons()
         return True

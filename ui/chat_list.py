@@ -8,7 +8,7 @@ does what the signals ask for.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 
 from core.settings import Conversations
 
-UNDO_MS = 15000  # how long "Deleted … Undo" stays
+from .util import UndoBar
+
 ID_ROLE = Qt.UserRole
 
 
@@ -65,19 +66,9 @@ class ChatList(QWidget):
         self.delete_btn.setToolTip("Delete the selected chat (Del); Undo brings it back")
         self.delete_btn.clicked.connect(self._delete_current)
 
-        self.undo_label = QLabel()
-        self.undo_label.setWordWrap(True)
-        self.undo_label.setObjectName("hint")
-        self.undo_btn = QPushButton("Undo")
-        self.undo_btn.clicked.connect(self.undo_requested)
-        self.undo_bar = QWidget()
-        ub = QHBoxLayout(self.undo_bar)
-        ub.setContentsMargins(0, 0, 0, 0)
-        ub.addWidget(self.undo_label, 1)
-        ub.addWidget(self.undo_btn)
-        self.undo_bar.hide()
-        self._undo_timer = QTimer(self, singleShot=True, interval=UNDO_MS)
-        self._undo_timer.timeout.connect(self.undo_bar.hide)
+        self.undo_bar = UndoBar()
+        self.undo_bar.undo.connect(self.undo_requested)
+        self.undo_btn = self.undo_bar.button
 
         buttons = QHBoxLayout()
         buttons.setSpacing(4)
@@ -147,13 +138,10 @@ class ChatList(QWidget):
         self._text.pop(cid, None)
 
     def show_undo(self, title: str) -> None:
-        self.undo_label.setText(f"Deleted “{title}”")
-        self.undo_bar.show()
-        self._undo_timer.start()
+        self.undo_bar.say(f"Deleted “{title}”")
 
     def hide_undo(self) -> None:
-        self.undo_bar.hide()
-        self._undo_timer.stop()
+        self.undo_bar.dismiss()
 
     # -- asking --------------------------------------------------------------------------
     def _clicked(self, item: QListWidgetItem) -> None:

@@ -145,7 +145,7 @@ class ComparePane(QWidget):
             grid.addWidget(side.mix_label, 1, col)
             grid.addWidget(side.view, 2, col)
             grid.addWidget(side.meta, 3, col)
-            side.combo.currentTextChanged.connect(self._preview)
+            side.combo.currentTextChanged.connect(self._combo_changed)
         grid.setRowStretch(2, 1)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -157,6 +157,10 @@ class ComparePane(QWidget):
         self._timer.timeout.connect(self._render)
         mixer.presets_changed.connect(self.refresh_presets)
         bridge.adapters_changed.connect(lambda _: self._preview())
+        # "(current desk mix)" is the live desk: its caption follows every change, the
+        # desk's own and one set from outside (the API, the grid's "Use this mix")
+        mixer.mix_applied.connect(lambda _: self._preview())
+        bridge.mix_changed.connect(lambda _: self._preview())
         self.refresh_presets()
 
     def refresh_presets(self) -> None:
@@ -189,6 +193,9 @@ class ComparePane(QWidget):
         for side in (self.a, self.b):
             mix = self.mix_of(side)
             side.mix_label.setText("mix: " + (mix_text(mix, names) if mix is not None else "?"))
+
+    def _combo_changed(self, *_) -> None:
+        self._preview()
         if self.a.combo.currentText():
             self.mixer.settings.set(
                 "compare", {"a": self.a.combo.currentText(), "b": self.b.combo.currentText()}
@@ -323,8 +330,7 @@ class ComparePane(QWidget):
     def _show_diff(self) -> None:
         names = {a: s.info["name"] for a, s in self.mixer.strips.items()}
         labels = {
-            s: f"{s.title.text()} · {s.preset}: {mix_text(s.done.mix, names)}"
-            for s in (self.a, self.b)
+            s: side_label(s.title.text(), s.preset, s.done.mix, names) for s in (self.a, self.b)
         }
         for s, o in ((self.a, self.b), (self.b, self.a)):
             eog = self.bridge.engine.tokenizer.is_eog
@@ -353,6 +359,17 @@ class ComparePane(QWidget):
             s.view.setHtml(
                 render_md(s.text or ("…" if s.gen else ""), palette_colors(s.view), codes)
             )
+
+
+def side_label(title: str, preset: str, mix, names) -> str:
+    """One side of A/B as the Diff tooltips name it: "A · warm: pirate ×0.50"; the
+    base model is said once ("(base model, no adapters): base model (no adapters)"
+    said it twice), and the current desk is called the desk."""
+    shown = mix_text(mix, names)  # a {id: scale}, a Mix or a mix key
+    if preset == BASE or shown == mix_text({}, {}):  # "base model (no adapters)"
+        return f"{title} · {shown}"
+    source = "the desk" if preset in (CURRENT, "") else preset
+    return f"{title} · {source}: {shown}"
 
 
 def diff_tooltip(i: int, own: TokenScore, other: TokenScore, own_label: str, other_label: str):

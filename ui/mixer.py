@@ -10,11 +10,9 @@ through ``bridge.mix_changed`` and move the faders.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -29,6 +27,7 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QSlider,
     QSpinBox,
+    QStyle,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -43,24 +42,26 @@ from core.settings import Settings
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
-from .util import ElidedLabel
+from .mix_history import MixHistory
+from .util import ElidedLabel, UndoBar
 
 SCALE_MIN, SCALE_MAX = -2.0, 2.0
 TICKS = 100  # slider steps per 1.0
 DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
-DETENT_PULL = 0.04  # 1 px at FADER_MIN_WIDTH, ~2 px at 200 px: a drag a pixel off lands
+# a drag that ends within this many pixels of a detent lands on it, whatever the fader's
+# width (a pull of 0.04 in scale made ±1 about 3 px wide: drags landed on 1.05 or 1.08)
+DETENT_PX = 6
 FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
 # the throw: 4.0 of scale over at least 100 px (0.04 a pixel; the detents still catch
 # 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
 # wide for a 1024 px window's desk, which then scrolled sideways.
 FADER_MIN_WIDTH = 100
-HISTORY = 200  # undo steps kept
 
 
-def detent(value: float) -> float:
-    """A fader value pulled onto 0 or ±1 when it is within DETENT_PULL of one."""
+def detent(value: float, pull: float) -> float:
+    """A fader value pulled onto 0 or ±1 when it is within ``pull`` (in scale) of one."""
     for d in DETENTS:
-        if abs(value - d) < DETENT_PULL:
+        if abs(value - d) <= pull:
             return d
     return value
 
@@ -74,6 +75,12 @@ class Fader(QSlider):
     def __init__(self):
         super().__init__(Qt.Horizontal)
         self._fine_from: tuple[int, int] | None = None  # (x at press, value at press)
+
+    def pull(self) -> float:
+        """DETENT_PX in scale units on this fader (a Shift+drag's pixels are finer)."""
+        groove = max(self.width() - self.style().pixelMetric(QStyle.PM_SliderLength, None, self), 1)
+        per_px = (SCALE_MAX - SCALE_MIN) / groove
+        return DETENT_PX * per_px * (FINE if self._fine_from is not None else 1.0)
 
     def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 (Qt's name)
         self.reset.emit()
@@ -165,7 +172,7 @@ class Strip:
         if from_slider and abs(round(self.value * TICKS) - value * TICKS) < 0.5:
             return  # the slider is coarser than the spin box: keep the precise value
         if from_slider and self.slider.isSliderDown():
-            value = detent(value)
+            value = detent(value, self.slider.pull())
         self.set_value(value)
 
     def set_busy(self, busy: bool) -> None:
@@ -215,7 +222,8 @@ class Strip:
         self.eff.style().unpolish(self.eff)
         self.eff.style().polish(self.eff)
         self.eff.setToolTip(
-            f"effective scale = scale × alpha / rank = {engine_scale:+.3f} × α{a:g}/r{r}"
+            f"effective scale = scale × α / r = {engine_scale:+.3f} × α{a:g}/r{r}\n"
+            f"α/r = {a:g}/{r} = {a / r:g}"
             if a
             else f"no alpha in the adapter (rank {r}): effective scale = scale"
         )
@@ -239,17 +247,14 @@ class MixerPanel(QWidget):
         self._pending: dict[str, dict] = {}
         self._pending_bypass: bool | None = None
         self._ready = False
-        # undo/redo of the desk: snapshots before each change (a drag is one step)
-        self._undo: list[dict] = []
-        self._redo: list[dict] = []
-        self._last: dict | None = None
-        self._last_change: tuple[Any, float] = (None, 0.0)
+        # undo/redo of the desk: named steps (a drag is one), the Edit menu's
+        self.steps = MixHistory(self)
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
         self.bypass.setToolTip("Master bypass: run the base model with every adapter at 0")
         self.bypass.toggled.connect(lambda _: self._apply())
-        reset = QPushButton("Zero all")
+        reset = self.zero_btn = QPushButton("Zero all")
         reset.setToolTip("Set every fader to 0")
         reset.clicked.connect(self.zero_all)
 
@@ -267,10 +272,17 @@ class MixerPanel(QWidget):
         more.setToolTip("Rename or delete the selected preset")
         more.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(more)
-        menu.addAction("Rename…", self._rename_clicked)
-        menu.addAction("Delete", self._delete_clicked)
+        self.rename_action = menu.addAction("Rename…", self._rename_clicked)
+        self.delete_action = menu.addAction("Delete", self._delete_clicked)
+        self.delete_action.setToolTip("Delete the selected preset (Undo or Ctrl+Z brings it back)")
         more.setMenu(menu)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
+        # Rename and Delete act on the selected preset: with none, they cannot act
+        self.preset_box.currentTextChanged.connect(lambda _: self._enable_preset_actions())
+        # the selected preset is part of the desk a restart brings back
+        self.preset_box.currentTextChanged.connect(self._remember_preset)
+        self.preset_undo = UndoBar()
+        self.preset_undo.undo.connect(self.undo_preset_delete)
 
         top = QHBoxLayout()
         title = QLabel("Mix")
@@ -306,6 +318,12 @@ class MixerPanel(QWidget):
         for text in ("Mute", "Solo", "Name", "Scale", "", "Effective"):
             h = QLabel(text)
             h.setObjectName("gridHeader")
+            if text == "Effective":
+                h.setToolTip(
+                    "The scale the engine applies: scale × α / r (the adapter's LoRA alpha "
+                    "over its rank; 1.0 × α / r is the adapter as trained). Hover a value "
+                    "for its ratio."
+                )
             self.headers.append(h)
         self.empty = QLabel(
             "No adapters loaded. Add a LoRA (GGUF or PEFT folder) below, or drop one on the window."
@@ -321,6 +339,7 @@ class MixerPanel(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(top)
         lay.addLayout(presets)
+        lay.addWidget(self.preset_undo)
         lay.addLayout(merge_row)
         lay.addWidget(scroll, 1)
 
@@ -333,15 +352,10 @@ class MixerPanel(QWidget):
         bridge.request_started.connect(self._request_started)
         bridge.request_finished.connect(self._request_finished)
         bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
-        self.refresh_presets()
+        self.refresh_presets(select=settings.get("preset") or None)
         self.set_adapters(bridge.engine.adapters())
         self._ready = True
-        ctx = Qt.WindowShortcut  # a focused text box keeps Ctrl+Z for its own text
-        # explicit keys: the platform's Redo binding may also be Ctrl+Shift+Z, and two
-        # shortcuts on one key are ambiguous (neither fires)
-        QShortcut(QKeySequence("Ctrl+Z"), self, self.undo, context=ctx)
-        QShortcut(QKeySequence("Ctrl+Shift+Z"), self, self.redo, context=ctx)
-        QShortcut(QKeySequence("Ctrl+Y"), self, self.redo, context=ctx)
+        # Ctrl+Z and the Redo keys are the Edit menu's (ui/mix_history.py)
 
     # -- activity ------------------------------------------------------------------
     def _request_started(self, ev: RequestStarted) -> None:
@@ -552,22 +566,9 @@ class MixerPanel(QWidget):
         }
 
     def _record(self) -> None:
-        """Called on each change the user makes: the state before it becomes an undo
-        step, except while one fader keeps moving (a drag, a wheel) within a second."""
-        now = self.snapshot()
-        before, self._last = self._last, now
-        if before is None or before == now or before["strips"].keys() != now["strips"].keys():
-            return
-        moved = [a for a in now["strips"] if now["strips"][a][0] != before["strips"][a][0]]
-        key = moved[0] if len(moved) == 1 and before["bypass"] == now["bypass"] else None
-        last_key, at = self._last_change
-        t = time.monotonic()
-        self._last_change = (key, t)
-        if key is not None and key == last_key and t - at < 1.0 and self._undo:
-            return  # the same fader still moving: one step
-        self._undo.append(before)
-        del self._undo[:-HISTORY]
-        self._redo.clear()
+        """Called on each change the user makes: a step of the undo history."""
+        names = {aid: st.info["name"] for aid, st in self.strips.items()}
+        self.steps.record(self.snapshot(), names)
 
     def _restore(self, snap: dict) -> None:
         self._syncing = True
@@ -580,24 +581,43 @@ class MixerPanel(QWidget):
                     self.strips[aid].set_flags(muted=muted, solo=solo)
         finally:
             self._syncing = False
-        self._last, self._last_change = self.snapshot(), (None, 0.0)
+        self.steps.settle(self.snapshot())
         self._apply(record=False)
 
     def undo(self) -> bool:
-        if not self._undo:
+        if not self.steps.undo_steps:
             return False
-        self._redo.append(self.snapshot())
-        self._restore(self._undo.pop())
-        self.message.emit("Undo: the mix as it was")
+        step = self.steps.pop_undo(self.snapshot())
+        if "deleted_preset" in step:  # a preset's deletion is a step too
+            self._put_back_preset(step)
+        else:
+            self._restore(step["before"])
+            self.message.emit(f"Undo {step['label']}")
         return True
 
     def redo(self) -> bool:
-        if not self._redo:
+        if not self.steps.redo_steps:
             return False
-        self._undo.append(self.snapshot())
-        self._restore(self._redo.pop())
-        self.message.emit("Redo")
+        step = self.steps.pop_redo(self.snapshot())
+        if "deleted_preset" in step:
+            self.settings.presets.delete(step["deleted_preset"])
+            self.refresh_presets()
+            self.message.emit(f"Redo: preset “{step['deleted_preset']}” deleted")
+        else:
+            self._restore(step["after"])
+            self.message.emit(f"Redo {step['label']}")
         return True
+
+    def history(self) -> list[tuple[str, bool]]:
+        """The Edit menu's Mix history: (label, is now), oldest first ("start" first)."""
+        return self.steps.entries()
+
+    def jump_to(self, position: int) -> None:
+        """Undo or redo until the desk is as it was after ``position`` steps."""
+        while len(self.steps.undo_steps) > position and self.undo():
+            pass
+        while len(self.steps.undo_steps) < position and self.redo():
+            pass
 
     # -- presets: modified mark ----------------------------------------------------------
     def matches_preset(self, name: str) -> bool:
@@ -648,7 +668,7 @@ class MixerPanel(QWidget):
             desk = self.desk_mix()
         finally:
             self._syncing = False
-        self._last = self.snapshot()  # a change from outside is not an undo step
+        self.steps.settle(self.snapshot())  # a change from outside is not an undo step
         self._show(desk)
         if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
@@ -659,7 +679,7 @@ class MixerPanel(QWidget):
         one undo step: the faders move to it as for a mix set from outside."""
         before = self.snapshot()
         self._reconcile(mix)
-        self._last = before  # _reconcile takes a change from outside as no undo step
+        self.steps.last = before  # _reconcile takes a change from outside as no undo step
         self._apply()
 
     def zero_all(self) -> None:
@@ -745,8 +765,39 @@ class MixerPanel(QWidget):
         self.refresh_presets(select=new.strip())
 
     def delete_preset(self, name: str) -> None:
+        """Delete ``name``; the Undo bar (or Ctrl+Z, as one step of the mix's undo list)
+        brings it back."""
+        preset = self.settings.presets.get(name)
+        if preset is None:
+            return
         self.settings.presets.delete(name)
         self.refresh_presets()
+        label = f"delete preset “{name}”"
+        self.steps.push({"label": label, "deleted_preset": name, "preset": preset})
+        self.preset_undo.say(f"Deleted preset “{name}”")
+
+    def undo_preset_delete(self) -> bool:
+        """The Undo bar: bring back the last deleted preset, wherever it is in the list."""
+        step = self.steps.take_preset_step()
+        if step is not None:
+            self._put_back_preset(step)
+        return step is not None
+
+    def _put_back_preset(self, step: dict) -> None:
+        self.preset_undo.dismiss()
+        self.settings.presets.save(step["deleted_preset"], step["preset"])
+        self.refresh_presets(select=step["deleted_preset"])
+        self._mark_modified()
+        self.message.emit(f"Undo: preset “{step['deleted_preset']}” is back")
+
+    def _remember_preset(self, name: str) -> None:
+        if self._ready and self.settings.get("preset") != name:
+            self.settings.set("preset", name)
+
+    def _enable_preset_actions(self) -> None:
+        on = bool(self.preset_box.currentText())
+        for action in (self.rename_action, self.delete_action):
+            action.setEnabled(on)
 
     def refresh_presets(self, select: str | None = None) -> None:
         cur = select or self.preset_box.currentText()
@@ -756,6 +807,7 @@ class MixerPanel(QWidget):
         idx = self.preset_box.findText(cur)
         self.preset_box.setCurrentIndex(idx)
         self.preset_box.blockSignals(False)
+        self._enable_preset_actions()
         self.presets_changed.emit()
 
     def _load_clicked(self) -> None:

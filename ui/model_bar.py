@@ -21,7 +21,7 @@ from core.settings import Settings
 
 from .bridge import EngineBridge
 from .get_model import GetModelDialog
-from .util import ElidedLabel, FileDropMixin, human_bytes, human_count
+from .util import ElidedLabel, FactsLabel, FileDropMixin, human_bytes, human_count
 
 
 class ModelBar(FileDropMixin, QWidget):
@@ -55,7 +55,7 @@ class ModelBar(FileDropMixin, QWidget):
         self.name.setMaximumWidth(360)
         # The facts line yields its width to the progress bar and Cancel while a model
         # loads (elided, full text in the tooltip) instead of widening the window.
-        self.info = ElidedLabel("")
+        self.info = FactsLabel()
         self.info.setObjectName("modelInfo")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
@@ -152,13 +152,15 @@ class ModelBar(FileDropMixin, QWidget):
             f"{human_count(info.get('n_params', 0))} params",
             str(info.get("quant", "?")),
             f"ctx {info.get('n_ctx', 0)}/{info.get('n_ctx_train', 0)}",
-            f"{human_bytes(info.get('memory_bytes', 0) + info.get('kv_bytes', 0))} RAM",
+            f"{human_bytes(info.get('ram_bytes', 0))} RAM",
             f"loaded in {info.get('load_ms', 0) / 1000:.2f} s",
         ]
-        self.info.setText("  ·  ".join(parts))
+        # at 1024 px not every fact fits: the architecture, then the parameters and the
+        # context go first; the quant, RAM and load time stay
+        self.info.set_parts(parts, drop_order=[0, 1, 3])
         storage = "quantized blocks" if info.get("weights") == "quantized" else "float32"
         self.info.setToolTip(
-            f"{self.info.full_text}\nRAM: weights ({storage}) "
+            f"{self.info.full_text}\nRAM (as Get a model counts it): weights ({storage}) "
             f"{human_bytes(info.get('memory_bytes', 0))} + KV cache of one sequence at "
             f"{info.get('n_ctx', 0)} tokens {human_bytes(info.get('kv_bytes', 0))}"
         )

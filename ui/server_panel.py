@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from core.serve.events import RequestFinished, RequestStarted
 from core.settings import Settings
 
 from .bridge import EngineBridge
+from .util import ElidedLabel
 
 log = logging.getLogger(__name__)
 MAX_LOG_LINES = 2000
@@ -70,7 +72,9 @@ class ServerPanel(QWidget):
         self.toggle = QPushButton("Start server", checkable=True)
         self.toggle.setObjectName("primaryButton")
         self.toggle.toggled.connect(self._toggled)
-        self.state = QLabel("Stopped")
+        # elided, its whole text in the tooltip: a long error ("[Errno 98] error while
+        # attempting to bind on address …") widened the tab and squeezed the desk
+        self.state = ElidedLabel("Stopped")
         self.state.setObjectName("serverState")
         self.host = QLineEdit(cfg.get("host", DEFAULT_HOST))
         self.port = QSpinBox(minimum=1, maximum=65535, value=int(cfg.get("port", DEFAULT_PORT)))
@@ -90,6 +94,11 @@ class ServerPanel(QWidget):
             "(applies when the server starts)"
         )
         self.allow_lora.toggled.connect(lambda _: self._save())
+        # what the server is built with at start: locked while it runs (a change would
+        # silently wait for the next start), with each field's own tooltip kept
+        self._start_fields = {
+            w: w.toolTip() for w in (self.host, self.port, self.api_key, self.allow_lora)
+        }
 
         self.url = QLineEdit(readOnly=True)
         copy_url = QPushButton("Copy")
@@ -231,7 +240,14 @@ class ServerPanel(QWidget):
         coro = self.start() if on else self.stop()
         asyncio.ensure_future(coro)
 
+    def _lock_start_fields(self, running: bool) -> None:
+        for w, tip in self._start_fields.items():
+            w.setEnabled(not running)
+            locked = "Stop the server to change this: it applies when the server starts"
+            w.setToolTip(f"{tip}\n\n{locked}" if running and tip else locked if running else tip)
+
     def _set_toggle(self, on: bool) -> None:
+        self._lock_start_fields(on)
         self._busy = True
         self.toggle.setChecked(on)
         self.toggle.setText("Stop server" if on else "Start server")
@@ -250,8 +266,10 @@ class ServerPanel(QWidget):
             runner, bound = await start_site(app, host, port)
         except Exception as e:  # port in use, bad host, missing module...
             log.warning("server did not start: %s", e)
-            self.state.setText(f"Not running: {e}")
-            self.message.emit(f"The API server did not start: {e}")
+            reason = start_failure(e, self.port.value())
+            self.set_state(f"Not running: {reason}", detail=str(e))
+            self.log_line.emit(f"server did not start: {reason} ({e})")
+            self.message.emit(f"The API server did not start: {reason}")
             self._set_toggle(False)
             return False
         for w in exposure_warnings(settings):
@@ -261,7 +279,7 @@ class ServerPanel(QWidget):
         self.bound_port = bound
         self._update_texts()
         self.runner, self.site = runner, site
-        self.state.setText(f"Listening on {self.base_url()}")
+        self.set_state(f"Listening on {self.base_url()}")
         self.state.setProperty("on", True)
         self._repolish(self.state)
         self._set_toggle(True)
@@ -277,7 +295,7 @@ class ServerPanel(QWidget):
         if runner is not None:
             await runner.cleanup()
             self.log_line.emit("server stopped")
-        self.state.setText("Stopped")
+        self.set_state("Stopped")
         self.state.setProperty("on", False)
         self._repolish(self.state)
         self._set_toggle(False)
@@ -285,7 +303,19 @@ class ServerPanel(QWidget):
             self.settings.update("server", enabled=False)
         self.state_changed.emit(False)
 
+    def set_state(self, text: str, detail: str = "") -> None:
+        """The line beside the button, elided to its room; the tooltip has all of it."""
+        self.state.setText(text)
+        self.state.setToolTip(text + (f"\n\n{detail}" if detail and detail not in text else ""))
+
     @staticmethod
     def _repolish(w: QWidget) -> None:
         w.style().unpolish(w)
         w.style().polish(w)
+
+
+def start_failure(e: Exception, port: int) -> str:
+    """Why the server did not start, in the user's words: a busy port says what to do."""
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+        return f"Port {port} is already in use — pick another port or stop the program using it"
+    return str(e) or type(e).__name__

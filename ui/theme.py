@@ -152,7 +152,9 @@ def current() -> Theme:
 def stylesheet(theme: Theme = LIGHT) -> str:
     if not QSS.exists():
         return ""
-    return Template(QSS.read_text(encoding="utf-8")).substitute(asdict(theme))
+    # ${icons}: the folder of the stylesheet's images (the checkbox's tick)
+    icons = (RESOURCES / "icons").as_posix()
+    return Template(QSS.read_text(encoding="utf-8")).substitute(asdict(theme), icons=icons)
 
 
 def palette(theme: Theme) -> QPalette:

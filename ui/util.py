@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, Qt
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtCore import QMimeData, QObject, QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 from core.paths import resources_dir
 
 RESOURCES = resources_dir()
+UNDO_MS = 15000  # how long an Undo bar ("Deleted … Undo") stays
 PROMPT_BOX_HEIGHT = 70  # A/B compare's and the grid's prompt: a few lines, the rest for replies
 
 
@@ -180,3 +181,119 @@ class ElidedLabel(QLabel):
         room = self.contentsRect().width()
         shown = self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(room, 0))
         super().setText(shown if self.width() > 0 else self.full_text)
+
+
+class FactsLabel(ElidedLabel):
+    """A line of facts joined by " · " that drops whole facts, least wanted first,
+    when the room is short (at 1024 px the model bar's RAM and load time were the
+    ones cut); only a single fact left too long is elided."""
+
+    SEP = "  ·  "
+
+    def __init__(self, parent: QWidget | None = None):
+        self.parts: list[str] = []
+        self.drop_order: list[int] = []  # indexes into parts, the first dropped first
+        super().__init__("", parent)
+
+    def set_parts(self, parts: list[str], drop_order: list[int]) -> None:
+        self.parts, self.drop_order = list(parts), list(drop_order)
+        self.setText(self.SEP.join(parts))
+
+    def _elide(self) -> None:
+        if not self.parts or self.width() <= 0:
+            super()._elide()
+            return
+        room = self.contentsRect().width()
+        keep = list(range(len(self.parts)))
+        fm = self.fontMetrics()
+        for i in self.drop_order:
+            if fm.horizontalAdvance(self.SEP.join(self.parts[k] for k in keep)) <= room:
+                break
+            if len(keep) > 1:
+                keep.remove(i)
+        shown = self.SEP.join(self.parts[k] for k in keep)
+        QLabel.setText(self, fm.elidedText(shown, Qt.ElideRight, max(room, 0)))
+
+
+class ScrollPlace(QObject):
+    """Keeps a text view where the reader left it: the text at the top stays at the top
+    (or the view stays at the end) when the document is replaced or laid out again —
+    a re-render, a theme's re-polish, the window's first show. In pixels alone a
+    theme switch moved a long chat by a screen or more."""
+
+    END = -1
+
+    def __init__(self, view):
+        super().__init__(view)
+        self.view = view
+        self.top = self.END  # the text position at the top of the view, or END
+        self._busy = False
+        sb = view.verticalScrollBar()
+        sb.rangeChanged.connect(lambda *_: self.apply())
+        # the reader's own scrolling only (wheel, keys, the bar): the view also moves
+        # itself while it lays out (to the top on show), which is no place to keep
+        sb.actionTriggered.connect(lambda _: QTimer.singleShot(0, self, self.note))
+        sb.sliderReleased.connect(self.note)
+
+    def note(self) -> None:
+        """The reader scrolled: remember where to."""
+        if self._busy:
+            return
+        sb = self.view.verticalScrollBar()
+        at_end = sb.value() >= sb.maximum() - 4
+        self.top = self.END if at_end else self.view.cursorForPosition(QPoint(4, 4)).position()
+
+    def apply(self) -> None:
+        sb = self.view.verticalScrollBar()
+        self._busy = True
+        try:
+            if self.top == self.END:
+                sb.setValue(sb.maximum())
+                return
+            cursor = QTextCursor(self.view.document())
+            cursor.setPosition(min(self.top, max(self.view.document().characterCount() - 1, 0)))
+            sb.setValue(sb.value() + self.view.cursorRect(cursor).top())
+        finally:
+            self._busy = False
+
+    def replace(self, set_content, to_end: bool = False) -> None:
+        """Run ``set_content`` (a setHtml) and come back to the same place (or the end)."""
+        if to_end:
+            self.top = self.END
+        self._busy = True
+        try:
+            set_content()
+        finally:
+            self._busy = False
+        self.apply()
+
+
+class UndoBar(QWidget):
+    """ "Deleted “x”  [Undo]" under what was deleted (a chat, a preset), for UNDO_MS;
+    ``undo`` is emitted by its button."""
+
+    undo = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setObjectName("hint")
+        self.button = QPushButton("Undo")
+        self.button.clicked.connect(self.undo)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.label, 1)
+        lay.addWidget(self.button)
+        self._timer = QTimer(self, singleShot=True, interval=UNDO_MS)
+        self._timer.timeout.connect(self.hide)
+        self.hide()
+
+    def say(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+        self._timer.start()
+
+    def dismiss(self) -> None:
+        self.hide()
+        self._timer.stop()

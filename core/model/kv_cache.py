@@ -29,6 +29,15 @@ def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, ctx: int, n_seq: int
     return 2 * n_layers * n_kv_heads * head_dim * 4 * ctx * n_seq
 
 
+def ram_bytes(
+    weight_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, ctx: int, n_seq: int = 1
+) -> int:
+    """RAM to run a model, as every figure Mixdesk shows counts it: the weights as held
+    (a GGUF's tensors in their own blocks, or float32 under --weights f32) plus the
+    keys and values of n_seq sequences at ctx positions (``kv_bytes``)."""
+    return weight_bytes + kv_bytes(n_layers, n_kv_heads, head_dim, ctx, n_seq)
+
+
 class KVCache:
     """Keys/values of one sequence for every layer, written only through its methods.
 

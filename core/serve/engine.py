@@ -29,7 +29,7 @@ from ..lora.merge import MergeSpec
 from ..lora.mix import Mix, MixKey
 from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry
 from ..model.config import ModelConfig
-from ..model.kv_cache import ContextOverflow, kv_bytes
+from ..model.kv_cache import ContextOverflow, kv_bytes, ram_bytes
 from ..model.llama import LlamaModel
 from ..model.weights import (
     LoadCancelled,
@@ -252,9 +252,15 @@ class Engine:
             "n_layers": c.n_layers,
             "dim": c.dim,
             "n_vocab": c.vocab_size,
+            "n_kv_heads": c.n_kv_heads,
+            "head_dim": c.head_dim,
             "memory_bytes": self.model.w.nbytes,  # the weights as held
             # one sequence's keys and values at n_ctx (kv_bytes, as Get a model counts)
             "kv_bytes": kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size),
+            # the two together (ram_bytes: the model bar's and Get a model's one figure)
+            "ram_bytes": ram_bytes(
+                self.model.w.nbytes, c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size
+            ),
             # "quantized" (GGUF blocks, compiled kernels) or "f32"; tensors of a type
             # without kernels that a quantized load holds as float32 {name: type}
             "weights": self.model.w.storage,

@@ -100,6 +100,20 @@ def greedy():
     return _greedy
 
 
+@pytest.fixture
+def qloop(qapp):
+    """A qasync loop driven by the Qt event loop that qtbot spins (as in the app)."""
+    import qasync
+
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
+    loop._QEventLoop__is_running = False  # we never ran it ourselves: let close() proceed
+    loop.close()  # joins the loop's executor threads
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _tidy_qt_at_exit(qapp):
     """As ui.app.teardown: free Qt objects before interpreter finalization, where

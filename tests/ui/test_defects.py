@@ -100,16 +100,19 @@ def test_the_window_does_not_grow_by_itself(window, qtbot, styled):
     assert w.minimumSizeHint().width() <= 1024 and w.minimumSizeHint().height() <= 700
 
 
-def test_an_error_banner_does_not_push_the_layout_and_goes_after_a_success(window, qtbot):
+def test_an_error_banner_sits_above_the_desk_and_goes_after_a_success(window, qtbot):
+    """Issue #36 turned #17's overlay into room in the layout: the banner pushes the
+    desk down (it covered the tab bar and the top of the desk) and the window keeps
+    its size."""
     w = window
     w.resize(1100, 760)
     _settle(qtbot)
-    y = w.splitter.mapTo(w, w.splitter.rect().topLeft()).y()
+    size = w.size()
     w.show_error("Model not loaded: " + "a long reason that wraps " * 12)
     _settle(qtbot)
-    assert w.banner.isVisible()
-    assert w.splitter.mapTo(w, w.splitter.rect().topLeft()).y() == y  # nothing moved
+    assert w.banner.isVisible() and w.size() == size
     assert w.banner.geometry().top() >= w.model_bar.geometry().bottom()  # under the bar
+    assert w.splitter.geometry().top() >= w.banner.geometry().bottom()  # the desk below it
     w.bridge.model_loaded.emit(ModelLoaded(dict(LONG_INFO)))  # the next action succeeds
     _settle(qtbot)
     assert not w.banner.isVisible()

@@ -14,20 +14,6 @@ import pytest
 pytest.importorskip("core.http.app")
 
 
-@pytest.fixture
-def qloop(qapp):
-    """A qasync loop driven by the Qt event loop that qtbot spins (as in the app)."""
-    import qasync
-
-    loop = qasync.QEventLoop(qapp, already_running=True)
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.events._set_running_loop(None)
-    asyncio.set_event_loop(None)
-    loop._QEventLoop__is_running = False  # we never ran it ourselves: let close() proceed
-    loop.close()  # joins the loop's executor threads
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from test_http_sync import free_port, in_thread, qloop  # noqa: F401  (qloop: a fixture)
+from test_http_sync import free_port, in_thread
 
 from core.cli import parse_args
 
@@ -40,7 +40,7 @@ def call(method: str, url: str, body=None, headers: dict | None = None):
 
 
 @pytest.fixture
-def serve(qtbot, qloop, clean_engine):  # noqa: F811 (qloop: the fixture imported above)
+def serve(qtbot, qloop, clean_engine):
     """serve(flags) -> (window, base URL): the window over the session engine, built
     from main.py's flags as run_gui builds it, its server started from the tab."""
     from ui.app import build_window

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QApplication, QFileDialog, QInputDialog, QPushButton
-from test_http_sync import free_port, in_thread, qloop  # noqa: F401  (qloop: a fixture)
+from test_http_sync import free_port, in_thread
 
 from core.cli import parse_args
 from core.lora.adapter import load_adapter
@@ -43,7 +43,7 @@ def curl_post(url: str, data: str) -> bytes:
 
 
 @pytest.fixture
-def app_window(qtbot, qloop):  # noqa: F811  (qloop: the fixture imported above)
+def app_window(qtbot, qloop):
     """`make run`: the window, its own engine, the default model and the demo adapters."""
     from ui.app import create_window
 
