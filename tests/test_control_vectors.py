@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -22,12 +23,14 @@ import pytest
 from core.cli import parse_args
 from core.lora.control import ControlVectorError, load_control_vector, parse_scaled
 from core.lora.mix import Mix, SteeredKey, mix_key
+from core.model.deltas import Deltas
 from core.model.llama import BatchItem
 from core.options import EngineOptions
 from core.serve.sampling import SamplingParams, log_softmax
 from tests.mixing import forward
 
 N_CASES = 12  # 3 flag sets x 4 prompts
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +314,67 @@ def test_sparse_and_repeated_layers_load_as_llama_cpp_reads_them(engine, tmp_pat
     assert cv.layers == (4,)
     np.testing.assert_allclose(cv.directions[4], 2 * good())
     assert not cv.directions[np.arange(30) != 4].any()
+
+
+# ---- where the vector goes, in every architecture (tiny random GGUFs) ------------------
+
+
+class Recording(Deltas):
+    """Records each block's output as layer_out sees it, and adds ``add`` (d,) after
+    block ``at``: what a control vector on that one layer does."""
+
+    def __init__(self, at: int = -1, add: np.ndarray | None = None):
+        self.seen, self.at, self.add = {}, at, add
+
+    def layer_out(self, x, li):
+        self.seen[li] = x.copy()
+        if li == self.at:
+            x += self.add
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(arch="llama", n_layers=3),
+        dict(arch="qwen2", n_layers=3),
+        dict(arch="gemma3", n_layers=3, dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn=80),
+    ],
+    ids=["llama", "qwen2", "gemma3"],
+)
+def test_layer_out_is_each_blocks_output_and_feeds_the_next(tmp_path, kw):
+    """layer_out runs once per block on its output (after the residual add), and what it
+    adds is the next block's input: steering block 1 leaves block 0's output alone and
+    changes the rest, as llama.cpp's build_cvec after l_out."""
+    from core.model.families import model_class
+    from core.model.weights import load_weights, open_model_file
+    from tests.tiny_gguf import write_tiny_llama
+
+    gf, cfg = open_model_file(write_tiny_llama(tmp_path / "tiny.gguf", **kw))
+    model = model_class(cfg)(cfg, load_weights(gf, cfg, use_cache=False))
+    toks = np.array([3, 14, 15, 92, 65])
+    base = Recording()
+    model([BatchItem(toks, model.new_cache(16), all_logits=True)], base)
+    assert sorted(base.seen) == [0, 1, 2]
+    v = np.random.default_rng(1).standard_normal(cfg.dim).astype(np.float32)
+    steered = Recording(at=1, add=v)
+    model([BatchItem(toks, model.new_cache(16), all_logits=True)], steered)
+    np.testing.assert_array_equal(steered.seen[0], base.seen[0])
+    np.testing.assert_array_equal(steered.seen[1], base.seen[1])  # seen before the add
+    assert np.abs(steered.seen[2] - base.seen[2]).max() > 1e-3  # block 2 got x + v
+
+
+def test_a_bad_vector_flag_stops_the_cli_with_one_line(smollm_path, tmp_path):
+    """mixdesk -p with --control-vector-scaled on a vector for another model: exit 1 and
+    one line naming the file and the reason, as a bad --lora does."""
+    import subprocess
+    import sys
+
+    bad = write_cv(tmp_path / "other.gguf", {"direction.1": good(512)})
+    r = subprocess.run(
+        [sys.executable, "main.py", "-m", str(smollm_path), "-p", "Hi", "-n", "2",
+         "--control-vector-scaled", f"{bad}:0.5"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "other.gguf" in r.stderr and "embedding size is 576" in r.stderr
+    assert "Traceback" not in r.stderr

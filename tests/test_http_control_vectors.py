@@ -177,3 +177,27 @@ def test_runtime_load_is_off_without_the_flag(engine, vec_dir):
         assert st == 403 and out["error"]["type"] == "permission_error"
         st, out = req(srv, "GET", "/control-vectors")
         assert st == 200 and len(out) == 1
+
+
+def test_concurrent_requests_with_different_vectors_each_get_their_own(server, engine, cv_ref):
+    """Two requests at once (-np 2: one batch), one under the global vector a, one with
+    "control_vectors": [] (no vector): each gets exactly its own tokens."""
+    import asyncio
+
+    from test_http_api import call
+
+    one = case(cv_ref, "one", 1)
+    st, alone = req(server, "POST", "/completion", body(one, control_vectors=[]))
+    steps0 = engine.stats()["steps"]
+
+    async def both():
+        return await asyncio.gather(
+            call(server, "POST", "/completion", body(one)),
+            call(server, "POST", "/completion", body(one, control_vectors=[])),
+        )
+
+    (s1, a), (s2, b) = asyncio.run(both())
+    assert s1 == s2 == 200
+    assert a["tokens"] == one["tokens"] and b["tokens"] == alone["tokens"]
+    assert a["tokens"] != b["tokens"]
+    assert engine.stats()["steps"] - steps0 < 2 * 16  # decoded side by side

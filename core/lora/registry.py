@@ -306,6 +306,9 @@ class AdapterRegistry:
         # seconds), and set_mix (the GUI thread) must never wait for it
         with self.lock:
             vectors = dict(self._vectors)
+        for vid, _ in getattr(key, "steer", ()):
+            if vid not in vectors:  # unloaded since the key was made
+                raise ControlVectorError(f"no control vector with id {vid}")
         return key, self.mixes.get(key, adapters, progress(merge), vectors)
 
     def is_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:

@@ -211,10 +211,11 @@ class Engine:
             self._notify(AdaptersChanged(adapters=self.adapters()))
         if dropped:
             self._notify(AdaptersDropped(dropped=dropped))
-        while self._option_vectors:  # --control-vector(-scaled): a bad file stops here
-            fname, scale = self._option_vectors[0]
+        # --control-vector(-scaled), with the first model: a bad file raises here once
+        # (the headless server stops with its message), the model stays loaded
+        while self._option_vectors:
+            fname, scale = self._option_vectors.pop(0)
             self.add_control_vector(fname, scale)
-            self._option_vectors.pop(0)
         if was_running:
             self.start()
         return cfg
