@@ -201,3 +201,20 @@ def test_concurrent_requests_with_different_vectors_each_get_their_own(server, e
     assert a["tokens"] == one["tokens"] and b["tokens"] == alone["tokens"]
     assert a["tokens"] != b["tokens"]
     assert engine.stats()["steps"] - steps0 < 2 * 16  # decoded side by side
+
+
+def test_a_slot_computed_under_vectors_is_not_saved(engine, cv_ref, tmp_path):
+    """The slot file records adapters only: restored, a steered slot's KV would serve
+    requests without the vector, so saving it is a 400 (and an unsteered slot saves)."""
+    one = case(cv_ref, "one")
+    with serving(engine, slot_save_path=tmp_path) as srv:
+        st, _ = req(srv, "POST", "/completion", body(one, id_slot=0, cache_prompt=True))
+        assert st == 200
+        st, out = req(srv, "POST", "/slots/0?action=save", {"filename": "steered"})
+        assert st == 400 and "control vectors" in out["error"]["message"]
+        assert not (tmp_path / "steered").exists()
+        st, _ = req(
+            srv, "POST", "/completion", body(one, id_slot=0, cache_prompt=True, control_vectors=[])
+        )
+        st, out = req(srv, "POST", "/slots/0?action=save", {"filename": "plain"})
+        assert st == 200
