@@ -378,3 +378,41 @@ def test_a_bad_vector_flag_stops_the_cli_with_one_line(smollm_path, tmp_path):
     assert r.returncode == 1
     assert "other.gguf" in r.stderr and "embedding size is 576" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- Gemma 3: the same vector rule on another block (llama-server on its F32 weights) ---
+
+
+@pytest.fixture(scope="module")
+def gemma3_engine(gemma3_path, ref_dir):
+    from core.serve.engine import Engine
+
+    eng = Engine.from_path(gemma3_path, EngineOptions(ctx_size=256))
+    eng.add_control_vector(ref_dir / "control_vectors" / "gemma3_cv.gguf", 0.0)
+    yield eng
+    eng.stop()
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_gemma3_matches_llama_server(gemma3_engine, ref_dir, i):
+    """--control-vector-scaled gemma3_cv.gguf:0.7 --control-vector-layer-range 3 14 on
+    the float32 Gemma-3-270M: top-1 at every step, top-5 logprobs within 0.05, and the
+    same 16 greedy tokens decoded freely."""
+    eng = gemma3_engine
+    case = json.loads((ref_dir / "gemma3_f32_control_vectors.json").read_text())["greedy"][i]
+    eng.set_control_vector_range(*case["layer_range"])
+    mix = Mix({}, vectors={0: case["vectors"][0]["scale"]})
+    _, mw = eng.lora.built(mix)
+    toks = np.array(case["prompt_tokens"] + case["tokens"])
+    logits = forward(eng.model, [BatchItem(toks, eng.model.new_cache(64), all_logits=True)], [mw])[
+        0
+    ]
+    n = len(case["prompt_tokens"])
+    for step, top in enumerate(case["top_logprobs"]):
+        lp = log_softmax(logits[n - 1 + step])
+        assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
+        for tid, ref_lp in top[:5]:
+            assert abs(lp[tid] - ref_lp) < 0.05, f"step {step} token {tid}: {lp[tid]} vs {ref_lp}"
+    params = SamplingParams(temperature=0, n_predict=16, ignore_eos=True)
+    done = eng.complete(case["prompt_tokens"], params, mix=mix, cache_prompt=False)
+    assert done.tokens == case["tokens"]

@@ -11,9 +11,12 @@ into ``tests/data/llamacpp/control_vectors/``, serves the dequantized float32 Sm
 
 and records, for each reference prompt, llama-server's 16 greedy tokens and top-10
 logprobs per step into ``smollm2_f32_control_vectors.json`` (the README says how).
-tests/test_control_vectors.py checks Mixdesk against it.
+With ``--family gemma3`` it does the same for Gemma-3-270M (its float32 GGUF written
+here from the catalogue's Q4_K_M if missing; one case, ``gemma3_cv.gguf:0.7`` over
+layers 3..14) into ``gemma3_f32_control_vectors.json``: the same hook on another
+block. tests/test_control_vectors.py checks Mixdesk against both.
 
-    python tools/record_control_vectors.py [--llama-server-bin PATH]
+    python tools/record_control_vectors.py [--family smollm2|gemma3] [--llama-server-bin PATH]
 """
 
 from __future__ import annotations
@@ -58,13 +61,38 @@ CASES = [
 ]
 
 
+# Gemma-3-270M: 18 layers of 640; its residual stream is larger (embeddings times
+# sqrt(640)), so its random vector is larger too
+GEMMA = {
+    "n_layers": 18,
+    "dim": 640,
+    "vectors": {"gemma3_cv.gguf": (41, 1.0, range(1, 18))},
+    "cases": [
+        (
+            "gemma3_range",
+            [
+                "--control-vector-scaled",
+                "{gemma3_cv.gguf}:0.7",
+                "--control-vector-layer-range",
+                "3",
+                "14",
+            ],  # fmt: skip
+            [("gemma3_cv.gguf", 0.7)],
+            [3, 14],
+        )
+    ],
+    "out": "gemma3_f32_control_vectors.json",
+    "reference": "gemma3_f32_llamacpp.json",
+}
+
+
 def vector_dir() -> Path:
     from tests.reference import reference_dir
 
     return reference_dir() / "control_vectors"
 
 
-def write_vector(path: Path, seed: int, std: float, layers) -> None:
+def write_vector(path: Path, seed: int, std: float, layers, dim: int = DIM) -> None:
     """A random control vector as llama.cpp's cvector-generator writes one: arch
     "controlvector", its model hint and layer count, one F32 ``direction.N`` per layer."""
     import gguf
@@ -74,18 +102,49 @@ def write_vector(path: Path, seed: int, std: float, layers) -> None:
     w.add_string("controlvector.model_hint", "llama")
     w.add_uint32("controlvector.layer_count", len(layers))
     for n in layers:
-        w.add_tensor(f"direction.{n}", (rng.standard_normal(DIM) * std).astype(np.float32))
+        w.add_tensor(f"direction.{n}", (rng.standard_normal(dim) * std).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def _with_paths(flag: str, d: Path) -> str:
+def _with_paths(flag: str, d: Path, names) -> str:
     """A CASES flag with each {file} replaced by the file's path in ``d``."""
-    for n in VECTORS:
+    for n in names:
         flag = flag.replace("{" + n + "}", str(d / n))
     return flag
+
+
+def gemma3_f32() -> Path:
+    """Gemma-3-270M dequantized to float32 (every tensor), as its llama.cpp reference
+    was recorded on; written once into the interop work dir."""
+    out = interop.work_dir() / "gemma-3-270m.F32.gguf"
+    if not out.exists():
+        from core import catalog
+        from core.lora.export import export_merged
+        from core.options import EngineOptions
+        from core.serve.engine import Engine
+
+        if not catalog.is_fetched("gemma-3-270m"):
+            raise SystemExit(
+                "gemma-3-270m is not fetched: run the gemma3 tests once (they fetch it)"
+            )
+        eng = Engine.from_path(catalog.model_path("gemma-3-270m"), EngineOptions(), start=False)
+        export_merged(eng, [], out, outtype="f32", allow_empty=True)
+        eng.stop()
+    return out
+
+
+def distinct_prompts(reference: str) -> list[list[int]]:
+    from tests.reference import reference_dir
+
+    data = json.loads((reference_dir() / reference).read_text())
+    seen: list[list[int]] = []
+    for case in data["greedy"]:
+        if case["prompt_tokens"] not in seen:
+            seen.append(case["prompt_tokens"])
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,19 +155,28 @@ def main(argv: list[str] | None = None) -> int:
         help="a llama-server built beforehand (default: $MIXDESK_LLAMA_SERVER_BIN, else "
         "built from the pinned sdist into the cache, as make compat does)",
     )
+    ap.add_argument("--family", choices=("smollm2", "gemma3"), default="smollm2")
     a = ap.parse_args(argv)
     d = vector_dir()
     d.mkdir(exist_ok=True)
-    for name, (seed, std, layers) in VECTORS.items():
-        write_vector(d / name, seed, std, list(layers))
-    f32 = interop.work_dir() / "SmolLM2-135M-Instruct.F32.gguf"
-    if not f32.exists():
-        raise SystemExit(f"{f32} is missing: run tools/interop.py first (it writes it)")
+    if a.family == "gemma3":
+        vecs, case_list, out_name = GEMMA["vectors"], GEMMA["cases"], GEMMA["out"]
+        for name, (seed, std, layers) in vecs.items():
+            write_vector(d / name, seed, std, list(layers), GEMMA["dim"])
+        f32 = gemma3_f32()
+        plist = distinct_prompts(GEMMA["reference"])
+    else:
+        vecs, case_list, out_name = VECTORS, CASES, OUT_JSON
+        for name, (seed, std, layers) in vecs.items():
+            write_vector(d / name, seed, std, list(layers))
+        f32 = interop.work_dir() / "SmolLM2-135M-Instruct.F32.gguf"
+        if not f32.exists():
+            raise SystemExit(f"{f32} is missing: run tools/interop.py first (it writes it)")
+        plist = interop.prompts()
     binary = interop.llama_server_binary(a.llama_server_bin)
-    plist = interop.prompts()
     cases = []
-    for name, flags, vectors, rng in CASES:
-        extra = [_with_paths(f, d) for f in flags]
+    for name, flags, vectors, rng in case_list:
+        extra = [_with_paths(f, d, vecs) for f in flags]
         print(f"record: {name}: llama-server {' '.join(extra)}")
         with interop.llama_server(binary, f32, extra) as url:
             for prompt in plist:
@@ -130,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     "top_logprobs": top,
                 })  # fmt: skip
                 print(f"record:   {prompt[:6]}… -> {r['tokens']}")
-    out = {"vectors": list(VECTORS), "n_predict": interop.N_PREDICT, "greedy": cases}
-    (d.parent / OUT_JSON).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"record: wrote {d.parent / OUT_JSON}")
+    out = {"vectors": list(vecs), "n_predict": interop.N_PREDICT, "greedy": cases}
+    (d.parent / out_name).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"record: wrote {d.parent / out_name}")
     return 0
 
 
