@@ -121,6 +121,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="adapter with a scale: FNAME:SCALE[,...] or FNAME SCALE",
     )
     m.add_argument(
+        "--control-vector",
+        action="append",
+        metavar="FNAME",
+        help="add a control vector (a llama.cpp control-vector GGUF) at scale 1; "
+        "comma-separated values add several (repeatable)",
+    )
+    m.add_argument(
+        "--control-vector-scaled",
+        action="append",
+        metavar="FNAME:SCALE,...",
+        help="add a control vector with user defined scaling SCALE; comma-separated "
+        "values add several (format: FNAME:SCALE,...). Several vectors' scaled "
+        "directions add up",
+    )
+    m.add_argument(
+        "--control-vector-layer-range",
+        nargs=2,
+        type=int,
+        metavar=("START", "END"),
+        help="layer range to apply the control vector(s) to, start and end inclusive "
+        "(default: 1 to the last layer; layer 0 is never steered)",
+    )
+    m.add_argument(
         "--lora-init-without-apply",
         action="store_true",
         help="load adapters with scale 0 (set scales later via /lora-adapters)",
@@ -549,6 +572,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     except CliError as e:
         parser.error(str(e))
+    from .lora.control import parse_scaled  # numpy: only once flags are parsed
+
+    try:
+        args.control_vectors = [(p, 1.0) for p in parse_lora(args.control_vector)] + [
+            pair for v in args.control_vector_scaled or [] for pair in parse_scaled(v)
+        ]
+    except UserError as e:
+        parser.error(f"--{e}")
     args.api_key = [k for k in args.api_key if k]
     if not args.api_key and os.environ.get("LLAMA_API_KEY", "").strip():
         args.api_key = [os.environ["LLAMA_API_KEY"].strip()]

@@ -72,6 +72,11 @@ class EngineOptions:
     # --weights: "quantized" keeps the GGUF's blocks in memory (compiled kernels), "f32"
     # dequantizes every matrix to float32 (core/model/weights.py)
     weights: str = "quantized"
+    # --control-vector / --control-vector-scaled: (file, scale) loaded with the first
+    # model, in order; --control-vector-layer-range START END (<= 0: llama.cpp's
+    # default, layers 1 .. the last), for every vector
+    control_vectors: tuple[tuple[str, float], ...] = ()
+    control_vector_layer_range: tuple[int, int] = (-1, -1)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_STORAGES:
@@ -116,4 +121,8 @@ class EngineOptions:
             ),
             context_shift=bool(flag(args, "context_shift", False)),
             weights=flag(args, "weights", "quantized"),
+            control_vectors=tuple(flag(args, "control_vectors", None) or ()),
+            control_vector_layer_range=tuple(
+                flag(args, "control_vector_layer_range", None) or (-1, -1)
+            ),
         )

@@ -24,6 +24,7 @@ Not part of ``make test``: building llama-server takes about 25 minutes the firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -133,13 +134,14 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def served_greedy(binary: Path, model: Path, lora: Path | None, plist: list[list[int]]):
-    """llama-server's greedy tokens for each prompt, on ``model`` (+ ``lora`` at 1)."""
+@contextlib.contextmanager
+def llama_server(binary: Path, model: Path, extra: list[str] = ()):
+    """A llama-server on ``model`` with a float32 KV cache (``extra``: more flags), on a
+    free port of 127.0.0.1, healthy; yields its base URL and stops it after."""
     port = free_port()
     cmd = [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1",
-           "-c", "512", "-np", "1", "-t", "2", "-ctk", "f32", "-ctv", "f32", "--no-warmup"]  # fmt: skip
-    if lora is not None:
-        cmd += ["--lora", str(lora)]
+           "-c", "512", "-np", "1", "-t", "2", "-ctk", "f32", "-ctv", "f32", "--no-warmup",
+           *extra]  # fmt: skip
     log = open(work_dir() / "llama-server.log", "ab")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -156,12 +158,7 @@ def served_greedy(binary: Path, model: Path, lora: Path | None, plist: list[list
             if time.monotonic() > deadline:
                 raise RuntimeError("llama-server did not become healthy in 300 s")
             time.sleep(0.5)
-        out = []
-        for prompt in plist:
-            body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0,
-                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}  # fmt: skip
-            out.append(_post(f"http://127.0.0.1:{port}/completion", body)["tokens"])
-        return out
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -170,6 +167,17 @@ def served_greedy(binary: Path, model: Path, lora: Path | None, plist: list[list
             proc.kill()
             proc.wait()
         log.close()
+
+
+def served_greedy(binary: Path, model: Path, lora: Path | None, plist: list[list[int]]):
+    """llama-server's greedy tokens for each prompt, on ``model`` (+ ``lora`` at 1)."""
+    with llama_server(binary, model, ["--lora", str(lora)] if lora is not None else []) as url:
+        out = []
+        for prompt in plist:
+            body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0,
+                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            out.append(_post(f"{url}/completion", body)["tokens"])
+        return out
 
 
 # ---- PEFT's side ------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The adapter routes: llama-server's ``/lora-adapters`` (list them, set the global
 mix), Mixdesk's ``/mixdesk/mix`` and runtime loading (``/lora-adapters/load|unload``,
-behind ``--allow-runtime-lora``), and vLLM's ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter``."""
+behind ``--allow-runtime-lora``), vLLM's ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``, and the control vectors shaped like ``/lora-adapters``:
+``GET|POST /control-vectors`` and ``/control-vectors/load|unload`` (same opt-in and
+path policy as adapters)."""
 
 from __future__ import annotations
 
@@ -85,16 +87,22 @@ async def _load_adapter(request: web.Request, path: str, scale: float, name: str
     async with _load_lock(request.app):  # one load at a time: names stay unique
         if name is not None and any(a.get("name") == name for a in eng.adapters()):
             raise HttpError(f"an adapter named {name!r} is already loaded")
-        try:
-            return await request.app[ADAPTER_POOL].run(_add_adapter, eng, target, scale, name)
-        except HttpError:
-            raise
-        except UserError as e:  # AdapterError, GGUFError, ...: the file's fault
-            raise HttpError(_no_file_bytes(str(e))) from None
-        except OSError as e:
-            raise HttpError(
-                f"adapter {printable(path)}: cannot read it ({e.strerror or type(e).__name__})"
-            ) from None
+        return await _run_load(request, path, _add_adapter, eng, target, scale, name)
+
+
+async def _run_load(request: web.Request, path: str, fn, *args) -> dict:
+    """``fn(*args)`` (a blocking load of the file the client named) on the adapter pool;
+    the file's fault is a 400 that never quotes the file's bytes."""
+    try:
+        return await request.app[ADAPTER_POOL].run(fn, *args)
+    except HttpError:
+        raise
+    except UserError as e:  # AdapterError, ControlVectorError, GGUFError: the file's
+        raise HttpError(_no_file_bytes(str(e))) from None
+    except OSError as e:
+        raise HttpError(
+            f"{printable(path)}: cannot read it ({e.strerror or type(e).__name__})"
+        ) from None
 
 
 async def lora_load(request: web.Request) -> web.Response:
@@ -150,3 +158,64 @@ async def vllm_unload(request: web.Request) -> web.Response:
         )
     eng.remove_adapter(found[0]["id"])
     return web.Response(text=f"Success: LoRA adapter '{found[0]['name']}' removed successfully.")
+
+
+# -- control vectors (core/lora/control.py) ---------------------------------------------
+
+
+def control_vector_entry(info: dict) -> dict:
+    """GET /control-vectors entry: id, path, scale (as /lora-adapters' entries), plus
+    the vector's name, the layers its file steers and its model hint."""
+    keys = ("id", "path", "scale", "name", "layers", "model_hint")
+    return {k: info[k] for k in keys}
+
+
+async def get_control_vectors(request: web.Request) -> web.Response:
+    eng = get_engine(request)
+    return web.json_response([control_vector_entry(v) for v in eng.control_vectors()])
+
+
+async def post_control_vectors(request: web.Request) -> web.Response:
+    """Set the global vectors' scales, ``[{"id", "scale"}]`` as POST /lora-adapters
+    (unlisted ids 0). Validated in full first: an invalid body changes nothing."""
+    eng = get_engine(request)
+    body = P.parse_json_any(await read_body(request))
+    scales = P.parse_control_vectors(body, "control-vectors", eng.lora.vector_ids())
+    eng.set_control_vectors(scales)
+    return web.json_response({"success": True})
+
+
+def _add_vector(eng, path, scale: float) -> dict:
+    vid = eng.add_control_vector(path, scale)
+    info = next((v for v in eng.control_vectors() if v["id"] == vid), None)
+    if info is None:
+        raise HttpError(f"control vector {vid} was unloaded while it was being loaded", 409)
+    return info
+
+
+async def control_vectors_load(request: web.Request) -> web.Response:
+    """POST /control-vectors/load {"path", "scale"?} -> the new GET entry; behind
+    --allow-runtime-lora and only from the --lora-dir folders, as adapters."""
+    s = get_settings(request)
+    if not s.allow_runtime_lora:
+        raise runtime_lora_off()
+    body = await json_body(request)
+    path = P.get_str(body, "path", required=True)
+    scale = P.get_float(body, "scale", 0.0 if s.lora_init_without_apply else 1.0)
+    eng = get_engine(request)
+    target = adapter_path(path, s.lora_dirs)
+    async with _load_lock(request.app):
+        info = await _run_load(request, path, _add_vector, eng, target, scale)
+    return web.json_response(control_vector_entry(info))
+
+
+async def control_vectors_unload(request: web.Request) -> web.Response:
+    if not get_settings(request).allow_runtime_lora:
+        raise runtime_lora_off()
+    eng = get_engine(request)
+    body = await json_body(request)
+    vid = P.get_int(body, "id", None)
+    if vid is None:
+        raise HttpError('"id" is required')
+    eng.remove_control_vector(vid)
+    return web.json_response({"success": True})

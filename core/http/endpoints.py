@@ -127,6 +127,8 @@ def slots_list(eng) -> list[dict]:
                         "n_decoded": st["n_decoded"],
                     }
                 ],
+                # ours: the control vectors the slot's request runs (ran) under
+                control_vectors=[{"id": v, "scale": sc} for v, sc in st["steer"]],
             )
         out.append(entry)
     return out

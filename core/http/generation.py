@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import HttpError
+from ..lora.mix import Mix
 from ..serve.grammar import request_constraint, wants_constraint
 from ..serve.sampling import SamplingParams, parse_logit_bias
 from ..serve.scheduler import DoneEvent
@@ -53,7 +54,20 @@ async def _sampling_fields(request: web.Request, eng, body: dict, params: Sampli
 
 
 def _resolve_mix(eng, opts: P.GenOptions, oai: bool) -> dict[int, float] | None:
-    """The mix for one request: its "lora" list (unlisted ids 0, [] all off); else,
+    """The mix for one request (see _lora_mix), with its "control_vectors" list when it
+    has one (unlisted vectors 0, [] none; without it, the global vectors apply)."""
+    mix = _lora_mix(eng, opts, oai)
+    if opts.control_vectors is None:
+        return mix
+    vectors = P.parse_control_vectors(
+        opts.control_vectors, "control_vectors", eng.lora.vector_ids()
+    )
+    base = eng.get_mix() if mix is None else mix  # the global mix, snapshotted now
+    return Mix(base, getattr(base, "merge", None), vectors=vectors)
+
+
+def _lora_mix(eng, opts: P.GenOptions, oai: bool) -> dict[int, float] | None:
+    """The adapters of one request: its "lora" list (unlisted ids 0, [] all off); else,
     on OpenAI endpoints, "model": "<adapter name>" selects that adapter alone at
     scale 1 (vLLM); else None, the global mix."""
     if opts.lora is not None:

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HttpError
+from ..lora.control import check_scale as check_vector_scale
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix
 from ..lora.registry import check_scale
 from ..serve.sampling import SamplingError, SamplingParams, validate
+from ..values import shown
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -155,6 +157,7 @@ class GenOptions:
     cache_prompt: bool = True
     return_tokens: bool = False
     lora: Any = None  # the raw "lora" field; None if absent
+    control_vectors: Any = None  # the raw "control_vectors" field; None if absent
     model: str | None = None
     id_slot: int = -1  # llama-server's id_slot: the KV slot to run in (-1: any)
     return_progress: bool = False  # stream prompt_progress chunks during prefill
@@ -218,12 +221,14 @@ def parse_generation(
         cache_prompt=get_bool(body, "cache_prompt", True),
         return_tokens=get_bool(body, "return_tokens", False),
         lora=body.get("lora"),
+        control_vectors=body.get("control_vectors"),
         model=get_str(body, "model"),
         id_slot=get_int(body, "id_slot", -1, lo=-1),
         return_progress=get_bool(body, "return_progress", False),
     )
-    if "lora" in body and body["lora"] is None:
-        raise HttpError('lora must be a list of {"id", "scale"} objects, got null')
+    for name in ("lora", "control_vectors"):
+        if name in body and body[name] is None:
+            raise HttpError(f'{name} must be a list of {{"id", "scale"}} objects, got null')
     opts.extra["n"] = n
     return opts
 
@@ -471,3 +476,24 @@ def parse_lora(entries: Any, what: str, known: Iterable[int]) -> dict[int, float
             raise HttpError(f"{what}: no adapter with id {aid}")
         out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
     return {aid: out.get(aid, 0.0) for aid in ids}
+
+
+def parse_control_vectors(entries: Any, what: str, known: Iterable[int]) -> dict[int, float]:
+    """Control-vector scales from their wire form, ``[{"id", "scale"}]`` as a ``lora``
+    list (scale 1 when left out; unlisted ids 0, so ``[]`` is no vector): the one
+    reading of a request's ``"control_vectors"`` field and of ``POST
+    /control-vectors``'s body. A 400 naming the field, and nothing changed."""
+    ids = list(known)
+    if not isinstance(entries, list):
+        raise HttpError(f'{what} must be a list of {{"id", "scale"}} objects')
+    out: dict[int, float] = {}
+    for e in entries:
+        if not isinstance(e, dict) or "id" not in e:
+            raise HttpError(f'each {what} entry must be an object with "id" and "scale"')
+        vid = e["id"]
+        if not isinstance(vid, int) or isinstance(vid, bool):
+            raise HttpError(f"{what}: control vector id must be an integer, got {shown(vid)}")
+        if vid not in ids:
+            raise HttpError(f"{what}: no control vector with id {vid}")
+        out[vid] = check_vector_scale(e.get("scale", 1.0), f"{what}: scale of control vector {vid}")
+    return {vid: out.get(vid, 0.0) for vid in ids}

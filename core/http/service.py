@@ -49,6 +49,10 @@ async def props(request: web.Request) -> web.Response:
             "mixdesk_version": version(),  # ours; llama-server's fields above are unchanged
             "is_sleeping": False,
             "lora_init_without_apply": s.lora_init_without_apply,
+            # ours: the loaded control vectors ({id, path, scale, ...}, GET
+            # /control-vectors) and the layers they steer (START, END; <= 0: default)
+            "control_vectors": eng.control_vectors(),
+            "control_vector_layer_range": list(eng.lora.vector_range),
         }
     )
 

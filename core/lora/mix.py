@@ -20,6 +20,7 @@ from ..model import layout
 from ..model.config import ModelConfig
 from . import merge as M
 from .adapter import Adapter, LoraPair
+from .control import ControlVector, steer_rows
 from .merge import MergeSpec
 
 MixKey = tuple[tuple[int, float], ...]
@@ -31,14 +32,25 @@ class Mix(dict):
     every caller that only reads scales), plus ``merge``, how the adapters combine
     (None: not said; the engine then keeps its method for the global mix, and a
     request's own mix is a weighted sum). ``dict(mix)`` drops the method: pass the
-    Mix itself where the method must follow (A/B compare, exports)."""
+    Mix itself where the method must follow (A/B compare, exports).
 
-    def __init__(self, scales=(), merge: MergeSpec | None = None):
+    ``vectors`` are the control vectors beside the adapters, vector id -> scale
+    (core/lora/control.py); None: not said, the engine's global vectors apply (as
+    llama-server applies its ``--control-vector`` flags to every request)."""
+
+    def __init__(
+        self,
+        scales=(),
+        merge: MergeSpec | None = None,
+        vectors: Mapping[int, float] | None = None,
+    ):
         super().__init__(scales)
         self.merge = merge
+        self.vectors = None if vectors is None else dict(vectors)
 
     def __repr__(self) -> str:
-        return f"Mix({dict.__repr__(self)}, merge={self.merge!r})"
+        extra = "" if self.vectors is None else f", vectors={self.vectors!r}"
+        return f"Mix({dict.__repr__(self)}, merge={self.merge!r}{extra})"
 
 
 class MergedKey(tuple):
@@ -69,16 +81,63 @@ class MergedKey(tuple):
         return f"MergedKey({tuple.__repr__(self)}, {self.merge.label()})"
 
 
+class SteeredKey(tuple):
+    """The key of a mix with control vectors: the adapters' (id, scale) pairs as any
+    key (a merge method's ``merge``, or None), plus ``steer``, the vectors' sorted
+    non-zero (vector id, scale) pairs, and ``layers``, the inclusive range of layers
+    they steer. Equal only to a SteeredKey with the same pairs, method, vectors and
+    range, so a vector's built weights and prefix-cache KV are never served to another
+    vector (or to no vector). Always true, even with no adapter: it steers."""
+
+    merge: MergeSpec | None
+    steer: tuple[tuple[int, float], ...]
+    layers: tuple[int, int]
+
+    def __new__(cls, pairs, merge, steer, layers) -> SteeredKey:
+        self = super().__new__(cls, pairs)
+        self.merge = merge if merge is not None and merge.builds and pairs else None
+        self.steer, self.layers = tuple(steer), tuple(layers)
+        return self
+
+    def _id(self) -> tuple:
+        return (tuple(self), self.merge, self.steer, self.layers)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SteeredKey) and self._id() == other._id()
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self._id())
+
+    def __bool__(self) -> bool:
+        return True
+
+    def lora_key(self) -> MixKey:
+        """The adapters' part alone, as mix_key gives it without vectors."""
+        return mix_key(tuple(self), self.merge)
+
+    def __repr__(self) -> str:
+        return f"SteeredKey({tuple.__repr__(self)}, {self.merge}, {self.steer}, {self.layers})"
+
+
 def mix_key(
-    scales: Mapping[int, float] | Iterable[tuple[int, float]], merge: MergeSpec | None = None
+    scales: Mapping[int, float] | Iterable[tuple[int, float]],
+    merge: MergeSpec | None = None,
+    steer: tuple[tuple[tuple[int, float], ...], tuple[int, int]] | None = None,
 ) -> MixKey:
     """Sorted non-zero (id, scale) pairs; a MergedKey when the method builds a merged
-    adapter (``merge`` or, if None, the Mix's own). Linear and cat keys stay plain
-    tuples, so every linear key, cache entry and test is what it always was."""
+    adapter (``merge`` or, if None, the Mix's own); a SteeredKey when ``steer``, the
+    vectors' (id, scale) pairs and their layer range, steers anything. Linear and cat
+    keys stay plain tuples, so every linear key, cache entry and test is what it
+    always was."""
     if merge is None:
         merge = getattr(scales, "merge", None)
     items = scales.items() if isinstance(scales, Mapping) else scales
     pairs = tuple(sorted((int(i), float(s)) for i, s in items if float(s) != 0.0))
+    if steer is not None and steer[0]:
+        return SteeredKey(pairs, merge, steer[0], steer[1])
     if merge is not None and merge.builds and pairs:
         return MergedKey(pairs, merge)
     return pairs
@@ -138,6 +197,11 @@ class MixWeights:
     nbytes: int = 0
     adapter_ids: frozenset[int] = field(default_factory=frozenset)
     sources: tuple[tuple[Adapter, float], ...] = ()  # (adapter, user scale) per key entry
+    # control vectors: (n_layers, d) added after each block (zero rows: not steered),
+    # the layers with a non-zero row, and the vectors' ids
+    steer: np.ndarray | None = None
+    steer_layers: frozenset[int] = frozenset()
+    vector_ids: frozenset[int] = frozenset()
 
 
 def _placed(cfg: ModelConfig, ad: Adapter, scale: float):
@@ -250,9 +314,24 @@ def build_mix(
     key: MixKey,
     adapters: Mapping[int, Adapter],
     progress: Progress | None = None,
+    vectors: Mapping[int, ControlVector] | None = None,
 ) -> MixWeights:
     """Stack the adapters of one mix into per-layer (A, B) pairs with scales in B; a
-    MergedKey's adapters are first merged into one adapter by its method."""
+    MergedKey's adapters are first merged into one adapter by its method; a
+    SteeredKey's control vectors (from ``vectors``) are summed into ``steer``."""
+    if isinstance(key, SteeredKey):
+        inner = key.lora_key()
+        if inner:
+            mw = build_mix(cfg, inner, adapters, progress)
+        else:
+            mw = MixWeights(key=inner, layers=[{} for _ in range(cfg.n_layers)])
+        lo, hi = key.layers
+        mw.steer = steer_rows(((vectors[vid], s) for vid, s in key.steer), lo, hi, cfg)
+        if mw.steer is not None:
+            mw.steer_layers = frozenset(np.flatnonzero(mw.steer.any(axis=1)).tolist())
+            mw.nbytes += mw.steer.nbytes
+        mw.key, mw.vector_ids = key, frozenset(v for v, _ in key.steer)
+        return mw
     if isinstance(key, MergedKey):
         merged = merged_adapter(((adapters[aid], s) for aid, s in key), key.merge, progress)
         mw = build_mix(cfg, ((-1, 1.0),), {-1: merged})

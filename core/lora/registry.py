@@ -23,6 +23,15 @@ from ..errors import EngineError, UserError
 from ..model.config import ModelConfig
 from ..values import is_finite_number, shown
 from .adapter import Adapter, AdapterError, load_adapter
+from .control import (
+    ControlVector,
+    ControlVectorError,
+    check_layer_range,
+    layer_range,
+    load_control_vector,
+    steer_pairs,
+)
+from .control import check_scale as check_vector_scale
 from .merge import LINEAR, MergeSpec
 from .mix import Mix, MixKey, MixWeights, Progress, build_mix, mix_key
 from .runtime import AdapterStacks, MixCache
@@ -58,6 +67,13 @@ class AdapterRegistry:
         self._next_id = 0
         self.mixes: MixCache | None = None  # built mixes by key (None before a model)
         self.stacks: AdapterStacks | None = None  # several mixes' adapters, stacked
+        # control vectors (core/lora/control.py) by id, their global scales (a mix that
+        # says none runs under these, as llama-server's flags apply to every request)
+        # and the layer range all vectors steer (START, END as given; 0 = default)
+        self._vectors: dict[int, ControlVector] = {}
+        self._vscales: dict[int, float] = {}
+        self._vrange: tuple[int, int] = (-1, -1)
+        self._next_vid = 0
 
     # -- the model ---------------------------------------------------------------------
     def bind(self, cfg: ModelConfig, kept: Mapping[int, Adapter]) -> list[int]:
@@ -72,6 +88,9 @@ class AdapterRegistry:
             self.stacks = AdapterStacks(cfg)
             self._adapters = {aid: ad for aid, ad in kept.items() if aid in before}
             self._scales = {aid: self._scales.get(aid, 0.0) for aid in self._adapters}
+            # a vector steers one model's hidden states: those that do not fit go
+            self._vectors = {v: cv for v, cv in self._vectors.items() if cv.fits(cfg)}
+            self._vscales = {v: self._vscales.get(v, 0.0) for v in self._vectors}
             return before
 
     def refit(
@@ -176,6 +195,88 @@ class AdapterRegistry:
                 self._merge = merge
             return dict(self._scales), self._merge
 
+    # -- control vectors ------------------------------------------------------------
+
+    def add_vector(self, path: str | Path, scale: float = 1.0) -> ControlVector:
+        """Load and check a control vector and register it (``id`` set) at ``scale`` in
+        the global vectors; ControlVectorError, with nothing changed, when it cannot
+        steer this model."""
+        scale = check_vector_scale(scale, "scale")
+        vec = load_control_vector(path, self.cfg)
+        with self.lock:
+            vec.id = self._next_vid
+            self._next_vid += 1
+            self._vectors[vec.id] = vec
+            self._vscales[vec.id] = scale
+        return vec
+
+    def remove_vector(self, vid: int) -> None:
+        with self.lock:
+            if vid not in self._vectors:
+                raise ControlVectorError(f"no control vector with id {vid}")
+            del self._vectors[vid]
+            del self._vscales[vid]
+            if self.mixes:
+                self.mixes.forget_vector(vid)
+
+    def vector_ids(self) -> set[int]:
+        with self.lock:
+            return set(self._vectors)
+
+    def vector_listing(self) -> list[dict[str, Any]]:
+        """GET /control-vectors: {id, path, name, layers, model_hint, scale} per vector."""
+        with self.lock:
+            return [
+                {**cv.info(), "scale": self._vscales[vid]}
+                for vid, cv in sorted(self._vectors.items())
+            ]
+
+    def get_vectors(self) -> dict[int, float]:
+        """The global vectors: {vector id: scale}."""
+        with self.lock:
+            return dict(self._vscales)
+
+    def set_vectors(self, scales: Mapping[int, float], replace: bool = True) -> dict[int, float]:
+        """Set the global vectors' scales (ids not given: 0 when ``replace``); nothing
+        changes when an id or a scale is refused."""
+        with self.lock:
+            for vid in scales:
+                if vid not in self._vectors:
+                    raise ControlVectorError(f"no control vector with id {vid}")
+            checked = {
+                v: check_vector_scale(s, f"scale of control vector {v}") for v, s in scales.items()
+            }
+            if replace:
+                self._vscales = {v: checked.get(v, 0.0) for v in self._vectors}
+            else:
+                self._vscales.update(checked)
+            return dict(self._vscales)
+
+    @property
+    def vector_range(self) -> tuple[int, int]:
+        """The layer range as set (START, END; <= 0: llama.cpp's default)."""
+        with self.lock:
+            return self._vrange
+
+    def set_vector_range(self, start: Any, end: Any) -> None:
+        """--control-vector-layer-range START END: the layers every vector steers."""
+        rng = check_layer_range(start, end)
+        with self.lock:
+            self._vrange = rng
+
+    def _steer(self, mix: Mapping[int, float] | None):
+        """The vectors part of ``mix``'s key (its own ``vectors``, else the global
+        ones), under the lock: (sorted pairs, inclusive layer range)."""
+        own = getattr(mix, "vectors", None)
+        scales = self._vscales if mix is None or own is None else own
+        for vid in scales:
+            if vid not in self._vectors:
+                raise ControlVectorError(f"no control vector with id {vid}")
+        pairs = steer_pairs(
+            {v: check_vector_scale(s, f"scale of control vector {v}") for v, s in scales.items()}
+        )
+        return pairs, layer_range(*self._vrange, self.cfg.n_layers if self.cfg else 0)
+
     # -- built mixes -------------------------------------------------------------------
     def key(
         self, mix: Mapping[int, float] | None
@@ -190,7 +291,8 @@ class AdapterRegistry:
                 if aid not in self._adapters:
                     raise EngineError(f"no adapter with id {aid}")
             adapters = dict(self._adapters)
-        return mix_key(scales, merge), adapters, merge
+            steer = self._steer(mix)
+        return mix_key(scales, merge, steer), adapters, merge
 
     def built(
         self,
@@ -202,7 +304,12 @@ class AdapterRegistry:
         key, adapters, merge = self.key(mix)
         # built outside the lock: a first build takes tens of ms (a merge method's,
         # seconds), and set_mix (the GUI thread) must never wait for it
-        return key, self.mixes.get(key, adapters, progress(merge))
+        with self.lock:
+            vectors = dict(self._vectors)
+        for vid, _ in getattr(key, "steer", ()):
+            if vid not in vectors:  # unloaded since the key was made
+                raise ControlVectorError(f"no control vector with id {vid}")
+        return key, self.mixes.get(key, adapters, progress(merge), vectors)
 
     def is_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:
         """Whether every mix (None: the global mix) is built already. An unknown adapter

@@ -21,6 +21,7 @@ from ..model.config import ModelConfig
 from ..model.deltas import Deltas, batch_spans
 from ..model.linear import SMALL_ROWS, Linear
 from .adapter import Adapter
+from .control import ControlVector
 from .mix import AdapterStack, MixKey, MixWeights, Progress, build_mix, stack_adapters
 
 STACKS_KEPT = 2  # adapter sets whose stacked LoRA weights stay built
@@ -94,6 +95,7 @@ class LoraDeltas(Deltas):
             and len(groups) > 1
             and n_rows <= SMALL_ROWS
             and not any(mw.embd is not None or mw.output is not None for _, _, mw in groups)
+            and any(mw.sources for _, _, mw in groups)
         ):
             st = self.stack = stacks.get(ad for _, _, mw in groups for ad, _ in mw.sources)
             index = {id(ad): i for i, ad in enumerate(st.adapters)}
@@ -119,6 +121,12 @@ class LoraDeltas(Deltas):
             if mix is not None and mix.embd is not None:
                 a, b = mix.embd  # (vocab, R), (d, R)
                 x[s:e] += a[tokens[s:e]] @ b.T  # (n, d)
+
+    def layer_out(self, x: np.ndarray, li: int) -> None:
+        """x (T, d): block li's output; each mix's control vectors added in place."""
+        for s, e, mix in self.groups:
+            if li in mix.steer_layers:
+                x[s:e] += mix.steer[li]  # (n, d) += (d,)
 
     def logits(self, logits: np.ndarray, h: np.ndarray, counts: list[int]) -> None:
         """logits (R, vocab) += each mix's output delta; item i owns the next counts[i] rows."""
@@ -207,10 +215,15 @@ class MixCache:
         return self._bytes
 
     def get(
-        self, key: MixKey, adapters: Mapping[int, Adapter], progress: Progress | None = None
+        self,
+        key: MixKey,
+        adapters: Mapping[int, Adapter],
+        progress: Progress | None = None,
+        vectors: Mapping[int, ControlVector] | None = None,
     ) -> MixWeights | None:
         """The built mix of ``key``, built on first use (a merge method's build reports
-        to ``progress``; a linear mix's takes milliseconds and reports nothing)."""
+        to ``progress``; a linear mix's takes milliseconds and reports nothing; a
+        SteeredKey's vectors come from ``vectors``)."""
         if not key:
             return None
         mw = self.cached(key)
@@ -222,7 +235,7 @@ class MixCache:
             with building:
                 mw = self.cached(key)  # built while this thread waited for the lock
                 if mw is None:
-                    mw = build_mix(self.cfg, key, adapters, progress)
+                    mw = build_mix(self.cfg, key, adapters, progress, vectors)
                     self._put(key, mw)
         finally:
             with self._lock:
@@ -253,4 +266,9 @@ class MixCache:
     def forget_adapter(self, aid: int) -> None:
         with self._lock:
             for k in [k for k, mw in self._cache.items() if aid in mw.adapter_ids]:
+                self._bytes -= self._cache.pop(k).nbytes
+
+    def forget_vector(self, vid: int) -> None:
+        with self._lock:
+            for k in [k for k, mw in self._cache.items() if vid in mw.vector_ids]:
                 self._bytes -= self._cache.pop(k).nbytes

@@ -2,8 +2,10 @@
 
 The model knows shapes and products, not LoRA policy (core/lora/runtime.py's
 ``LoraDeltas`` is the one implementation that adds anything). A forward takes one
-``Deltas`` for its whole batch and calls its three hooks: ``embed`` on the embedding
-rows, ``project`` for every fused product of a block, ``logits`` on the output rows.
+``Deltas`` for its whole batch and calls its four hooks: ``embed`` on the embedding
+rows, ``project`` for every fused product of a block, ``layer_out`` on each block's
+output (after its residual add: where llama.cpp adds control vectors), ``logits`` on
+the output rows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class Deltas:
     def project(self, lin, x: np.ndarray, w, li: int, target: str) -> np.ndarray:
         """``x @ W.T`` (T, out) for fused matrix ``target`` of layer li, by ``lin``."""
         return lin(x, w)
+
+    def layer_out(self, x: np.ndarray, li: int) -> None:
+        """x (T, d): the output of block li (the next block's input), to edit in place."""
 
     def logits(self, logits: np.ndarray, h: np.ndarray, counts: Sequence[int]) -> None:
         """logits (R, vocab) of normed rows h (R, d), item i owning the next counts[i]

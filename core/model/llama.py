@@ -164,7 +164,8 @@ class LlamaModel:
             pooled = PooledDecode.plan(items, spans)
             masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
             for li, lw in enumerate(self.w.layers):
-                x = self._block(li, lw, x, items, spans, deltas, cis, masks, pooled)
+                x = self._block(li, lw, x, items, spans, deltas, cis, masks, pooled)  # (T, d)
+                deltas.layer_out(x, li)  # every architecture's block output: one call
             return self._logits(items, spans, x, deltas)
 
     def rope_cis(self, positions: np.ndarray):

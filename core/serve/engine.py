@@ -91,6 +91,8 @@ class Engine:
         self.load_ms = 0.0
         # the adapters, the global mix, built mixes and adapter stacks (core/lora/registry.py)
         self.lora = AdapterRegistry()
+        self.lora.set_vector_range(*o.control_vector_layer_range)
+        self._option_vectors = list(o.control_vectors)  # loaded with the first model
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
         self.prefix = PrefixCache(o.prefix_cache_bytes)
@@ -209,6 +211,11 @@ class Engine:
             self._notify(AdaptersChanged(adapters=self.adapters()))
         if dropped:
             self._notify(AdaptersDropped(dropped=dropped))
+        # --control-vector(-scaled), with the first model: a bad file raises here once
+        # (the headless server stops with its message), the model stays loaded
+        while self._option_vectors:
+            fname, scale = self._option_vectors.pop(0)
+            self.add_control_vector(fname, scale)
         if was_running:
             self.start()
         return cfg
@@ -300,6 +307,29 @@ class Engine:
     def adapters(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters entries, plus our extra info fields."""
         return self.lora.listing()
+
+    # -- control vectors (core/lora/control.py, registered beside the adapters) ---------
+    def add_control_vector(self, path: str | Path, scale: float = 1.0) -> int:
+        """Load and check a control vector, steering every request that names no vectors
+        at ``scale``; returns its id. ControlVectorError, nothing changed, on failure."""
+        self.require_ready()
+        return self.lora.add_vector(path, scale).id
+
+    def remove_control_vector(self, vid: int) -> None:
+        with self._lock:
+            self.lora.remove_vector(vid)
+
+    def control_vectors(self) -> list[dict[str, Any]]:
+        """GET /control-vectors: {id, path, name, layers, model_hint, scale} each."""
+        return self.lora.vector_listing()
+
+    def set_control_vector_range(self, start: int, end: int) -> None:
+        """--control-vector-layer-range START END (inclusive; <= 0: llama.cpp's default)."""
+        self.lora.set_vector_range(start, end)
+
+    def set_control_vectors(self, scales: Mapping[int, float], replace: bool = True) -> None:
+        """Set the global vectors' scales (unlisted ones to 0 with ``replace``)."""
+        self.lora.set_vectors(scales, replace)
 
     # -- the global mix ---------------------------------------------------------------
     def get_mix(self) -> Mix:

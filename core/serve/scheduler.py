@@ -327,11 +327,13 @@ class Scheduler:
                 st.update(id_task=s.req.id, n_prompt_tokens=len(s.req.prompt),
                           n_prompt_tokens_processed=s.timings.prompt_n,
                           n_prompt_tokens_cache=s.timings.cache_n,
-                          n_decoded=len(s.generated), n_remain=n_remain)  # fmt: skip
+                          n_decoded=len(s.generated), n_remain=n_remain,
+                          steer=getattr(s.req.mix, "steer", ()))  # fmt: skip
             elif last is not None:
                 st.update(id_task=last.id_task, n_prompt_tokens=last.n_prompt,
                           n_prompt_tokens_processed=last.processed,
-                          n_prompt_tokens_cache=last.cached, n_decoded=0, n_remain=-1)  # fmt: skip
+                          n_prompt_tokens_cache=last.cached, n_decoded=0, n_remain=-1,
+                          steer=getattr(last.mix, "steer", ()))  # fmt: skip
             out.append(st)
         return out
 

@@ -106,6 +106,10 @@ def model_identity(path: Path, cfg) -> dict:
 
 
 def mix_to_file(mix: MixKey, adapters: list[dict]) -> list[dict]:
+    if getattr(mix, "steer", ()):
+        # the file format records adapters only: restored, these keys/values would be
+        # served to requests without the vectors they were computed under
+        raise SlotError("a slot computed under control vectors cannot be saved (not supported yet)")
     by_id = {a["id"]: a for a in adapters}
     return [{"path": by_id[aid]["path"], "name": by_id[aid]["name"], "scale": s} for aid, s in mix]
 
