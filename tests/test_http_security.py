@@ -431,3 +431,19 @@ def test_survives_garbage(open_srv):
         st, body, _ = send(open_srv, "POST", "/completion", raw=raw)
         assert st == 400 and body["error"]["type"] == "invalid_request_error"
     still_serving(open_srv)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [("/lora-adapters/unload", {"id": 0}), ("/v1/unload_lora_adapter", {"lora_name": "lora_attn"})],
+)
+def test_unloading_over_http_needs_the_runtime_flag_too(open_srv, engine, path, body):
+    """Unloading changes the server's adapter set as loading does: without
+    --allow-runtime-lora it is a 403 and the adapter stays (the docs always said so,
+    and /control-vectors/unload already refused)."""
+    before = send(open_srv, "GET", "/lora-adapters")[1]
+    status, payload, _ = send(open_srv, "POST", path, body)
+    assert status == 403, payload
+    assert "--allow-runtime-lora" in json.dumps(payload)
+    assert send(open_srv, "GET", "/lora-adapters")[1] == before
+    assert engine.adapters

@@ -116,7 +116,15 @@ async def lora_load(request: web.Request) -> web.Response:
     return web.json_response(R.lora_adapter_entry(info))
 
 
+def _require_runtime_changes(request: web.Request) -> None:
+    """Loading and unloading change the server's adapter set: both need
+    --allow-runtime-lora (a 403 otherwise)."""
+    if not get_settings(request).allow_runtime_lora:
+        raise runtime_lora_off()
+
+
 async def lora_unload(request: web.Request) -> web.Response:
+    _require_runtime_changes(request)
     eng = get_engine(request)
     body = await json_body(request)
     aid = P.get_int(body, "id", None)
@@ -139,6 +147,7 @@ async def vllm_load(request: web.Request) -> web.Response:
 
 
 async def vllm_unload(request: web.Request) -> web.Response:
+    _require_runtime_changes(request)
     eng = get_engine(request)
     body = await json_body(request)
     name = P.get_str(body, "lora_name")
@@ -210,8 +219,7 @@ async def control_vectors_load(request: web.Request) -> web.Response:
 
 
 async def control_vectors_unload(request: web.Request) -> web.Response:
-    if not get_settings(request).allow_runtime_lora:
-        raise runtime_lora_off()
+    _require_runtime_changes(request)
     eng = get_engine(request)
     body = await json_body(request)
     vid = P.get_int(body, "id", None)
