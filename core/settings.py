@@ -236,6 +236,7 @@ SCHEMA: dict[str, Field] = {
     "export_dir": Field(None, _opt_str),
     "preset": Field("", lambda v: _str(v, max_len=256)),  # the desk's selected preset
     "theme": Field("system", _one_of(THEMES)),  # the View menu's Light / Dark / System
+    "unity": Field(False, _bool),  # View → Unity faders: the desk in effective units
     # the mixing desk as the user left it: adapters by path, with their fader and buttons
     "desk": Field(
         {"bypass": False, "adapters": []},
