@@ -10,12 +10,14 @@ through ``bridge.mix_changed`` and move the faders.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
+    QFileDialog,
     QGridLayout,
     QHBoxLayout,
     QInputDialog,
@@ -38,7 +40,7 @@ from core.lora import merge as M
 from core.lora.adapter import effective_scale
 from core.lora.merge import LINEAR, MergeSpec
 from core.serve.events import MixBuilding, MixChanged, RequestFinished, RequestStarted
-from core.settings import Settings
+from core.settings import Settings, read_presets_file
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
@@ -142,8 +144,7 @@ class Strip:
         self.name = ElidedLabel(info["name"])
         self.name.setObjectName("stripName")
         self.name.setMinimumWidth(44)  # elided ("lora_a…") where the desk is narrow
-        path = info.get("path", "")
-        self.name.setToolTip(f"{info['name']}\n{path}" if path else info["name"])
+        self.mark_differs(None)
         self.slider = Fader()
         self.slider.setTickPosition(QSlider.TicksBelow)
         self.slider.setTickInterval(TICKS // 2)
@@ -209,6 +210,23 @@ class Strip:
         if from_slider and self.slider.isSliderDown():
             shown = detent(shown, self.slider.pull())  # 0 and ±1 in the unit shown
         self.set_value(shown / ratio)
+
+    def mark_differs(self, preset: tuple[str, Channel] | None) -> None:
+        """● before the name while this strip differs from the selected preset (name,
+        what the preset has for it); the tooltip says what the preset has."""
+        self.differs = preset is not None
+        name, path = self.info["name"], self.info.get("path", "")
+        tip = f"{name}\n{path}" if path else name
+        if preset is not None:
+            pname, ch = preset
+            flags = ", ".join(f for f, on in (("muted", ch.muted), ("solo", ch.solo)) if on)
+            unit = "unity" if self.unity else "scale"  # as the fader shows it
+            there = ch.scale * self.ratio()
+            tip += f"\n● differs from preset “{pname}”: {unit} {there:.3f} there" + (
+                f" ({flags})" if flags else ""
+            )
+        self.name.setText(f"● {name}" if preset is not None else name)
+        self.name.setToolTip(tip)
 
     def set_busy(self, busy: bool) -> None:
         """Light the name while a request that uses this adapter runs (chat or HTTP)."""
@@ -307,12 +325,19 @@ class MixerPanel(QWidget):
             b.clicked.connect(slot)
         # Rename and Delete are rarer: a menu keeps the row narrow enough for 1024 px
         more = buttons["more"] = QToolButton(text="⋯")
-        more.setToolTip("Rename or delete the selected preset")
+        more.setToolTip("Rename, delete, import or export presets")
         more.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(more)
         self.rename_action = menu.addAction("Rename…", self._rename_clicked)
         self.delete_action = menu.addAction("Delete", self._delete_clicked)
         self.delete_action.setToolTip("Delete the selected preset (Undo or Ctrl+Z brings it back)")
+        menu.addSeparator()
+        # presets travel as JSON files, in presets.json's own shape
+        self.import_action = menu.addAction("Import presets…", self._import_clicked)
+        self.export_action = menu.addAction(
+            "Export selected preset…", lambda: self._export_clicked(selected=True)
+        )
+        self.export_all_action = menu.addAction("Export all presets…", self._export_clicked)
         more.setMenu(menu)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
         # Rename and Delete act on the selected preset: with none, they cannot act
@@ -700,6 +725,14 @@ class MixerPanel(QWidget):
     def _mark_modified(self) -> None:
         name = self.preset_box.currentText()
         self.modified.setVisible(bool(name) and not self.matches_preset(name))
+        preset = self.settings.presets.get(name) if name else None
+        for s in self.strips.values():
+            if preset is None:
+                s.mark_differs(None)
+                continue
+            e = self._entry_for(preset, s)
+            want = Channel.from_entry(e)
+            s.mark_differs(None if want == s.channel() else (name, want))
 
     def _engine_mix_changed(self, ev: MixChanged) -> None:
         if ev.source != "gui":
@@ -859,8 +892,9 @@ class MixerPanel(QWidget):
 
     def _enable_preset_actions(self) -> None:
         on = bool(self.preset_box.currentText())
-        for action in (self.rename_action, self.delete_action):
+        for action in (self.rename_action, self.delete_action, self.export_action):
             action.setEnabled(on)
+        self.export_all_action.setEnabled(bool(self.settings.presets.names()))
 
     def refresh_presets(self, select: str | None = None) -> None:
         cur = select or self.preset_box.currentText()
@@ -908,6 +942,62 @@ class MixerPanel(QWidget):
                 self.rename_preset(old, new)
             except UserError as e:
                 self.message.emit(str(e))
+
+    # -- presets travel: JSON files --------------------------------------------------------
+    def export_presets(self, path, selected: bool = False) -> list[str]:
+        """Write the selected preset (or all) to ``path``; the names written."""
+        names = [self.preset_box.currentText()] if selected else self.settings.presets.names()
+        written = self.settings.presets.export(path, [n for n in names if n])
+        self.message.emit(f"Exported {len(written)} preset(s) to {path}")
+        return written
+
+    def import_presets(self, path) -> list[str]:
+        """Merge the presets of ``path`` in (a clash asks: replace, keep both or skip).
+        A bad file raises UserError before anything changes."""
+        incoming = read_presets_file(path)
+        added = self.settings.presets.merge(incoming, self.ask_clash)
+        self.refresh_presets()
+        self._mark_modified()
+        self.message.emit(f"Imported {len(added)} preset(s) from {Path(path).name}")
+        return added
+
+    def ask_clash(self, name: str) -> str:
+        """A preset of this name exists: "replace", "rename" (keep both) or "skip"."""
+        box = QMessageBox(self)
+        box.setWindowTitle("Import presets")
+        box.setIcon(QMessageBox.Question)
+        box.setText(f"A preset named “{name}” exists.")
+        box.setInformativeText("Replace it, keep both (the imported one renamed), or skip it?")
+        buttons = {
+            box.addButton("Replace", QMessageBox.DestructiveRole): "replace",
+            box.addButton("Keep both", QMessageBox.AcceptRole): "rename",
+            box.addButton("Skip", QMessageBox.RejectRole): "skip",
+        }
+        box.exec()
+        return buttons.get(box.clickedButton(), "skip")
+
+    def _import_clicked(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Import presets", "", "Presets (*.json);;All files (*)"
+        )
+        if not path:
+            return
+        try:
+            self.import_presets(path)
+        except UserError as e:
+            QMessageBox.warning(self, "Import presets", f"Nothing was imported: {e}")
+
+    def _export_clicked(self, selected: bool = False) -> None:
+        first = self.preset_box.currentText() if selected else "presets"
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export presets", f"{first}.json", "Presets (*.json)"
+        )
+        if not path:
+            return
+        try:
+            self.export_presets(path, selected=selected)
+        except OSError as e:
+            QMessageBox.warning(self, "Export presets", f"Could not write {path}: {e}")
 
     def _delete_clicked(self) -> None:
         if self.preset_box.currentText():
