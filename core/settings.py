@@ -590,6 +590,8 @@ def _meta(meta: dict) -> dict:
     }
     if isinstance(meta.get("mix_ids"), list):
         out["mix_ids"] = meta["mix_ids"]
+    if "context" in meta:  # tokens of the context the chat used with this reply
+        out["context"] = Field(0, _int(0, 2**31)).clean(meta["context"], "meta context")
     return out
 
 
