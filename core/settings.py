@@ -456,7 +456,9 @@ def read_presets_file(path: Path) -> dict[str, dict]:
     path = Path(path)
     try:
         if path.stat().st_size > MAX_PRESET_FILE:
-            raise UserError(f"{path.name} is over {MAX_PRESET_FILE // 2**20} MB: not a presets file")
+            raise UserError(
+                f"{path.name} is over {MAX_PRESET_FILE // 2**20} MB: not a presets file"
+            )
         data = load_json(path, None, dict)
     except Unreadable as e:
         raise UserError(f"{path.name} is not a presets file: {e}") from None

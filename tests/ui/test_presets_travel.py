@@ -44,7 +44,9 @@ def test_export_and_import_round_trip_with_name_clashes(loaded, tmp_path, monkey
     ):
         asked = []
         monkeypatch.setattr(
-            m, "ask_clash", lambda n, c=choice: asked.append(n) or (c if n == "pirate" else "skip")
+            m,
+            "ask_clash",
+            lambda n, c=choice, a=asked: a.append(n) or (c if n == "pirate" else "skip"),
         )
         m.import_presets(one if choice == "skip" else every)
         assert asked and m.settings.presets.names() == names
