@@ -236,6 +236,7 @@ SCHEMA: dict[str, Field] = {
     "export_dir": Field(None, _opt_str),
     "preset": Field("", lambda v: _str(v, max_len=256)),  # the desk's selected preset
     "theme": Field("system", _one_of(THEMES)),  # the View menu's Light / Dark / System
+    "unity": Field(False, _bool),  # View → Unity faders: the desk in effective units
     # the mixing desk as the user left it: adapters by path, with their fader and buttons
     "desk": Field(
         {"bypass": False, "adapters": []},
@@ -410,6 +411,74 @@ def _preset(value: Any) -> dict:
     }
 
 
+MAX_PRESET_NAME = 256  # as the "preset" setting
+MAX_PRESET_FILE = 4 * 1024 * 1024  # an exported file of 1000 presets is far smaller
+MAX_IMPORTED = 1000
+
+
+def _strict_preset(name: Any, value: Any) -> dict:
+    """An imported preset, checked strictly: where the loader of ``presets.json`` keeps
+    what it can, a file from elsewhere with any wrong field is refused (UserError)."""
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_PRESET_NAME:
+        raise UserError(f"a preset name must be 1 to {MAX_PRESET_NAME} characters")
+    where = f"preset {name!r}"
+    if not isinstance(value, dict):
+        raise UserError(f"{where} is not an object")
+    if not isinstance(value.get("bypass", False), bool):
+        raise UserError(f"{where}: bypass is not true/false")
+    entries = value.get("adapters", {})
+    if not isinstance(entries, dict):
+        raise UserError(f"{where}: its adapters are not an object (path -> settings)")
+    for path, e in entries.items():
+        if not path or len(path) > 4096 or not isinstance(e, dict):
+            raise UserError(f"{where}: adapter {path[:80]!r} is not a path with settings")
+        scale = e.get("scale", 0.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise UserError(f"{where}: the scale of {path[:80]!r} is not a number")
+        if not (math.isfinite(scale) and -2.0 <= scale <= 2.0):
+            raise UserError(f"{where}: the scale of {path[:80]!r} is not in -2..2")
+        for key in ("muted", "solo"):
+            if not isinstance(e.get(key, False), bool):
+                raise UserError(f"{where}: {key} of {path[:80]!r} is not true/false")
+        if not isinstance(e.get("name", ""), str) or len(e.get("name", "")) > MAX_PRESET_NAME:
+            raise UserError(f"{where}: the name of {path[:80]!r} is not a short text")
+    if "merge" in value:
+        try:
+            _merge(value["merge"])
+        except (ValueError, TypeError) as err:
+            raise UserError(f"{where}: merge: {err}") from None
+    return _preset(value)
+
+
+def read_presets_file(path: Path) -> dict[str, dict]:
+    """The presets in an exported file (the shape of ``presets.json``: name -> preset),
+    all checked; raises UserError naming the first thing wrong, so nothing is half read."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_PRESET_FILE:
+            raise UserError(
+                f"{path.name} is over {MAX_PRESET_FILE // 2**20} MB: not a presets file"
+            )
+        data = load_json(path, None, dict)
+    except Unreadable as e:
+        raise UserError(f"{path.name} is not a presets file: {e}") from None
+    except OSError as e:
+        raise UserError(f"{path.name} could not be read: {e.strerror or e}") from None
+    if data is None:
+        raise UserError(f"{path.name} does not exist")
+    if len(data) > MAX_IMPORTED:
+        raise UserError(f"{path.name} holds {len(data)} presets (at most {MAX_IMPORTED})")
+    return {name.strip(): _strict_preset(name, p) for name, p in data.items()}
+
+
+def free_name(name: str, taken: Any) -> str:
+    """``name``, or "name (2)", "name (3)"… whichever is not in ``taken``."""
+    n, out = 2, name
+    while out in taken:
+        out, n = f"{name} ({n})", n + 1
+    return out
+
+
 class Presets:
     """Named mixes. A preset maps adapter path -> {"scale", "muted", "solo"}, so it
     survives restarts (adapter ids only live for one session)."""
@@ -460,6 +529,29 @@ class Presets:
         if self._data.pop(name, None) is not None:
             self._flush()
 
+    def export(self, path: Path, names: list[str]) -> list[str]:
+        """Write ``names`` to ``path`` as presets.json holds them (so either file imports)."""
+        names = [n for n in names if n in self._data]
+        atomic_write_json(Path(path), {n: self._data[n] for n in names})
+        return names
+
+    def merge(self, incoming: dict[str, dict], decide: Callable[[str], str]) -> list[str]:
+        """Add ``incoming`` (from :func:`read_presets_file`). On a name clash ``decide(name)``
+        says "replace", "rename" (keep both: "name (2)") or "skip". The names written."""
+        added = []
+        for name, preset in incoming.items():
+            if name in self._data:
+                choice = decide(name)
+                if choice == "skip":
+                    continue
+                if choice == "rename":
+                    name = free_name(name, self._data)
+            self._data[name] = preset
+            added.append(name)
+        if added:
+            self._flush()
+        return added
+
     def _flush(self) -> None:
         if self._writable:
             atomic_write_json(self.path, self._data)
@@ -500,6 +592,8 @@ def _meta(meta: dict) -> dict:
     }
     if isinstance(meta.get("mix_ids"), list):
         out["mix_ids"] = meta["mix_ids"]
+    if "context" in meta:  # tokens of the context the chat used with this reply
+        out["context"] = Field(0, _int(0, 2**31)).clean(meta["context"], "meta context")
     return out
 
 

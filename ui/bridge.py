@@ -41,6 +41,7 @@ class Generation(QObject):
     token = Signal(str)
     finished = Signal(object)  # core.scheduler.DoneEvent
     prompt_progress = Signal(int, int)  # prompt tokens read so far, of total (per chunk)
+    prompt_size = Signal(int)  # the prompt's tokens, as the engine counted them (admission)
     _raw_token = Signal(str)
     _raw_done = Signal(object)
 
@@ -55,6 +56,7 @@ class Generation(QObject):
         self.done: DoneEvent | None = None
         self.text = ""
         self.n_tokens = 0  # tokens generated so far (live tok/s), written by the scheduler
+        self.prompt_n = 0  # the prompt's tokens (the engine's count), written by the scheduler
         self._raw_token.connect(self._append)
         self._raw_done.connect(self._store)
 
@@ -63,7 +65,10 @@ class Generation(QObject):
             self._raw_done.emit(ev)
             return
         if isinstance(ev, PromptProgressEvent):  # queued to the GUI thread (our thread)
-            if not ev.start:  # the bar shows evaluated chunks (not the admission report)
+            self.prompt_n = ev.total
+            if ev.start:  # the context bar counts the prompt from its admission
+                self.prompt_size.emit(ev.total)
+            else:  # the bar shows evaluated chunks (not the admission report)
                 self.prompt_progress.emit(ev.done, ev.total)
             return
         self.n_tokens += 1

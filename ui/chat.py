@@ -165,6 +165,14 @@ class ChatPane(QWidget):
         title.setObjectName("sectionTitle")
         head.addWidget(title)
         head.addStretch(1)
+        # the context this chat uses (prompt + reply so far), as LM Studio shows it
+        self.context_bar = QProgressBar()
+        self.context_bar.setObjectName("contextBar")
+        self.context_bar.setFormat("Context %v / %m")
+        self.context_bar.setFixedWidth(170)
+        self.context_bar.setRange(0, 1)
+        self.context_bar.setValue(0)
+        head.addWidget(self.context_bar)
 
         self.view = QTextBrowser()
         self.view.setObjectName("transcript")
@@ -250,6 +258,29 @@ class ChatPane(QWidget):
         streaming = bool(self.generating and msgs and msgs[-1]["role"] == "assistant")
         body, self.codes = transcript_html(self.conversation, palette_colors(self.view), streaming)
         self.place.replace(lambda: self.view.setHtml(body), to_end=self.generating)
+        if not self.generating:  # the last reply's count (a chat opened, a version chosen)
+            last = next((m for m in reversed(msgs) if m.get("meta")), None)
+            self.show_context((last or {}).get("meta", {}).get("context", 0) if msgs else 0)
+
+    def show_context(self, used: int) -> None:
+        """Tokens of the context in use: the engine's counts of the prompt and of the
+        tokens generated (no second tokenizer); the tooltip says what a full one does."""
+        engine = self.bridge.engine
+        n_ctx = max(int(engine.ctx_size or 0), 1)
+        if self.context_bar.maximum() != n_ctx:
+            self.context_bar.setRange(0, n_ctx)
+        self.context_bar.setValue(min(int(used), n_ctx))
+        when_full = (
+            "the engine runs with context shift: it drops the older half of what it holds "
+            "and the reply goes on"
+            if engine.context_shift
+            else "the reply stops there (start the engine with --context-shift to drop "
+            "old tokens instead); a prompt that is itself too long is refused"
+        )
+        self.context_bar.setToolTip(
+            f"{used} of {n_ctx} tokens of context: the prompt (system prompt and the "
+            f"whole chat so far) plus the reply. When it fills, {when_full}."
+        )
 
     def _live(self) -> None:
         self.render()
@@ -258,6 +289,8 @@ class ChatPane(QWidget):
             dt = time.monotonic() - self._first_at
             rate = f" · {(gen.n_tokens - 1) / dt:.1f} tok/s" if dt > 0 and gen.n_tokens > 1 else ""
             self.status.setText(f"First token after {self._first_at - self._sent_at:.2f} s{rate}")
+        if gen is not None and gen.prompt_n:
+            self.show_context(gen.prompt_n + gen.n_tokens)
 
     def focus_input(self) -> None:
         self.input.setFocus()
@@ -387,6 +420,7 @@ class ChatPane(QWidget):
         gen.token.connect(lambda t, r=reply: self._token(r, t))
         gen.finished.connect(lambda d, r=reply: self._done(r, d))
         gen.prompt_progress.connect(self._prompt_progress)
+        gen.prompt_size.connect(self.show_context)
         self._sent_at, self._first_at = time.monotonic(), 0.0
         self.status.setText("Reading prompt…")
         self._save()
@@ -414,7 +448,8 @@ class ChatPane(QWidget):
             self._render_timer.start()
 
     def _done(self, reply: dict, done) -> None:
-        self.gen = None
+        gen, self.gen = self.gen, None
+        prompt_n = gen.prompt_n if gen is not None else 0  # the engine's count
         self.prompt_bar.hide()
         names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
         t = done.timings.as_dict()
@@ -427,6 +462,7 @@ class ChatPane(QWidget):
             "mix": mix_text(done.mix, names),
             "mix_ids": [[int(a), float(s)] for a, s in done.mix],
             "stop": done.stop_type,
+            "context": prompt_n + t["predicted_n"],  # the context bar's, kept with the chat
         }
         if done.stop_type == "error":
             self.message.emit(f"Generation failed: {done.error}")
@@ -434,9 +470,14 @@ class ChatPane(QWidget):
         versions = reply.setdefault("versions", [])
         versions.append({"content": reply["content"], "meta": reply["meta"]})
         reply["version"] = len(versions) - 1
+        full = ""
+        if done.truncated:
+            shifted = self.bridge.engine.context_shift
+            full = " · context full: " + ("older tokens dropped" if shifted else "reply stopped")
         self.status.setText(
             f"{tokens_text(t['predicted_n'])} · {reply['meta']['tps']:.1f} tok/s"
             + (" · stopped" if done.stop_type == "cancel" else "")
+            + full
         )
         self._render_timer.stop()
         self._save()

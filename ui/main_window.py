@@ -243,6 +243,13 @@ class MainWindow(FileDropMixin, QMainWindow):
             group.addAction(act)
             t.addAction(act)
             self.theme_actions[mode] = act
+        self.unity_action = QAction("&Unity faders (1.0 = as trained)", self, checkable=True)
+        self.unity_action.setChecked(self.mixer.unity)
+        self.unity_action.setToolTip(
+            "Show faders in effective units, scale × α / r, so 1.0 is each adapter as trained"
+        )
+        self.unity_action.toggled.connect(self.mixer.set_unity)
+        v.addAction(self.unity_action)
         h = self.menuBar().addMenu("&Help")
         act = QAction("&About Mixdesk", self)
         act.triggered.connect(

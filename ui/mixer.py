@@ -10,12 +10,14 @@ through ``bridge.mix_changed`` and move the faders.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
+    QFileDialog,
     QGridLayout,
     QHBoxLayout,
     QInputDialog,
@@ -38,7 +40,7 @@ from core.lora import merge as M
 from core.lora.adapter import effective_scale
 from core.lora.merge import LINEAR, MergeSpec
 from core.serve.events import MixBuilding, MixChanged, RequestFinished, RequestStarted
-from core.settings import Settings
+from core.settings import Settings, read_presets_file
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
@@ -77,9 +79,10 @@ class Fader(QSlider):
         self._fine_from: tuple[int, int] | None = None  # (x at press, value at press)
 
     def pull(self) -> float:
-        """DETENT_PX in scale units on this fader (a Shift+drag's pixels are finer)."""
+        """DETENT_PX in the fader's units (scale, or effective in unity mode; a
+        Shift+drag's pixels are finer)."""
         groove = max(self.width() - self.style().pixelMetric(QStyle.PM_SliderLength, None, self), 1)
-        per_px = (SCALE_MAX - SCALE_MIN) / groove
+        per_px = (self.maximum() - self.minimum()) / TICKS / groove
         return DETENT_PX * per_px * (FINE if self._fine_from is not None else 1.0)
 
     def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 (Qt's name)
@@ -118,12 +121,19 @@ class Fader(QSlider):
         super().keyPressEvent(event)
 
 
-class Strip:
-    """The widgets of one mixer row."""
+def unity_ratio(info: dict) -> float:
+    """α / r: effective = scale × this (1 for an adapter without alpha, as llama.cpp)."""
+    return effective_scale(1.0, info.get("alpha"), info.get("rank") or 1) or 1.0
 
-    def __init__(self, info: dict, on_change):
+
+class Strip:
+    """The widgets of one mixer row. ``value`` is always llama-server's scale; in unity
+    mode the fader and number box show and take it in effective units (× α / r)."""
+
+    def __init__(self, info: dict, on_change, unity: bool = False):
         self.info = info
         self.id = info["id"]
+        self.unity = unity
         # checked = on; lit (the DAW convention for a mute) while it is off
         self.on = QToolButton(checkable=True, checked=True, text="M")
         self.on.setObjectName("muteButton")
@@ -134,10 +144,8 @@ class Strip:
         self.name = ElidedLabel(info["name"])
         self.name.setObjectName("stripName")
         self.name.setMinimumWidth(44)  # elided ("lora_a…") where the desk is narrow
-        path = info.get("path", "")
-        self.name.setToolTip(f"{info['name']}\n{path}" if path else info["name"])
+        self.mark_differs(None)
         self.slider = Fader()
-        self.slider.setRange(int(SCALE_MIN * TICKS), int(SCALE_MAX * TICKS))
         self.slider.setTickPosition(QSlider.TicksBelow)
         self.slider.setTickInterval(TICKS // 2)
         self.slider.setMinimumWidth(FADER_MIN_WIDTH)
@@ -146,9 +154,7 @@ class Strip:
         )
         self.slider.reset.connect(lambda: self.set_value(0.0))
         self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.spin = QDoubleSpinBox(
-            decimals=3, singleStep=0.05, minimum=SCALE_MIN, maximum=SCALE_MAX
-        )
+        self.spin = QDoubleSpinBox(decimals=3, singleStep=0.05)
         self.spin.setKeyboardTracking(False)
         self.spin.setFixedWidth(70)  # "-2.000" and the arrows, as Fusion measures it
         self.eff = QLabel()
@@ -157,6 +163,7 @@ class Strip:
         self._on_change = on_change
         self.slider.valueChanged.connect(lambda v: self._set(v / TICKS, from_slider=True))
         self.spin.valueChanged.connect(lambda v: self._set(v, from_slider=False))
+        self._set_ranges()
         self.on.toggled.connect(self._toggled)
         self.solo.toggled.connect(lambda _: on_change())
         self.value = 0.0
@@ -168,12 +175,58 @@ class Strip:
     def _toggled(self, on: bool) -> None:
         self._on_change()
 
-    def _set(self, value: float, from_slider: bool) -> None:
-        if from_slider and abs(round(self.value * TICKS) - value * TICKS) < 0.5:
+    def ratio(self) -> float:
+        """Displayed units per unit of scale: α / r in unity mode, else 1."""
+        return unity_ratio(self.info) if self.unity else 1.0
+
+    def _set_ranges(self) -> None:
+        """The fader and box span the scale's −2…2 in the displayed unit, so switching
+        units never clamps (and so never changes) the mix."""
+        lo, hi = sorted((SCALE_MIN * self.ratio(), SCALE_MAX * self.ratio()))
+        for w in (self.slider, self.spin):
+            w.blockSignals(True)
+        self.slider.setRange(math.floor(lo * TICKS), math.ceil(hi * TICKS))
+        self.spin.setRange(lo, hi)
+        for w in (self.slider, self.spin):
+            w.blockSignals(False)
+        self.spin.setToolTip(
+            "Effective scale (scale × α / r): 1.0 is the adapter as trained; "
+            "View → Unity faders switches back to llama-server's scale"
+            if self.unity
+            else "llama-server's scale (the Effective column multiplies it by α / r)"
+        )
+
+    def set_unity(self, on: bool) -> None:
+        """Show the fader and box in effective units (on) or scale units; the value stays."""
+        self.unity = on
+        self._set_ranges()
+        self.set_value(self.value, notify=False)
+
+    def _set(self, shown: float, from_slider: bool) -> None:
+        """A value the user set on the fader or box, in the displayed unit."""
+        ratio = self.ratio()
+        if from_slider and abs(round(self.value * ratio * TICKS) - shown * TICKS) < 0.5:
             return  # the slider is coarser than the spin box: keep the precise value
         if from_slider and self.slider.isSliderDown():
-            value = detent(value, self.slider.pull())
-        self.set_value(value)
+            shown = detent(shown, self.slider.pull())  # 0 and ±1 in the unit shown
+        self.set_value(shown / ratio)
+
+    def mark_differs(self, preset: tuple[str, Channel] | None) -> None:
+        """● before the name while this strip differs from the selected preset (name,
+        what the preset has for it); the tooltip says what the preset has."""
+        self.differs = preset is not None
+        name, path = self.info["name"], self.info.get("path", "")
+        tip = f"{name}\n{path}" if path else name
+        if preset is not None:
+            pname, ch = preset
+            flags = ", ".join(f for f, on in (("muted", ch.muted), ("solo", ch.solo)) if on)
+            unit = "unity" if self.unity else "scale"  # as the fader shows it
+            there = ch.scale * self.ratio()
+            tip += f"\n● differs from preset “{pname}”: {unit} {there:.3f} there" + (
+                f" ({flags})" if flags else ""
+            )
+        self.name.setText(f"● {name}" if preset is not None else name)
+        self.name.setToolTip(tip)
 
     def set_busy(self, busy: bool) -> None:
         """Light the name while a request that uses this adapter runs (chat or HTTP)."""
@@ -191,7 +244,8 @@ class Strip:
     def set_value(self, value: float, notify: bool = True) -> None:
         value = max(SCALE_MIN, min(SCALE_MAX, float(value)))
         self.value = value
-        for w, v in ((self.slider, int(round(value * TICKS))), (self.spin, value)):
+        shown = value * self.ratio()
+        for w, v in ((self.slider, int(round(shown * TICKS))), (self.spin, shown)):
             w.blockSignals(True)
             w.setValue(v)
             w.blockSignals(False)
@@ -247,6 +301,8 @@ class MixerPanel(QWidget):
         self._pending: dict[str, dict] = {}
         self._pending_bypass: bool | None = None
         self._ready = False
+        # View → Unity faders: faders in effective units (× α / r); the mix stays in scale
+        self.unity = bool(settings.get("unity"))
         # undo/redo of the desk: named steps (a drag is one), the Edit menu's
         self.steps = MixHistory(self)
 
@@ -269,12 +325,19 @@ class MixerPanel(QWidget):
             b.clicked.connect(slot)
         # Rename and Delete are rarer: a menu keeps the row narrow enough for 1024 px
         more = buttons["more"] = QToolButton(text="⋯")
-        more.setToolTip("Rename or delete the selected preset")
+        more.setToolTip("Rename, delete, import or export presets")
         more.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(more)
         self.rename_action = menu.addAction("Rename…", self._rename_clicked)
         self.delete_action = menu.addAction("Delete", self._delete_clicked)
         self.delete_action.setToolTip("Delete the selected preset (Undo or Ctrl+Z brings it back)")
+        menu.addSeparator()
+        # presets travel as JSON files, in presets.json's own shape
+        self.import_action = menu.addAction("Import presets…", self._import_clicked)
+        self.export_action = menu.addAction(
+            "Export selected preset…", lambda: self._export_clicked(selected=True)
+        )
+        self.export_all_action = menu.addAction("Export all presets…", self._export_clicked)
         more.setMenu(menu)
         self.preset_box.activated.connect(lambda _: self._load_clicked())
         # Rename and Delete act on the selected preset: with none, they cannot act
@@ -325,6 +388,7 @@ class MixerPanel(QWidget):
                     "for its ratio."
                 )
             self.headers.append(h)
+        self._label_scale_header()
         self.empty = QLabel(
             "No adapters loaded. Add a LoRA (GGUF or PEFT folder) below, or drop one on the window."
         )
@@ -388,9 +452,10 @@ class MixerPanel(QWidget):
         for row, info in enumerate(adapters, start=1):
             strip = old.get(info["id"])
             if strip is None:
-                strip = Strip(info, self._apply)
+                strip = Strip(info, self._apply, self.unity)
                 restored |= self._restore_strip(strip)
             strip.info = info
+            strip.set_unity(self.unity)  # a reloaded adapter may have another α / r
             self.strips[info["id"]] = strip
             for col, w in enumerate(strip.widgets()):
                 self.grid.addWidget(w, row, col)
@@ -406,6 +471,29 @@ class MixerPanel(QWidget):
             self._apply()  # the desk as it was wins over the scales it was loaded with
         else:
             self._reconcile(self.bridge.engine.get_mix())
+
+    # -- unity mode -----------------------------------------------------------------------
+    def set_unity(self, on: bool) -> None:
+        """Faders and boxes in effective units (1.0 = the adapter as trained) or in
+        llama-server's scale. Only the display changes: the mix, presets and undo keep
+        the scale."""
+        self.unity = bool(on)
+        if self.settings.get("unity") != self.unity:
+            self.settings.set("unity", self.unity)
+        for s in self.strips.values():
+            s.set_unity(self.unity)
+        self._label_scale_header()
+
+    def _label_scale_header(self) -> None:
+        h = self.headers[3]
+        h.setText("Unity" if self.unity else "Scale")
+        h.setToolTip(
+            "Faders in effective units, scale × α / r: 1.0 is the adapter as trained "
+            "(the mix sent to the engine is still llama-server's scale)"
+            if self.unity
+            else "llama-server's scale; View → Unity faders shows effective units, where "
+            "1.0 is the adapter as trained"
+        )
 
     # -- the merge method (#21) -------------------------------------------------------------
     def _merge_row(self) -> QHBoxLayout:
@@ -637,6 +725,14 @@ class MixerPanel(QWidget):
     def _mark_modified(self) -> None:
         name = self.preset_box.currentText()
         self.modified.setVisible(bool(name) and not self.matches_preset(name))
+        preset = self.settings.presets.get(name) if name else None
+        for s in self.strips.values():
+            if preset is None:
+                s.mark_differs(None)
+                continue
+            e = self._entry_for(preset, s)
+            want = Channel.from_entry(e)
+            s.mark_differs(None if want == s.channel() else (name, want))
 
     def _engine_mix_changed(self, ev: MixChanged) -> None:
         if ev.source != "gui":
@@ -796,8 +892,9 @@ class MixerPanel(QWidget):
 
     def _enable_preset_actions(self) -> None:
         on = bool(self.preset_box.currentText())
-        for action in (self.rename_action, self.delete_action):
+        for action in (self.rename_action, self.delete_action, self.export_action):
             action.setEnabled(on)
+        self.export_all_action.setEnabled(bool(self.settings.presets.names()))
 
     def refresh_presets(self, select: str | None = None) -> None:
         cur = select or self.preset_box.currentText()
@@ -845,6 +942,62 @@ class MixerPanel(QWidget):
                 self.rename_preset(old, new)
             except UserError as e:
                 self.message.emit(str(e))
+
+    # -- presets travel: JSON files --------------------------------------------------------
+    def export_presets(self, path, selected: bool = False) -> list[str]:
+        """Write the selected preset (or all) to ``path``; the names written."""
+        names = [self.preset_box.currentText()] if selected else self.settings.presets.names()
+        written = self.settings.presets.export(path, [n for n in names if n])
+        self.message.emit(f"Exported {len(written)} preset(s) to {path}")
+        return written
+
+    def import_presets(self, path) -> list[str]:
+        """Merge the presets of ``path`` in (a clash asks: replace, keep both or skip).
+        A bad file raises UserError before anything changes."""
+        incoming = read_presets_file(path)
+        added = self.settings.presets.merge(incoming, self.ask_clash)
+        self.refresh_presets()
+        self._mark_modified()
+        self.message.emit(f"Imported {len(added)} preset(s) from {Path(path).name}")
+        return added
+
+    def ask_clash(self, name: str) -> str:
+        """A preset of this name exists: "replace", "rename" (keep both) or "skip"."""
+        box = QMessageBox(self)
+        box.setWindowTitle("Import presets")
+        box.setIcon(QMessageBox.Question)
+        box.setText(f"A preset named “{name}” exists.")
+        box.setInformativeText("Replace it, keep both (the imported one renamed), or skip it?")
+        buttons = {
+            box.addButton("Replace", QMessageBox.DestructiveRole): "replace",
+            box.addButton("Keep both", QMessageBox.AcceptRole): "rename",
+            box.addButton("Skip", QMessageBox.RejectRole): "skip",
+        }
+        box.exec()
+        return buttons.get(box.clickedButton(), "skip")
+
+    def _import_clicked(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Import presets", "", "Presets (*.json);;All files (*)"
+        )
+        if not path:
+            return
+        try:
+            self.import_presets(path)
+        except UserError as e:
+            QMessageBox.warning(self, "Import presets", f"Nothing was imported: {e}")
+
+    def _export_clicked(self, selected: bool = False) -> None:
+        first = self.preset_box.currentText() if selected else "presets"
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export presets", f"{first}.json", "Presets (*.json)"
+        )
+        if not path:
+            return
+        try:
+            self.export_presets(path, selected=selected)
+        except OSError as e:
+            QMessageBox.warning(self, "Export presets", f"Could not write {path}: {e}")
 
     def _delete_clicked(self) -> None:
         if self.preset_box.currentText():
