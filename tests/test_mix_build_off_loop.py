@@ -55,14 +55,14 @@ class Gate:
         self.held = False  # a build is waiting at the gate right now
         real = runtime.build_mix
 
-        def gated(cfg, key, adapters, progress=None):
+        def gated(cfg, key, adapters, *rest, **kw):  # rest: progress, control vectors
             if isinstance(key, MergedKey):
                 self.merged_builds.append(key)
                 self.held = True
                 self.entered.set()
                 self.released.wait(HELD_S)
                 self.held = False
-            return real(cfg, key, adapters, progress)
+            return real(cfg, key, adapters, *rest, **kw)
 
         monkeypatch.setattr(runtime, "build_mix", gated)
 
