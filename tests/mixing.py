@@ -36,3 +36,20 @@ def mix_logits(eng, mix: Mapping[int, float], tokens: Sequence[int]) -> np.ndarr
     cache = eng.model.new_cache(len(tokens) + 8)
     item = BatchItem(np.asarray(tokens), cache, all_logits=True)
     return forward(eng.model, [item], [mix_weights(eng, mix)])[0]
+
+
+def check_teacher_forced(model, mw: MixWeights | None, case: Mapping, tol: float = 0.05) -> None:
+    """One recorded llama-server case, teacher-forced through ``model`` under ``mw``:
+    the same top-1 token at every step and the reference's top-5 logprobs within
+    ``tol``."""
+    from core.serve.sampling import log_softmax
+
+    toks = np.array(case["prompt_tokens"] + case["tokens"])  # (T,)
+    item = BatchItem(toks, model.new_cache(max(64, len(toks))), all_logits=True)
+    logits = forward(model, [item], [mw])[0]  # (T, vocab)
+    n = len(case["prompt_tokens"])
+    for step, top in enumerate(case["top_logprobs"]):
+        lp = log_softmax(logits[n - 1 + step])
+        assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
+        for tid, ref_lp in top[:5]:
+            assert abs(lp[tid] - ref_lp) < tol, f"step {step} token {tid}: {lp[tid]} vs {ref_lp}"

@@ -26,8 +26,8 @@ from core.lora.mix import Mix, SteeredKey, mix_key
 from core.model.deltas import Deltas
 from core.model.llama import BatchItem
 from core.options import EngineOptions
-from core.serve.sampling import SamplingParams, log_softmax
-from tests.mixing import forward
+from core.serve.sampling import SamplingParams
+from tests.mixing import check_teacher_forced, forward
 
 N_CASES = 12  # 3 flag sets x 4 prompts
 REPO = Path(__file__).resolve().parents[1]
@@ -68,15 +68,7 @@ def test_teacher_forced_logprobs_match_llama_server(engine, cv_ref, i):
     case = cv_ref["greedy"][i]
     _, mw = engine.lora.built(case_mix(engine, case))
     assert mw is not None and mw.steer is not None
-    cache = engine.model.new_cache(64)
-    toks = np.array(case["prompt_tokens"] + case["tokens"])
-    logits = forward(engine.model, [BatchItem(toks, cache, all_logits=True)], [mw])[0]
-    n = len(case["prompt_tokens"])
-    for step, top in enumerate(case["top_logprobs"]):
-        lp = log_softmax(logits[n - 1 + step])
-        assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
-        for tid, ref_lp in top[:5]:
-            assert abs(lp[tid] - ref_lp) < 0.05, f"step {step} token {tid}: {lp[tid]} vs {ref_lp}"
+    check_teacher_forced(engine.model, mw, case)
 
 
 @pytest.mark.parametrize("i", range(N_CASES))
@@ -403,16 +395,7 @@ def test_gemma3_matches_llama_server(gemma3_engine, ref_dir, i):
     eng.set_control_vector_range(*case["layer_range"])
     mix = Mix({}, vectors={0: case["vectors"][0]["scale"]})
     _, mw = eng.lora.built(mix)
-    toks = np.array(case["prompt_tokens"] + case["tokens"])
-    logits = forward(eng.model, [BatchItem(toks, eng.model.new_cache(64), all_logits=True)], [mw])[
-        0
-    ]
-    n = len(case["prompt_tokens"])
-    for step, top in enumerate(case["top_logprobs"]):
-        lp = log_softmax(logits[n - 1 + step])
-        assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
-        for tid, ref_lp in top[:5]:
-            assert abs(lp[tid] - ref_lp) < 0.05, f"step {step} token {tid}: {lp[tid]} vs {ref_lp}"
+    check_teacher_forced(eng.model, mw, case)
     params = SamplingParams(temperature=0, n_predict=16, ignore_eos=True)
     done = eng.complete(case["prompt_tokens"], params, mix=mix, cache_prompt=False)
     assert done.tokens == case["tokens"]

@@ -13,8 +13,8 @@ import pytest
 
 from core.lora.mix import mix_key
 from core.model.llama import BatchItem
-from core.serve.sampling import SamplingParams, log_softmax
-from tests.mixing import forward
+from core.serve.sampling import SamplingParams
+from tests.mixing import check_teacher_forced, forward
 
 N_CASES = 32
 
@@ -46,15 +46,7 @@ def test_teacher_forced_logprobs(engine, reference, i):
     mw = engine.lora.mixes.get(
         mix_key(case_mix(case)), {a["id"]: engine.adapter(a["id"]) for a in engine.adapters()}
     )
-    cache = engine.model.new_cache(64)
-    toks = np.array(case["prompt_tokens"] + case["tokens"])
-    logits = forward(engine.model, [BatchItem(toks, cache, all_logits=True)], [mw])[0]
-    n = len(case["prompt_tokens"])
-    for step, top in enumerate(case["top_logprobs"]):
-        lp = log_softmax(logits[n - 1 + step])
-        assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
-        for tid, ref_lp in top[:5]:
-            assert abs(lp[tid] - ref_lp) < 0.05, f"step {step} token {tid}: {lp[tid]} vs {ref_lp}"
+    check_teacher_forced(engine.model, mw, case)
 
 
 @pytest.mark.parametrize("i", range(N_CASES))

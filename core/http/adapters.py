@@ -78,10 +78,16 @@ def _add_adapter(eng, path, scale: float, name: str | None) -> dict:
     return info
 
 
+def _require_runtime_changes(request: web.Request) -> None:
+    """Loading and unloading change the server's adapter set: both need
+    --allow-runtime-lora (a 403 otherwise)."""
+    if not get_settings(request).allow_runtime_lora:
+        raise runtime_lora_off()
+
+
 async def _load_adapter(request: web.Request, path: str, scale: float, name: str | None) -> dict:
     s = get_settings(request)
-    if not s.allow_runtime_lora:
-        raise runtime_lora_off()
+    _require_runtime_changes(request)
     eng = get_engine(request)
     target = adapter_path(path, s.lora_dirs)
     async with _load_lock(request.app):  # one load at a time: names stay unique
@@ -116,22 +122,19 @@ async def lora_load(request: web.Request) -> web.Response:
     return web.json_response(R.lora_adapter_entry(info))
 
 
-def _require_runtime_changes(request: web.Request) -> None:
-    """Loading and unloading change the server's adapter set: both need
-    --allow-runtime-lora (a 403 otherwise)."""
-    if not get_settings(request).allow_runtime_lora:
-        raise runtime_lora_off()
+async def _unload_by_id(request: web.Request, remove) -> web.Response:
+    """``{"id"}`` -> ``remove(id)``: /lora-adapters/unload and /control-vectors/unload."""
+    _require_runtime_changes(request)
+    body = await json_body(request)
+    uid = P.get_int(body, "id", None)
+    if uid is None:
+        raise HttpError('"id" is required')
+    remove(uid)
+    return web.json_response({"success": True})
 
 
 async def lora_unload(request: web.Request) -> web.Response:
-    _require_runtime_changes(request)
-    eng = get_engine(request)
-    body = await json_body(request)
-    aid = P.get_int(body, "id", None)
-    if aid is None:
-        raise HttpError('"id" is required')
-    eng.remove_adapter(aid)
-    return web.json_response({"success": True})
+    return await _unload_by_id(request, get_engine(request).remove_adapter)
 
 
 async def vllm_load(request: web.Request) -> web.Response:
@@ -206,8 +209,7 @@ async def control_vectors_load(request: web.Request) -> web.Response:
     """POST /control-vectors/load {"path", "scale"?} -> the new GET entry; behind
     --allow-runtime-lora and only from the --lora-dir folders, as adapters."""
     s = get_settings(request)
-    if not s.allow_runtime_lora:
-        raise runtime_lora_off()
+    _require_runtime_changes(request)
     body = await json_body(request)
     path = P.get_str(body, "path", required=True)
     scale = P.get_float(body, "scale", 0.0 if s.lora_init_without_apply else 1.0)
@@ -219,11 +221,4 @@ async def control_vectors_load(request: web.Request) -> web.Response:
 
 
 async def control_vectors_unload(request: web.Request) -> web.Response:
-    _require_runtime_changes(request)
-    eng = get_engine(request)
-    body = await json_body(request)
-    vid = P.get_int(body, "id", None)
-    if vid is None:
-        raise HttpError('"id" is required')
-    eng.remove_control_vector(vid)
-    return web.json_response({"success": True})
+    return await _unload_by_id(request, get_engine(request).remove_control_vector)

@@ -37,6 +37,7 @@ from .kernel_base import (
 # that could alias w, so the fully unrolled body is vectorized as it stands.
 
 DOT_TYPES = (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # types with a fused T=1 dot
+SUMS_TYPES = (Q4_K, Q5_K, Q4_1, Q5_1)  # dots whose mins take x's sums per 32 (xs)
 
 
 @_jit(fastmath=True, inline="always")
@@ -59,6 +60,30 @@ def _acc_sum(acc, n):
     return s
 
 
+@_jit(fastmath=True, inline="always")
+def _k_head(w, o, s):
+    """A Q4_K/Q5_K block's head at w[o]: its 8 sub-block scales times d, and its mins'
+    share of the dot, dmin * sum(m_j * s_j) with ``s`` the sums of x over the block's
+    8 sub-blocks."""
+    d = _f16t(w, o)
+    dmin = _f16t(w, o + 2)
+    ks = w[o + 4 : o + 16]  # (12,) packed 6-bit scales and mins
+    sc0, m0 = _k_scales(ks, 0)
+    sc1, m1 = _k_scales(ks, 1)
+    sc2, m2 = _k_scales(ks, 2)
+    sc3, m3 = _k_scales(ks, 3)
+    sc4, m4 = _k_scales(ks, 4)
+    sc5, m5 = _k_scales(ks, 5)
+    sc6, m6 = _k_scales(ks, 6)
+    sc7, m7 = _k_scales(ks, 7)
+    mins = dmin * (
+        m0 * s[0] + m1 * s[1] + m2 * s[2]
+        + m3 * s[3] + m4 * s[4] + m5 * s[5]
+        + m6 * s[6] + m7 * s[7]
+    )  # fmt: skip
+    return d * sc0, d * sc1, d * sc2, d * sc3, d * sc4, d * sc5, d * sc6, d * sc7, mins
+
+
 @_jit(fastmath=True)
 def _dot_q4_k(w, x, xs, acc):
     for i in range(32):
@@ -66,27 +91,8 @@ def _dot_q4_k(w, x, xs, acc):
     mins = np.float32(0.0)
     for b in range(x.shape[0] // 256):
         o = b * 144
-        d = _f16t(w, o)
-        dmin = _f16t(w, o + 2)
-        ks = w[o + 4 : o + 16]  # (12,) packed 6-bit scales and mins
-        sc0, m0 = _k_scales(ks, 0)
-        sc1, m1 = _k_scales(ks, 1)
-        sc2, m2 = _k_scales(ks, 2)
-        sc3, m3 = _k_scales(ks, 3)
-        sc4, m4 = _k_scales(ks, 4)
-        sc5, m5 = _k_scales(ks, 5)
-        sc6, m6 = _k_scales(ks, 6)
-        sc7, m7 = _k_scales(ks, 7)
-        s = xs[b * 8 : b * 8 + 8]  # sums of x over the block's 8 sub-blocks
-        mins += dmin * (
-            m0 * s[0] + m1 * s[1] + m2 * s[2]
-            + m3 * s[3] + m4 * s[4] + m5 * s[5]
-            + m6 * s[6] + m7 * s[7]
-        )  # fmt: skip
-        f0, f1 = d * sc0, d * sc1
-        f2, f3 = d * sc2, d * sc3
-        f4, f5 = d * sc4, d * sc5
-        f6, f7 = d * sc6, d * sc7
+        f0, f1, f2, f3, f4, f5, f6, f7, m = _k_head(w, o, xs[b * 8 : b * 8 + 8])
+        mins += m
         q = w[o + 16 : o + 144]  # (128,) two sub-blocks per 32 bytes: low, high nibbles
         xb = x[b * 256 : b * 256 + 256]  # (256,)
         for i in range(32):
@@ -117,27 +123,8 @@ def _dot_q5_k(w, x, xs, acc):
     mins = np.float32(0.0)
     for b in range(x.shape[0] // 256):
         o = b * 176
-        d = _f16t(w, o)
-        dmin = _f16t(w, o + 2)
-        ks = w[o + 4 : o + 16]  # (12,) packed 6-bit scales and mins
-        sc0, m0 = _k_scales(ks, 0)
-        sc1, m1 = _k_scales(ks, 1)
-        sc2, m2 = _k_scales(ks, 2)
-        sc3, m3 = _k_scales(ks, 3)
-        sc4, m4 = _k_scales(ks, 4)
-        sc5, m5 = _k_scales(ks, 5)
-        sc6, m6 = _k_scales(ks, 6)
-        sc7, m7 = _k_scales(ks, 7)
-        s = xs[b * 8 : b * 8 + 8]
-        mins += dmin * (
-            m0 * s[0] + m1 * s[1] + m2 * s[2]
-            + m3 * s[3] + m4 * s[4] + m5 * s[5]
-            + m6 * s[6] + m7 * s[7]
-        )  # fmt: skip
-        f0, f1 = d * sc0, d * sc1
-        f2, f3 = d * sc2, d * sc3
-        f4, f5 = d * sc4, d * sc5
-        f6, f7 = d * sc6, d * sc7
+        f0, f1, f2, f3, f4, f5, f6, f7, m = _k_head(w, o, xs[b * 8 : b * 8 + 8])
+        mins += m
         qh = w[o + 16 : o + 48]  # (32,) bit j of qh[i]: fifth bit of sub-block j's element i
         q = w[o + 48 : o + 176]  # (128,)
         xb = x[b * 256 : b * 256 + 256]  # (256,)

@@ -70,7 +70,7 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
     _qh32,
     numba,
 )
-from .kernel_dots import DOT_TYPES, _dot, _sums  # noqa: F401  (DOT_TYPES: API)
+from .kernel_dots import DOT_TYPES, SUMS_TYPES, _dot, _sums
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 # elements of x per K-chunk and activation row: T rows x K floats of x stay in L1
@@ -374,15 +374,6 @@ def _run(code, w, e0, e1, out):
 ROWS, SMALL = 0, 1  # _launch's operations
 
 
-@_jit()
-def _has_dot(code):
-    literally(code)
-    return (
-        code == Q4_K or code == Q5_K or code == Q6_K or code == Q8_0
-        or code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1
-    )  # fmt: skip
-
-
 @_jit(parallel=True)
 def _launch(code, op, w, ids, x, out, kc):
     """One parallel kernel per type for both operations (numba's parallel lowering
@@ -397,9 +388,9 @@ def _launch(code, op, w, ids, x, out, kc):
     n_in = out.shape[1] if op == ROWS else x.shape[1]
     n_units = ids.shape[0] if op == ROWS else (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
     # one activation row of a type with a fused dot: the decode step's gemv
-    gemv = op == SMALL and x.shape[0] == 1 and _has_dot(code)
+    gemv = op == SMALL and x.shape[0] == 1 and code in DOT_TYPES
     xs = np.empty(0, dtype=np.float32)  # x's sums per 32: the mins of these types
-    if gemv and (code == Q4_K or code == Q5_K or code == Q4_1 or code == Q5_1):
+    if gemv and code in SUMS_TYPES:
         xs = _sums(x[0], 32)
     for u in prange(n_units):
         if op == ROWS:
