@@ -32,9 +32,10 @@ def pytest_configure(config):
     _USER_MODELS = real_models
     _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="mixdesk-test-cache-"))
     os.environ["MIXDESK_CACHE"] = str(_SESSION_CACHE)
-    # compiled quant kernels (core/model/kernels.py) are keyed by their source and the
-    # CPU, so sessions share one cache outside the user's: without it every session
-    # would compile them anew (a minute or two of CPU)
+    # compiled quant kernels (core/model/kernels.py) are keyed by their sources (a
+    # folder per kernel_base.sources_digest) and the CPU, so sessions share one cache
+    # outside the user's: without it every session would compile them anew (a minute
+    # or two of CPU)
     os.environ.setdefault(
         "NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "mixdesk-test-numba")
     )

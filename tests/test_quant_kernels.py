@@ -10,6 +10,8 @@ Q6_K, Q5_0, Q8_0) tensors.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, quants
@@ -213,19 +215,48 @@ def test_warm_up_reports_time_and_progress():
 
 
 def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
-    """Compiled kernels are cached in cache_dir()/numba unless NUMBA_CACHE_DIR is set."""
+    """Compiled kernels are cached in cache_dir()/numba (or the NUMBA_CACHE_DIR the
+    user set), in a folder named by the kernels' sources, so that an update of a
+    module the entry points call never runs old cached code (numba checks only the
+    entry point's own file)."""
     import os
     import subprocess
     import sys
 
+    from core.model import kernel_base
+
     code = "import numba.core.config as c, core.model.kernels; print(c.CACHE_DIR)"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["MIXDESK_CACHE"] = str(tmp_path / "cache")
+    digest = kernel_base.sources_digest()
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert run.stdout.strip() == str(tmp_path / "cache" / "numba"), run.stderr
+    assert run.stdout.strip() == str(tmp_path / "cache" / "numba" / digest), run.stderr
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert run.stdout.strip() == str(tmp_path / "mine"), run.stderr
+    assert run.stdout.strip() == str(tmp_path / "mine" / digest), run.stderr
+    # a child started with the named folder keeps it (no second level)
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine" / digest)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == str(tmp_path / "mine" / digest), run.stderr
+
+
+def test_kernel_cache_folder_follows_every_kernel_source(tmp_path, monkeypatch):
+    """Changing any one of the kernel modules (not only kernels.py, whose functions
+    numba caches) moves the cache to a new folder."""
+    from core.model import kernel_base
+
+    here = Path(kernel_base.__file__).parent
+    for name in kernel_base.KERNEL_SOURCES:
+        (tmp_path / name).write_bytes((here / name).read_bytes())
+    monkeypatch.setattr(kernel_base, "__file__", str(tmp_path / "kernel_base.py"))
+    same = kernel_base.sources_digest()
+    assert same == kernel_base.sources_digest()
+    seen = {same}
+    for name in kernel_base.KERNEL_SOURCES:
+        with open(tmp_path / name, "a") as f:
+            f.write("\n# changed\n")
+        seen.add(kernel_base.sources_digest())
+    assert len(seen) == 1 + len(kernel_base.KERNEL_SOURCES)
 
 
 DOT = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]

@@ -6,17 +6,37 @@ bits, K-quant scales) that the dequantizers (core/model/kernels.py) and the fuse
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 
 from ..paths import cache_dir
 
+KERNEL_SOURCES = ("kernel_base.py", "kernel_dots.py", "kernels.py")
+
+
+def sources_digest() -> str:
+    """A short digest of the kernels' source files. numba checks a cached kernel only
+    against the file of the function compiled (kernels.py's entry points), not the
+    modules it calls: after an update that changed only kernel_dots.py, the old dots
+    would run from the cache. So the cache lives in a folder named by this digest."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in KERNEL_SOURCES:
+        try:
+            h.update((here / name).read_bytes())
+        except OSError:  # a frozen app without sources: numba cannot cache there anyway
+            h.update(name.encode())
+    return "kernels-" + h.hexdigest()[:12]
+
 
 def _configure() -> None:
     """Set what numba reads when it is imported (a variable the user set wins):
 
-    * NUMBA_CACHE_DIR: compiled kernels go to the user cache dir;
+    * NUMBA_CACHE_DIR: compiled kernels go to the user cache dir (or the folder the
+      user set), in a subfolder named by :func:`sources_digest`;
     * NUMBA_CPU_FEATURES: on a CPU with AVX-512, the host's features without LLVM's
       preference for 256-bit vectors. LLVM keeps to 256 bits on such CPUs (early
       ones slowed their clock for 512-bit work); the fused dots then ran at
@@ -24,8 +44,10 @@ def _configure() -> None:
       1.2-1.3x faster (one thread, Emerald Rapids, 2026-12-06). numba keys its disk
       cache on the features, so a cached kernel never runs on a CPU it was not
       built for."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir() / "numba")
+    root = Path(os.environ.get("NUMBA_CACHE_DIR") or cache_dir() / "numba")
+    digest = sources_digest()
+    # a child process inherits the folder already named
+    os.environ["NUMBA_CACHE_DIR"] = str(root if root.name == digest else root / digest)
     if not os.environ.get("NUMBA_CPU_FEATURES") and not os.environ.get("NUMBA_CPU_NAME"):
         import llvmlite.binding as llvm
 
@@ -39,8 +61,9 @@ _configure()
 import numba  # noqa: E402  (after NUMBA_CACHE_DIR is set)
 from numba import njit  # noqa: E402
 
-if not numba.config.CACHE_DIR:  # numba was imported before us (by another library)
-    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+# numba may have been imported before us (by another library): it reads the folder
+# from its config when a function is decorated, so setting it here is in time
+numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 if os.environ.get("NUMBA_CPU_FEATURES") and not numba.config.CPU_FEATURES:
     numba.config.CPU_FEATURES = os.environ["NUMBA_CPU_FEATURES"]
 

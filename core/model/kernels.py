@@ -70,7 +70,7 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
     _qh32,
     numba,
 )
-from .kernel_dots import DOT_TYPES, SUMS_TYPES, _dot, _sums
+from .kernel_dots import DOT_TYPES, SUMS_TYPES, _dot_rows, _sums
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 # elements of x per K-chunk and activation row: T rows x K floats of x stay in L1
@@ -396,10 +396,8 @@ def _launch(code, op, w, ids, x, out, kc):
         if op == ROWS:
             _run(code, w[ids[u]], 0, n_in, out[u])
         elif gemv:
-            acc = np.empty(32, dtype=np.float32)  # the dot's partial sums, per thread
             r0 = u * ROWS_PER_CHUNK
-            for r in range(r0, min(n_out, r0 + ROWS_PER_CHUNK)):
-                out[0, r] = _dot(code, w[r], x[0], xs, acc)
+            _dot_rows(code, w, x[0], xs, out[0], r0, min(n_out, r0 + ROWS_PER_CHUNK))
         else:
             buf = np.empty(min(kc, n_in), dtype=np.float32)  # one K-chunk of one row
             r0 = u * ROWS_PER_CHUNK
