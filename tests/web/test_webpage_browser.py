@@ -361,7 +361,7 @@ def test_regenerate_asks_the_last_question_again_under_the_current_mix(tab):
     assert tab.page.locator(".msg.assistant").last.locator(".regenerate").count() == 1
 
 
-# ---- a reply over a reload, Stop, New chat (once tools/webui_check.py) ------------------
+# ---- a reply over a reload, Stop, New chat ---------------------------------------------
 
 
 def test_a_reload_mid_reply_picks_it_up_and_stop_and_new_chat_work(tab, srv):
