@@ -1,4 +1,4 @@
-"""The browser for the web page's tests: Debian's ``chromium`` driven by Playwright
+"""The web page's tests: one engine for them all, and the browser: Debian's ``chromium`` driven by Playwright
 (pinned in requirements-dev.txt), launched once per session.
 
 Playwright's own browser download (``playwright install``) is never used: it fetches
@@ -9,6 +9,10 @@ and chromium would otherwise keep trying to reach its services).
 Without chromium (or playwright) a local run skips these tests with one line saying
 so; CI (.ci/run) installs chromium and sets MIXDESK_REQUIRE_BROWSER=1, which turns
 that skip into a failure: the browser tests never pass by not running.
+
+The engine (SmolLM2 with one adapter) is shared by test_webui.py and the browser tests:
+loading it and its first prefill cost seconds each time, and neither module changes it
+(the page's mix goes with each request; both check the global mix stays as it was).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.serving import running_engine
 
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -39,6 +45,14 @@ def chromium_path() -> str | None:
 
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def engine(smollm_path, ref_dir):
+    """Session-scoped, seen by tests/web only: these modules run last in a whole run."""
+    attn = ref_dir / "adapters" / "lora_attn.gguf"
+    with running_engine(smollm_path, adapters=[attn], ctx_size=512, n_parallel=2) as eng:
+        yield eng
 
 
 def why_unavailable() -> str | None:

@@ -28,7 +28,7 @@ try:
 except ImportError:  # the browser fixture says so, in one line (conftest.py)
     expect = None
 
-from tests.serving import running_engine, serving
+from tests.serving import serving
 
 KEY = "browser-test-key"
 WIDE = {"width": 1280, "height": 800}
@@ -37,13 +37,6 @@ CHAT = "/v1/chat/completions"
 # a reply made certain by a grammar: Markdown, and markup that must stay text
 MARKDOWN_REPLY = "**Bold** and `tick` <script>window.pwned=1</script>\n\n```python\nx = 1\n```"
 SHOTS = os.environ.get("MIXDESK_WEB_SHOTS")
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path, ref_dir):
-    attn = ref_dir / "adapters" / "lora_attn.gguf"
-    with running_engine(smollm_path, adapters=[attn], ctx_size=512, n_parallel=2) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +143,7 @@ def canned_replies(tab: Page) -> None:
     """The tab's chat requests are answered by a fixed stream instead of the model: for
     the checks of what a request carries under a mix the server never saw (the
     server would build that mix first, seconds on this machine; that it honours a
-    request's mix is tests/test_webui.py's). The request is still captured as sent."""
+    request's mix is test_webui.py's). The request is still captured as sent."""
     tab.page.route(
         "**" + CHAT,
         lambda route: route.fulfill(status=200, content_type="text/event-stream", body=CANNED_SSE),

@@ -1,5 +1,5 @@
 """The built-in web chat page at ``/`` (llama-server's web UI), against real servers on
-127.0.0.1 over SmolLM2: the page and its assets with their types and headers, the
+127.0.0.1 over SmolLM2 (the engine of tests/web/conftest.py): the page and its assets with their types and headers, the
 API-key exemption of exactly those static paths (llama.cpp's
 test_access_static_assets_without_api_key), ``--no-ui`` / ``--no-webui`` (test_no_ui),
 the Host check still applying, and the page itself: no markup injection, no external
@@ -17,16 +17,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_http_headless import free_port, start, stop
 
 from core.cli import parse_args
 from core.http import webui
 from core.http.app import ServerSettings
 from core.http.security import PUBLIC_PATHS, public_paths
 from core.http.server import ServerThread
-from tests.serving import running_engine, serving
+from tests.serving import serving
+from tests.test_http_headless import free_port, start, stop
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WEBUI_DIR = REPO / "resources" / "webui"
 KEY = "webui-test-key"
 # the four paths llama.cpp's tests fetch without a key, plus the manifest's icon
@@ -39,13 +39,6 @@ CSP_DIRECTIVES = [
     "img-src 'self' data:",
     "connect-src 'self'",
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path, ref_dir):
-    attn = ref_dir / "adapters" / "lora_attn.gguf"
-    with running_engine(smollm_path, adapters=[attn], ctx_size=256, n_parallel=2) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")
