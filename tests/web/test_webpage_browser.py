@@ -360,7 +360,7 @@ def test_regenerate_asks_the_last_question_again_under_the_current_mix(tab):
 def test_a_reload_mid_reply_picks_it_up_and_stop_and_new_chat_work(tab, srv):
     tab.ready()
     p = tab.page
-    p.fill("#max-tokens", "16")
+    p.fill("#max-tokens", "24")
     p.fill("#input", "Write a story about a lighthouse keeper.")
     p.click("#send")
     expect(p.locator(".msg.assistant .text")).not_to_be_empty()
@@ -368,7 +368,7 @@ def test_a_reload_mid_reply_picks_it_up_and_stop_and_new_chat_work(tab, srv):
     assert tab.saved()["pending"] is True
     p.reload()
     label = tab.reply_done()  # read again from the server (GET /v1/stream)
-    assert label.startswith("16 tokens")
+    assert label.startswith("24 tokens")
     saved = tab.saved()
     assert saved["conv"] == conv and saved["pending"] is False
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
