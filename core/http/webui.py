@@ -7,9 +7,16 @@ browser asks for around it: the web app manifest, a service worker (offline star
 the icon, and ``/_app/version.json`` (the path llama.cpp's own UI and tests use),
 generated from the build string ``/props`` reports.
 
-Everything here is static: ``security.py`` lets :data:`PATHS` through without the
+Replies are shown as Markdown, rendered here by the one Markdown home of Mixdesk
+(core/markdown.py: markdown-it-py with raw HTML off, pygments for code): the page
+POSTs a reply's text to ``/mixdesk/markdown`` while it streams and gets the HTML back;
+the pygments classes' stylesheet is put into the page's ``<style>`` when it is read
+(the ``/* mixdesk:code-style */`` mark), so the page still fetches nothing else.
+
+Everything else here is static: ``security.py`` lets :data:`PATHS` through without the
 API key (the page asks for the key itself when an API call answers 401), while the
-Host and Origin checks apply as to every other path. ``--no-webui`` / ``--no-ui``
+Host and Origin checks apply as to every other path. The Markdown route is not
+static: it needs the key like any API route. ``--no-webui`` / ``--no-ui``
 leave the routes out, so they answer 404 like any unknown path.
 
 The files are read once, when the routes are added: a request never touches the
@@ -19,6 +26,7 @@ with a 500 naming it, instead of failing the server.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -29,6 +37,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..errors import HttpError
+from ..markdown import web_css, web_html
 from ..paths import resources_dir
 from .build_info import build_info
 
@@ -44,6 +53,10 @@ PAGE_CSP = (
 )
 NO_CACHE = "no-cache"  # the browser may keep a copy but revalidates it (ETag) every time
 VERSION_PATH = "/_app/version.json"
+MARKDOWN_PATH = "/mixdesk/markdown"  # POST {"text"} -> {"html"}: a reply as the page shows it
+MARKDOWN_MAX_CHARS = 1_000_000  # far above any reply (max_tokens); refuses a flood
+MARKDOWN_INLINE_CHARS = 8192  # longer texts render on a worker thread, off the loop
+CODE_STYLE_MARK = b"/* mixdesk:code-style */"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,18 +77,39 @@ ASSETS = (
     ),
     Asset("/icon-256.png", "icons/mixdesk-256.png", "image/png", "max-age=86400"),
 )
-# every path of the web UI: security.py exempts exactly these from the API key
+# every static path of the web UI: security.py exempts exactly these from the API key
 PATHS = frozenset({a.path for a in ASSETS} | {VERSION_PATH})
 TEXT_TYPES = ("text/", "application/javascript", "application/manifest+json", "application/json")
 
 
 def add_webui_routes(router: web.UrlDispatcher, resources: Path | None = None) -> None:
-    """GET (and aiohttp's HEAD) routes for the page, its assets and version.json."""
+    """GET (and aiohttp's HEAD) routes for the page, its assets and version.json, and
+    the page's Markdown route."""
     root = resources if resources is not None else resources_dir()
     for asset in ASSETS:
         router.add_get(asset.path, _asset_handler(asset, root / asset.file))
     version = json.dumps({"version": build_info()}).encode("utf-8")
     router.add_get(VERSION_PATH, _bytes_handler(version, "application/json", NO_CACHE, False))
+    router.add_post(MARKDOWN_PATH, markdown)
+
+
+async def markdown(request: web.Request) -> web.StreamResponse:
+    """POST /mixdesk/markdown ``{"text": "..."}`` -> ``{"html": "..."}``: the text's
+    Markdown with every bit of HTML in it escaped, code blocks as ``<pre class="code">``
+    with pygments classes (the page's stylesheet colours them)."""
+    from .plumbing import json_body  # plumbing -> security -> this module's PATHS
+
+    body = await json_body(request)
+    text = body.get("text") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        raise HttpError('"text" must be a string', 400)
+    if len(text) > MARKDOWN_MAX_CHARS:
+        raise HttpError(f'"text" is over {MARKDOWN_MAX_CHARS} characters', 413)
+    if len(text) > MARKDOWN_INLINE_CHARS:
+        out = await asyncio.to_thread(web_html, text)
+    else:
+        out = web_html(text)
+    return web.json_response({"html": out}, headers={"Cache-Control": "no-store"})
 
 
 def _asset_handler(asset: Asset, file: Path) -> Handler:
@@ -89,6 +123,8 @@ def _asset_handler(asset: Asset, file: Path) -> Handler:
             asset.path,
         )
         return _missing_handler(asset)
+    if asset.page:
+        body = body.replace(CODE_STYLE_MARK, web_css().encode("utf-8"))
     return _bytes_handler(body, asset.content_type, asset.cache_control, asset.page)
 
 

@@ -1,5 +1,5 @@
 """The built-in web chat page at ``/`` (llama-server's web UI), against real servers on
-127.0.0.1 over SmolLM2: the page and its assets with their types and headers, the
+127.0.0.1 over SmolLM2 (the engine of tests/web/conftest.py): the page and its assets with their types and headers, the
 API-key exemption of exactly those static paths (llama.cpp's
 test_access_static_assets_without_api_key), ``--no-ui`` / ``--no-webui`` (test_no_ui),
 the Host check still applying, and the page itself: no markup injection, no external
@@ -17,16 +17,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_http_headless import free_port, start, stop
 
 from core.cli import parse_args
 from core.http import webui
 from core.http.app import ServerSettings
 from core.http.security import PUBLIC_PATHS, public_paths
 from core.http.server import ServerThread
-from tests.serving import running_engine, serving
+from tests.serving import serving
+from tests.test_http_headless import free_port, start, stop
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WEBUI_DIR = REPO / "resources" / "webui"
 KEY = "webui-test-key"
 # the four paths llama.cpp's tests fetch without a key, plus the manifest's icon
@@ -39,13 +39,6 @@ CSP_DIRECTIVES = [
     "img-src 'self' data:",
     "connect-src 'self'",
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path, ref_dir):
-    attn = ref_dir / "adapters" / "lora_attn.gguf"
-    with running_engine(smollm_path, adapters=[attn], ctx_size=256, n_parallel=2) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +257,15 @@ def test_page_never_parses_text_as_markup_and_fetches_nothing_external():
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in script, sink
     assert "textContent" in script
+    # the one parse: the server's Markdown HTML, in an inert document, copied through
+    # an allow-list of tags and attributes (tests/web checks it in a real browser)
+    assert script.count("new DOMParser()") == 1
+    assert "new DOMParser()" in _function_source(script, "function markdownNodes(")
+    allowed = script[
+        script.index("const MARKUP = {") : script.index("};", script.index("const MARKUP"))
+    ]
+    for tag in ("SCRIPT", "IMG", "IFRAME", "STYLE", "SVG", "onerror", "src"):
+        assert tag not in allowed, tag
     for name in ("index.html", "sw.js", "manifest.webmanifest"):
         text = (WEBUI_DIR / name).read_text(encoding="utf-8")
         assert "http://" not in text and "https://" not in text, name
@@ -283,6 +285,8 @@ def test_page_uses_the_api_as_documented():
         "getJson('/v1/models')",
         "getJson('/lora-adapters')",
         "request.lora",
+        "max_tokens: maxTokens()",
+        "MARKDOWN_PATH = '/mixdesk/markdown'",
         "'Bearer '",
         "localStorage",
         "navigator.serviceWorker",
@@ -411,8 +415,10 @@ def test_the_page_names_its_chat_and_stops_it_on_the_server():
     """A reply outlives a reload only if the request names the chat, and then a hang-up
     no longer stops it: Stop must say so to the server (DELETE /v1/stream)."""
     js = page_script()
-    send = _function_source(js, "async function send(")
-    assert "'X-Conversation-Id': state.conv" in send
+    request = _function_source(js, "function chatRequest(")
+    assert "'X-Conversation-Id': state.conv" in request
+    assert "chatRequest()" in _function_source(js, "async function send(")
+    assert "chatRequest()" in _function_source(js, "async function regenerate(")
     stop = _function_source(js, "function stop(")
     assert "state.controller.abort()" in stop and "stopOnServer(state.conv)" in stop
     assert "method: 'DELETE'" in _function_source(js, "function stopOnServer(")
@@ -449,11 +455,25 @@ def test_a_saved_chat_is_read_back_defensively(tmp_path):
             }
         ),
         json.dumps({"conv": "c", "messages": [], "pending": True}),
+        json.dumps(
+            {
+                "conv": "c",
+                "messages": [{"role": "assistant", "content": "a", "meta": "3 tokens"}],
+                "mix": [
+                    {"id": 0, "path": "/a/lora.gguf", "scale": 0.75},
+                    {"id": "x", "scale": 1},
+                    {"id": 1, "scale": 1e9, "path": 5},
+                    {"id": 2, "scale": "0.5"},
+                ],
+            }
+        ),
     ]
     harness = (
         "const CHAT_STORE = 'mixdesk.chat';\n"
+        "const SCALE_LIMIT = 100;\n"
         "let stored = null;\n"
         "const sessionStorage = { getItem: () => stored };\n"
+        + _function_source(page_script(), "function clamp(")
         + fn
         + "\nconst out = JSON.parse(process.argv[2]).map((v) => { stored = v; return savedChat(); });\n"
         "console.log(JSON.stringify(out));\n"
@@ -477,6 +497,55 @@ def test_a_saved_chat_is_read_back_defensively(tmp_path):
                 {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "<img src=x onerror=alert(1)>"},  # text
             ],
+            "mix": None,
         },
-        {"conv": "c", "messages": [], "pending": True},
+        {"conv": "c", "messages": [], "pending": True, "mix": None},
+        {
+            "conv": "c",
+            "messages": [{"role": "assistant", "content": "a", "meta": "3 tokens"}],
+            "pending": False,
+            "mix": [  # well-formed entries only, scales within the server's limit
+                {"id": 0, "path": "/a/lora.gguf", "scale": 0.75},
+                {"id": 1, "path": "", "scale": 100},
+            ],
+        },
     ]
+
+
+# ---- the Markdown route (core/markdown.py, the desktop's renderer too) ---------------------
+
+
+def test_markdown_route_renders_and_escapes(srv):
+    text = (
+        "**bold** `tick` <script>alert(1)</script> <img src=x onerror=alert(1)> "
+        "[js](javascript:alert(1))\n\n```python\nx = '<b>'\n```\n"
+    )
+    st, h, body = fetch(srv, webui.MARKDOWN_PATH, body={"text": text})
+    assert st == 200 and h.get_content_type() == "application/json"
+    out = json.loads(body)["html"]
+    assert "<strong>bold</strong>" in out and "<code>tick</code>" in out
+    assert "&lt;script&gt;" in out and "<script" not in out and "<img" not in out
+    assert 'href="javascript' not in out
+    assert '<pre class="code" data-lang="python"><code><span class="n">x</span>' in out
+    assert "&#39;&lt;b&gt;&#39;" in out or "&lt;b&gt;" in out
+    for bad in ({}, {"text": 5}, [1]):
+        st, _, body = fetch(srv, webui.MARKDOWN_PATH, body=bad)
+        assert st == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_markdown_route_needs_the_key_and_goes_with_the_page(locked, engine):
+    assert fetch(locked, webui.MARKDOWN_PATH, body={"text": "x"})[0] == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    st, _, body = fetch(locked, webui.MARKDOWN_PATH, headers=auth, body={"text": "*x*"})
+    assert st == 200 and json.loads(body)["html"] == "<p><em>x</em></p>\n"
+    with serving(engine, webui=False) as s:
+        assert fetch(s, webui.MARKDOWN_PATH, body={"text": "x"})[0] == 404
+
+
+def test_the_page_carries_the_code_blocks_stylesheet(srv):
+    """pygments' classes are coloured by a stylesheet put into the page's <style> when
+    it is served (no extra request, no external one), light and dark."""
+    assert webui.CODE_STYLE_MARK.decode() in page_text()
+    page = fetch(srv, "/")[2].decode()
+    assert webui.CODE_STYLE_MARK.decode() not in page
+    assert ".md pre.code .k {" in page and "@media (prefers-color-scheme: dark)" in page
