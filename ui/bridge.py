@@ -118,6 +118,7 @@ class EngineBridge(QObject):
     mix_building = Signal(object)  # E.MixBuilding: a merged mix's first build, progress 0..1
     request_started = Signal(object)  # E.RequestStarted
     request_finished = Signal(object)  # E.RequestFinished
+    channel_meter = Signal(object)  # E.ChannelMeter: a metered step of a running request
     # The bridge's own: the outcome of its workers' calls.
     adapter_added = Signal(int, str)  # id, path
     adapter_error = Signal(str, str)  # path, message (a failed load, or dropped by a reload)
@@ -136,6 +137,7 @@ class EngineBridge(QObject):
             E.MixBuilding: self.mix_building,
             E.RequestStarted: self.request_started,
             E.RequestFinished: self.request_finished,
+            E.ChannelMeter: self.channel_meter,
         }  # PromptProgress: each Generation hears its own request's
         self._unsubscribe = engine.subscribe(self._on_engine_event)
 

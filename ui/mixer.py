@@ -39,11 +39,18 @@ from core.errors import UserError
 from core.lora import merge as M
 from core.lora.adapter import effective_scale
 from core.lora.merge import LINEAR, MergeSpec
-from core.serve.events import MixBuilding, MixChanged, RequestFinished, RequestStarted
+from core.serve.events import (
+    ChannelMeter,
+    MixBuilding,
+    MixChanged,
+    RequestFinished,
+    RequestStarted,
+)
 from core.settings import Settings, read_presets_file
 
 from .bridge import EngineBridge
 from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
+from .meter import Meter
 from .mix_history import MixHistory
 from .util import ElidedLabel, UndoBar
 
@@ -154,6 +161,7 @@ class Strip:
         )
         self.slider.reset.connect(lambda: self.set_value(0.0))
         self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+        self.meter = Meter()  # how much the adapter changes the model, live
         self.spin = QDoubleSpinBox(decimals=3, singleStep=0.05)
         self.spin.setKeyboardTracking(False)
         self.spin.setFixedWidth(70)  # "-2.000" and the arrows, as Fusion measures it
@@ -170,7 +178,7 @@ class Strip:
         self.set_value(float(info.get("scale", 0.0)), notify=False)
 
     def widgets(self) -> list[QWidget]:
-        return [self.on, self.solo, self.name, self.slider, self.spin, self.eff]
+        return [self.on, self.solo, self.name, self.slider, self.meter, self.spin, self.eff]
 
     def _toggled(self, on: bool) -> None:
         self._on_change()
@@ -378,7 +386,7 @@ class MixerPanel(QWidget):
         self.grid.setColumnStretch(3, 1)
         self.headers = []
         # "Name", not "Adapter": that header alone set the column 15 px wider than its names
-        for text in ("Mute", "Solo", "Name", "Scale", "", "Effective"):
+        for text in ("Mute", "Solo", "Name", "Scale", "", "", "Effective"):
             h = QLabel(text)
             h.setObjectName("gridHeader")
             if text == "Effective":
@@ -415,6 +423,8 @@ class MixerPanel(QWidget):
         self._running: dict[int, set[int]] = {}  # request id -> adapter ids it uses
         bridge.request_started.connect(self._request_started)
         bridge.request_finished.connect(self._request_finished)
+        bridge.channel_meter.connect(self._channel_meter)
+        bridge.engine.meters = True  # requests from now on are metered (core/lora/meter.py)
         bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
         self.refresh_presets(select=settings.get("preset") or None)
         self.set_adapters(bridge.engine.adapters())
@@ -429,6 +439,12 @@ class MixerPanel(QWidget):
     def _request_finished(self, ev: RequestFinished) -> None:
         self._running.pop(ev.id, None)
         self._show_activity()
+
+    def _channel_meter(self, ev: ChannelMeter) -> None:
+        for aid, ratio in ev.values.items():
+            strip = self.strips.get(int(aid))
+            if strip is not None:
+                strip.meter.show_value(ratio)
 
     def _show_activity(self) -> None:
         busy = set().union(*self._running.values()) if self._running else set()
@@ -463,7 +479,7 @@ class MixerPanel(QWidget):
         self.empty.setVisible(not adapters)
         self._show_activity()
         if not adapters:
-            self.grid.addWidget(self.empty, 1, 0, 1, 6)
+            self.grid.addWidget(self.empty, 1, 0, 1, len(self.headers))
         for r in range(self.grid.rowCount()):
             self.grid.setRowStretch(r, 0)
         self.grid.setRowStretch(len(adapters) + 2, 1)

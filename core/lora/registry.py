@@ -311,6 +311,18 @@ class AdapterRegistry:
                 raise ControlVectorError(f"no control vector with id {vid}")
         return key, self.mixes.get(key, adapters, progress(merge), vectors)
 
+    def meter_parts(self, key: MixKey) -> dict[int, MixWeights]:
+        """Each adapter of a built mix's ``key`` as a one-adapter linear mix at its
+        scale: what its channel meter measures (core/lora/meter.py). Built once per
+        adapter and scale, then served from the mix cache."""
+        with self.lock:
+            adapters = dict(self._adapters)
+        return {
+            aid: self.mixes.get(mix_key(((aid, s),)), {aid: adapters[aid]})
+            for aid, s in key
+            if aid in adapters
+        }
+
     def is_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:
         """Whether every mix (None: the global mix) is built already. An unknown adapter
         counts as built: whoever uses the mix refuses it, at once."""

@@ -41,6 +41,7 @@ from .embeddings import check_inputs, hidden_states
 from .events import (
     AdaptersChanged,
     AdaptersDropped,
+    ChannelMeter,
     EngineEvent,
     MixBuilding,
     MixChanged,
@@ -54,7 +55,15 @@ from .events import (
 from .loader import LOAD_CALIBRATED, LOAD_KV_DONE, load_model
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, validate
-from .scheduler import DoneEvent, Event, PromptProgressEvent, Request, Scheduler, TokenEvent
+from .scheduler import (
+    DoneEvent,
+    Event,
+    MeterEvent,
+    PromptProgressEvent,
+    Request,
+    Scheduler,
+    TokenEvent,
+)
 from .score import ScoreError, ScoreJob, TokenScore, check_job, score_many
 
 log = logging.getLogger(__name__)
@@ -99,6 +108,9 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[int, Request] = {}
+        # channel meters (core/lora/meter.py): requests submitted while on are metered
+        # and listeners get ChannelMeter events; the window turns them on
+        self.meters = False
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -578,6 +590,11 @@ class Engine:
         ids: list[int] = []
 
         def relay(ev: Event) -> None:
+            if isinstance(ev, MeterEvent):  # for listeners (the desk) only
+                self._notify(
+                    ChannelMeter(id=ids[0] if ids else -1, source=source, values=ev.values)
+                )
+                return
             if isinstance(ev, PromptProgressEvent):
                 # listeners (the window) hear of every evaluated chunk; the caller gets
                 # them, and the report at admission, only if it asked
@@ -604,6 +621,11 @@ class Engine:
                 )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
+        if self.meters and weights is not None:
+            try:
+                req.meter_parts = self.lora.meter_parts(key) or None
+            except Exception:  # a meter must never cost the user a reply
+                log.exception("could not build the channel meters of mix %s", key)
         req.progress = True  # relay() turns each chunk into a PromptProgress for listeners
         req.id_slot = id_slot
         ids.append(req.id)

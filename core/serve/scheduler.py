@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..lora.meter import METER_INTERVAL_S, MeteredDeltas
 from ..lora.mix import MixKey, MixWeights
 from ..lora.runtime import AdapterStacks, LoraDeltas
+from ..model.deltas import batch_spans
 from ..model.kv_cache import ContextOverflow, KVCache
 from ..model.llama import BatchItem, LlamaModel
 from .grammar import Constraint, ConstraintError
@@ -136,7 +138,16 @@ class PromptProgressEvent:
     kind: str = "progress"
 
 
-Event = TokenEvent | DoneEvent | PromptProgressEvent
+@dataclass
+class MeterEvent:
+    """The channel meters of one decode step of this request (core/lora/meter.py),
+    sent at most every METER_INTERVAL_S to requests with ``meter_parts``."""
+
+    values: dict[int, float]  # adapter id -> its delta's size relative to the base
+    kind: str = "meter"
+
+
+Event = TokenEvent | DoneEvent | PromptProgressEvent | MeterEvent
 
 
 @dataclass
@@ -153,6 +164,9 @@ class Request:
     admitted_step: int = -1  # the scheduler step that first ran it
     progress: bool = False  # also send a PromptProgressEvent per prompt chunk
     id_slot: int = -1  # the KV pool slot asked for (llama-server's id_slot), -1: any
+    # each adapter of the mix as a one-adapter mix: set, the request's steps are
+    # metered (MeterEvent); None, never
+    meter_parts: dict[int, MixWeights] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -206,6 +220,7 @@ class _Seq:
         self.spec_misses = 0  # poor drafts in a row
         self.recompute = 0  # pending tokens re-evaluated by a context shift (not prompt)
         self.truncated = False  # the context filled up
+        self.metered_at = 0.0  # perf_counter of its last metered step
 
     def inputs(self) -> np.ndarray:
         if self.pending:
@@ -394,8 +409,13 @@ class Scheduler:
             self._propose(seqs[0])
         items = [BatchItem(s.inputs(), s.cache, all_logits=bool(s.draft)) for s in seqs]
         t0 = time.perf_counter()
+        metered = self._metered(seqs, t0)
         try:
             deltas = LoraDeltas.of(items, [s.req.mix_weights for s in seqs], self.stacks)
+            if metered is not None:
+                m = seqs[metered].req
+                row = batch_spans([len(it.tokens) for it in items])[metered][1] - 1
+                deltas = MeteredDeltas(deltas, row, m.mix_weights, m.meter_parts)
             logits = self.model(items, deltas)
         except Exception as e:  # a bug must not kill the engine thread: fail these requests
             log.exception("forward failed")
@@ -403,6 +423,9 @@ class Scheduler:
             return True
         dt = (time.perf_counter() - t0) * 1e3
         self.steps += 1
+        if metered is not None:
+            seqs[metered].metered_at = t0
+            self._emit(seqs[metered], MeterEvent(deltas.values()))
         for s, it, lg in zip(seqs, items, logits):
             try:
                 self._advance(s, len(it.tokens), lg, dt)
@@ -412,6 +435,21 @@ class Scheduler:
                 log.exception("sampling failed for request %s", s.req.id)
                 self._fail([s], f"internal error while sampling: {type(e).__name__}: {e}")
         return True
+
+    @staticmethod
+    def _metered(seqs: list[_Seq], now: float) -> int | None:
+        """The index of the one sequence whose step this forward meters: a decoding
+        request with meters, unmetered for METER_INTERVAL_S, the longest-waiting
+        first (several streams take turns)."""
+        due = [
+            (s.metered_at, i)
+            for i, s in enumerate(seqs)
+            if s.req.meter_parts
+            and s.req.mix_weights is not None
+            and not s.pending
+            and now - s.metered_at >= METER_INTERVAL_S
+        ]
+        return min(due)[1] if due else None
 
     def _advance(self, s: _Seq, n: int, lg: np.ndarray, dt: float) -> None:
         """Book the n tokens a sequence just ran and sample from its logits lg."""

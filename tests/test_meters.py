@@ -1,0 +1,143 @@
+"""Channel meters (core/lora/meter.py): on the real SmolLM2 with the reference adapters,
+each adapter's meter is its own delta's size over the base products' size, measured
+inside the forward; a metered engine sends ChannelMeter events while a reply streams,
+only for the adapters the request's mix uses, at most every METER_INTERVAL_S, and a
+meter follows the fader."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from core.lora.meter import METER_INTERVAL_S, MeteredDeltas
+from core.lora.mix import mix_key
+from core.lora.runtime import LoraDeltas
+from core.model.deltas import Deltas
+from core.model.llama import BatchItem
+from core.serve.events import ChannelMeter, RequestFinished
+from core.serve.sampling import SamplingParams
+from tests.mixing import mix_weights
+from tests.serving import running_engine
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_path, ref_dir):
+    ads = [ref_dir / "adapters" / f"{n}.gguf" for n in ("lora_attn", "lora_ffn", "lora_all_q8")]
+    with running_engine(smollm_path, adapters=ads, ctx_size=256, n_parallel=2) as eng:
+        yield eng
+
+
+class Independent(Deltas):
+    """The same forward's products measured another way: the base product from the
+    model's own product (no delta), each adapter's delta as its one-adapter mix's
+    product less that base; sums of squares for row ``row``."""
+
+    def __init__(self, inner, row, singles):
+        self.inner, self.row, self.singles = inner, row, singles
+        self.delta_sq = dict.fromkeys(singles, 0.0)
+        self.base_sq = 0.0
+
+    def embed(self, x, tokens):
+        self.inner.embed(x, tokens)
+
+    def layer_out(self, x, li):
+        self.inner.layer_out(x, li)
+
+    def logits(self, logits, h, counts):
+        self.inner.logits(logits, h, counts)
+
+    def project(self, lin, x, w, li, target):
+        y = self.inner.project(lin, x, w, li, target)
+        xr = x[self.row : self.row + 1].copy()
+        base = lin(xr, w)[0].astype(np.float64)  # (out,)
+        self.base_sq += float(base @ base)
+        for aid, d in self.singles.items():
+            only = d.project(lin, xr, w, li, target)[0].astype(np.float64) - base
+            self.delta_sq[aid] += float(only @ only)
+        return y
+
+
+def test_the_meter_is_each_adapters_delta_over_the_base_product(engine):
+    ids = {a["name"]: a["id"] for a in engine.adapters()}
+    mix = {ids["lora_attn"]: 0.8, ids["lora_ffn"]: -0.5}
+    own = mix_weights(engine, mix)
+    parts = engine.lora.meter_parts(mix_key(mix))
+    assert set(parts) == set(mix)
+    tokens = [1, 504, 3458, 282, 4109, 314]
+    model = engine.model
+
+    def run(wrap):
+        cache = model.new_cache(16)
+        model([BatchItem(np.array(tokens[:-1]), cache)], LoraDeltas([own], [(0, 5)]))
+        item = BatchItem(np.array(tokens[-1:]), cache)  # one decode row
+        d = wrap(LoraDeltas([own], [(0, 1)]))
+        return model([item], d)[0], d
+
+    singles = {
+        aid: LoraDeltas([mw], [(0, 1)]) for aid, mw in parts.items()
+    }  # each alone, on the same x
+    lg_m, metered = run(lambda inner: MeteredDeltas(inner, 0, own, parts))
+    lg_i, check = run(lambda inner: Independent(inner, 0, singles))
+    np.testing.assert_array_equal(lg_m, lg_i)  # metering changes nothing
+    got = metered.values()
+    for aid in mix:
+        want = np.sqrt(check.delta_sq[aid] / check.base_sq)
+        # float32 products summed in float64: agreement to ~1e-8 here; leaving the
+        # mix's own delta in the base would be off by ~4e-4
+        assert got[aid] == pytest.approx(want, rel=1e-5), aid
+        assert 1e-4 < got[aid] < 1.0
+
+
+def collect(engine, mix, n_predict=24):
+    """Generate under ``mix`` with meters on; the ChannelMeter events of that request
+    (in order) and the seconds it ran."""
+    meters, done, req_id = [], threading.Event(), []
+
+    def listen(ev):
+        if isinstance(ev, ChannelMeter) and req_id and ev.id == req_id[0]:
+            meters.append(ev)
+        if isinstance(ev, RequestFinished) and req_id and ev.id == req_id[0]:
+            done.set()
+
+    unsubscribe = engine.subscribe(listen)
+    t0 = time.perf_counter()
+    try:
+        req = engine.submit(
+            [1, 504, 3458, 282, 4109, 314],
+            SamplingParams(temperature=0.0, n_predict=n_predict),
+            lambda ev: None,
+            mix=mix,
+        )
+        req_id.append(req.id)
+        assert done.wait(60)
+    finally:
+        unsubscribe()
+    return meters, time.perf_counter() - t0
+
+
+def test_a_metered_reply_sends_meters_for_its_adapters_that_follow_the_fader(engine):
+    ids = {a["name"]: a["id"] for a in engine.adapters()}
+    attn, ffn = ids["lora_attn"], ids["lora_ffn"]
+    engine.meters = True
+    try:
+        full, took = collect(engine, {attn: 1.0, ffn: 0.0})
+        half, _ = collect(engine, {attn: 0.5, ffn: 0.0})
+        none, _ = collect(engine, {})  # the base model: nothing to meter
+    finally:
+        engine.meters = False
+    assert full and half and not none
+    assert all(set(ev.values) == {attn} for ev in full + half)  # a 0 scale is not in the mix
+    assert len(full) <= took / METER_INTERVAL_S + 1  # at most every METER_INTERVAL_S
+    # the first metered step is the first decode step of the same prompt: half the
+    # scale, about half the delta (the activations differ a little under the two mixes)
+    assert 0.35 < half[0].values[attn] / full[0].values[attn] < 0.65
+
+
+def test_an_engine_without_meters_sends_none(engine):
+    ids = {a["name"]: a["id"] for a in engine.adapters()}
+    assert not engine.meters
+    meters, _ = collect(engine, {ids["lora_attn"]: 1.0})
+    assert meters == []
