@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import time
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -418,6 +418,7 @@ class ChatPane(QWidget):
         m["content"], m["meta"] = versions[v]["content"], versions[v].get("meta")
         self._save()
         self.render()
+        self._reply_status()
 
     def show_branch(self, index: int, step: int) -> bool:
         """‹ / › on an edited message: show another branch from there (that message and
@@ -429,10 +430,27 @@ class ChatPane(QWidget):
             return False
         if self.edit_index is not None and self.edit_index >= index:
             self.cancel_edit()  # the message being edited is no longer shown
+        if self.place.top == ScrollPlace.END:
+            # stay put, not at the new branch's end: the arrows stay under the pointer
+            # and the branch reads on from where it starts
+            self.place.top = self.view.cursorForPosition(QPoint(4, 4)).position()
         self._save()
         self.render()
         self._update_buttons()
+        self._reply_status()
         return True
+
+    def _reply_status(self) -> None:
+        """The line under the transcript: the shown path's last reply (after a switch of
+        branch or version it would otherwise name a reply no longer shown)."""
+        last = next((m for m in reversed(self.conversation["messages"]) if m.get("meta")), None)
+        if last is None:
+            self.status.setText("")
+            return
+        meta = last["meta"]
+        stopped = " · stopped" if meta.get("stop") == "cancel" else ""
+        tokens, tps = meta.get("tokens", 0), meta.get("tps", 0.0)
+        self.status.setText(f"{tokens_text(tokens)} · {tps:.1f} tok/s{stopped}")
 
     # -- generation --------------------------------------------------------------------------
     def _generate(self, previous: dict | None = None) -> bool:

@@ -79,6 +79,8 @@ def test_edit_forks_and_arrows_switch_the_whole_continuation(window, qtbot, gree
     text = w.chat.view.toPlainText()
     assert "What is 2+2?" in text and "What is 3+3?" not in text and "branch 1/2" in text
     assert w.chat.context_bar.value() == old[3]["meta"]["context"]
+    tokens = old[3]["meta"]["tokens"]
+    assert w.chat.status.full_text.startswith(f"{tokens} token")  # that branch's reply
     assert not w.chat.show_branch(2, -1)  # the first already
 
     # the next message goes on the branch shown, and the request carries only its path
@@ -182,3 +184,24 @@ def test_an_old_flat_chat_file_loads_and_forks(window, tmp_path):
     msgs = store.load(broken["id"])["messages"]
     assert msgs[0] == {"role": "user", "content": "x"}  # nothing sound to switch to
     assert branching.branch_of(msgs[1]) == (1, 2)
+
+
+def test_switching_at_the_end_of_a_long_chat_keeps_the_arrows_in_place(window, qtbot):
+    """At the end of the chat, ‹ › must not jump to the other branch's end: the view
+    stays put, so the arrows stay under the pointer for the next click."""
+    w = window
+    w.resize(1024, 700)
+    w.tabs.setCurrentIndex(0)
+    msgs = w.chat.conversation["messages"]
+    for n in range(12):
+        msgs += [{"role": "user", "content": f"question {n}"}, _reply(f"answer {n}\n\n" * 4)]
+    branching.fork(msgs, 16, {"role": "user", "content": "question 8, edited"})
+    msgs.append(_reply("short"))
+    w.chat.render()
+    qtbot.wait(50)
+    bar = w.chat.view.verticalScrollBar()
+    assert bar.value() == bar.maximum() > 0
+    before = bar.value()
+    assert w.chat.show_branch(16, -1)  # the longer branch
+    qtbot.wait(50)
+    assert bar.maximum() > before and abs(bar.value() - before) < 20  # to the line
