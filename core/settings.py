@@ -607,13 +607,13 @@ def _branches(msg: dict, value: dict, depth: int) -> None:
         msg["branches"], msg["branch"] = out, out.index(None)
 
 
-def _messages(values: list, depth: int = 0) -> list[dict]:
+def _messages(values: list, depth: int = 0, cid: str = "") -> list[dict]:
     out = []
     for m in values:
         try:
             out.append(_message(m, depth))
         except ValueError:
-            log.warning("conversation: dropping a message that is not one")
+            log.warning("conversation %s: dropping a message that is not one", cid)
     return out
 
 
@@ -645,7 +645,7 @@ def clean_conversation(conv: dict, cid: str) -> dict:
     }
     msgs = conv.get("messages", [])
     if isinstance(msgs, list):
-        out["messages"] = _messages(msgs)
+        out["messages"] = _messages(msgs, cid=cid)
     else:
         log.warning("conversation %s: its messages are not a list", cid)
     return out

@@ -86,11 +86,12 @@ def version_button(i: int, step: int, enabled: bool, colors: Colors, scheme: str
     return f'<span style="font-size:{VERSION_ARROW_PX}px">{inner}</span>'
 
 
-def stepper_html(i: int, shown: int, count: int, colors: Colors, scheme: str, what: str) -> str:
-    """‹ k/n ›: the buttons and the count between them (what: "version", "branch")."""
+def stepper_html(
+    i: int, shown: int, count: int, colors: Colors, scheme: str, label: str = ""
+) -> str:
+    """‹ k/n ›: the buttons and the count between them (‹ branch 2/2 › with a label)."""
     prev = version_button(i, -1, shown > 0, colors, scheme)
     nxt = version_button(i, 1, shown < count - 1, colors, scheme)
-    label = f"{what} " if what == "branch" else ""
     mid = f'<span style="font-size:small">&nbsp;{label}{shown + 1}/{count}&nbsp;</span>'
     return f"<span>{prev}{mid}{nxt}</span>"
 
@@ -107,7 +108,7 @@ def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: b
         body = render_md(m["content"], colors, codes, str(i))
         shown, count = branching.branch_of(m)
         if count > 1:
-            step = stepper_html(i, shown, count, colors, "br", "branch")
+            step = stepper_html(i, shown, count, colors, "br", "branch ")
             body += f'<p style="color:{colors.muted}">{step}</p>'
         return head + body
     body = m["content"] or ("…" if streaming else "*(empty reply)*")
@@ -117,7 +118,7 @@ def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: b
     versions = m.get("versions") or []
     if len(versions) > 1:
         v = int(m.get("version", len(versions) - 1))
-        line.append(stepper_html(i, v, len(versions), colors, "ver", "version"))
+        line.append(stepper_html(i, v, len(versions), colors, "ver"))
     if m.get("meta"):
         line.append(f"<i>{html.escape(meta_text(m['meta']))}</i>")
     if line:
