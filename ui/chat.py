@@ -367,8 +367,8 @@ class ChatPane(QWidget):
         self.input.setPlainText(msgs[index]["content"])
         self.input.setFocus()
         self.edit_banner.setText(
-            f"Editing message {index + 1}: sending starts a new branch from here "
-            f"(this one and what followed stay: ‹ › switches back). Esc cancels."
+            f"Editing message {index + 1}: sending starts a new branch here; the "
+            f"current one stays (‹ › switches). Esc cancels."
         )
         self.edit_banner.show()
 
