@@ -560,7 +560,11 @@ class Presets:
 ROLES = ("user", "assistant")
 
 
-def _message(value: Any) -> dict:
+MAX_FORK_DEPTH = 100  # forks stored inside forks: far more than anyone makes, well short of
+# the recursion limit
+
+
+def _message(value: Any, depth: int = 0) -> dict:
     if not isinstance(value, dict) or value.get("role") not in ROLES:
         raise _Bad("not a user or assistant message")
     msg = {"role": value["role"], "content": Field("", _str).clean(value.get("content", ""))}
@@ -580,7 +584,37 @@ def _message(value: Any) -> dict:
         ]
         shown = Field(0, _int(0, 2**31)).clean(value.get("version", 0), "version")
         msg["version"] = min(shown, len(msg["versions"]) - 1)
+    if msg["role"] == "user" and isinstance(value.get("branches"), list):
+        _branches(msg, value, depth)
     return msg
+
+
+def _branches(msg: dict, value: dict, depth: int) -> None:
+    """A fork's other paths (core.conversation): each a list of messages starting with
+    a user message; the shown one is None (it is the rest of the chat's messages)."""
+    raw = value["branches"]
+    shown = Field(0, _int(0, 2**31)).clean(value.get("branch", 0), "branch")
+    shown = min(shown, max(len(raw) - 1, 0))
+    out: list = []
+    for j, tail in enumerate(raw):
+        if j == shown:
+            out.append(None)
+        elif isinstance(tail, list) and depth < MAX_FORK_DEPTH:
+            kept = _messages(tail, depth + 1)
+            if kept and kept[0]["role"] == "user":
+                out.append(kept)
+    if len(out) > 1:
+        msg["branches"], msg["branch"] = out, out.index(None)
+
+
+def _messages(values: list, depth: int = 0, cid: str = "") -> list[dict]:
+    out = []
+    for m in values:
+        try:
+            out.append(_message(m, depth))
+        except ValueError:
+            log.warning("conversation %s: dropping a message that is not one", cid)
+    return out
 
 
 def _meta(meta: dict) -> dict:
@@ -611,11 +645,7 @@ def clean_conversation(conv: dict, cid: str) -> dict:
     }
     msgs = conv.get("messages", [])
     if isinstance(msgs, list):
-        for m in msgs:
-            try:
-                out["messages"].append(_message(m))
-            except ValueError:
-                log.warning("conversation %s: dropping a message that is not one", cid)
+        out["messages"] = _messages(msgs, cid=cid)
     else:
         log.warning("conversation %s: its messages are not a list", cid)
     return out

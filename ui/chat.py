@@ -1,6 +1,7 @@
 """Chat pane: a Markdown transcript (markdown-it-py + pygments, see ui/markdown.py)
 rendered live while a reply streams, Stop (Esc), Send (Ctrl+Enter), Regenerate
-(Ctrl+R; earlier replies are kept as versions, ‹ 2/3 ›), edit-and-resend, New chat
+(Ctrl+R; earlier replies are kept as versions, ‹ 2/3 ›), edit-and-resend (a new
+branch: what followed the edited message stays as another, ‹ 1/2 ›), New chat
 (Ctrl+N), focus the input (Ctrl+L), Copy per message and per code block, and saved
 conversations. While the prompt is read the status says so; then time to first
 token and live tok/s. Under each reply: tokens, tok/s and the mix it used."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import html
 import time
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core import conversation as branching
 from core.errors import UserError
 from core.lora.mix import mix_text
 from core.settings import Conversations, Settings
@@ -67,15 +69,16 @@ def palette_colors(widget: QWidget) -> Colors:
 VERSION_ARROW_PX = 18  # the ‹ › glyphs' size: with the spaces around, a ≥20 px target
 
 
-def version_button(i: int, step: int, enabled: bool, colors: Colors) -> str:
+def version_button(i: int, step: int, enabled: bool, colors: Colors, scheme: str = "ver") -> str:
     """‹ or › as a button: the arrow in the text colour on the code blocks' face, with
-    room around it (a bare 6 px link was hard to hit, and dark blue on dark grey)."""
+    room around it (a bare 6 px link was hard to hit, and dark blue on dark grey).
+    scheme "ver" steps a reply's versions, "br" the branches at a user message."""
     glyph = "‹" if step < 0 else "›"
     color = colors.text if enabled else colors.muted
     style = f"color:{color}; background-color:{colors.code_bg}; text-decoration:none"
     face = f"&nbsp;&nbsp;{glyph}&nbsp;&nbsp;"
     inner = (
-        f'<a href="ver:{i}:{step}" style="{style}">{face}</a>'
+        f'<a href="{scheme}:{i}:{step}" style="{style}">{face}</a>'
         if enabled
         else f'<span style="{style}">{face}</span>'
     )
@@ -83,16 +86,31 @@ def version_button(i: int, step: int, enabled: bool, colors: Colors) -> str:
     return f'<span style="font-size:{VERSION_ARROW_PX}px">{inner}</span>'
 
 
+def stepper_html(
+    i: int, shown: int, count: int, colors: Colors, scheme: str, label: str = ""
+) -> str:
+    """‹ k/n ›: the buttons and the count between them (‹ branch 2/2 › with a label)."""
+    prev = version_button(i, -1, shown > 0, colors, scheme)
+    nxt = version_button(i, 1, shown < count - 1, colors, scheme)
+    mid = f'<span style="font-size:small">&nbsp;{label}{shown + 1}/{count}&nbsp;</span>'
+    return f"<span>{prev}{mid}{nxt}</span>"
+
+
 def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: bool) -> str:
-    """One message: heading with its actions, the Markdown body, the reply's meta line
-    and its versions (‹ 2/3 ›)."""
+    """One message: heading with its actions, the Markdown body, then a user message's
+    branches (‹ branch 1/2 ›) or a reply's versions (‹ 2/3 ›) and meta line."""
     small = f'style="color:{colors.muted}; font-size:small"'
     if m["role"] == "user":
         head = (
             f'<h4>You&nbsp;&nbsp;<a href="edit:{i}" {small}>✎ edit</a>'
             f'&nbsp;&nbsp;<a href="copy:msg:{i}" {small}>Copy</a></h4>'
         )
-        return head + render_md(m["content"], colors, codes, str(i))
+        body = render_md(m["content"], colors, codes, str(i))
+        shown, count = branching.branch_of(m)
+        if count > 1:
+            step = stepper_html(i, shown, count, colors, "br", "branch ")
+            body += f'<p style="color:{colors.muted}">{step}</p>'
+        return head + body
     body = m["content"] or ("…" if streaming else "*(empty reply)*")
     out = [f'<h4>Assistant&nbsp;&nbsp;<a href="copy:msg:{i}" {small}>Copy</a></h4>']
     out.append(render_md(body, colors, codes, str(i)))
@@ -100,10 +118,7 @@ def message_html(i: int, m: dict, colors: Colors, codes: list[str], streaming: b
     versions = m.get("versions") or []
     if len(versions) > 1:
         v = int(m.get("version", len(versions) - 1))
-        prev = version_button(i, -1, v > 0, colors)
-        nxt = version_button(i, 1, v < len(versions) - 1, colors)
-        count = f'<span style="font-size:small">&nbsp;{v + 1}/{len(versions)}&nbsp;</span>'
-        line.append(f"<span>{prev}{count}{nxt}</span>")
+        line.append(stepper_html(i, v, len(versions), colors, "ver"))
     if m.get("meta"):
         line.append(f"<i>{html.escape(meta_text(m['meta']))}</i>")
     if line:
@@ -304,10 +319,13 @@ class ChatPane(QWidget):
         if not text.strip():
             return False
         msgs = self.conversation["messages"]
-        if self.edit_index is not None:
-            del msgs[self.edit_index :]
-            self.cancel_edit()
-        msgs.append({"role": "user", "content": text.strip()})
+        message = {"role": "user", "content": text.strip()}
+        if self.edit_index is not None and self.edit_index < len(msgs):
+            # a new branch: the edited message and all that followed stay as another
+            branching.fork(msgs, self.edit_index, message)
+        else:
+            msgs.append(message)
+        self.cancel_edit()
         self.input.clear()
         return self._generate()
 
@@ -349,8 +367,8 @@ class ChatPane(QWidget):
         self.input.setPlainText(msgs[index]["content"])
         self.input.setFocus()
         self.edit_banner.setText(
-            f"Editing message {index + 1}: sending resends the chat from "
-            f"here (later messages are replaced). Esc cancels."
+            f"Editing message {index + 1}: sending starts a new branch here; the "
+            f"current one stays (‹ › switches). Esc cancels."
         )
         self.edit_banner.show()
 
@@ -369,6 +387,9 @@ class ChatPane(QWidget):
             elif scheme == "ver":
                 i, step = rest.split(":")
                 self.show_version(int(i), int(step))
+            elif scheme == "br":
+                i, step = rest.split(":")
+                self.show_branch(int(i), int(step))
         except ValueError:
             pass
 
@@ -398,6 +419,39 @@ class ChatPane(QWidget):
         m["content"], m["meta"] = versions[v]["content"], versions[v].get("meta")
         self._save()
         self.render()
+        self._reply_status()
+
+    def show_branch(self, index: int, step: int) -> bool:
+        """‹ / › on an edited message: show another branch from there (that message and
+        all that followed it). Not while a reply streams, as for versions."""
+        if self.generating:
+            return False
+        msgs = self.conversation["messages"]
+        if not branching.switch(msgs, index, step):
+            return False
+        if self.edit_index is not None and self.edit_index >= index:
+            self.cancel_edit()  # the message being edited is no longer shown
+        if self.place.top == ScrollPlace.END:
+            # stay put, not at the new branch's end: the arrows stay under the pointer
+            # and the branch reads on from where it starts
+            self.place.top = self.view.cursorForPosition(QPoint(4, 4)).position()
+        self._save()
+        self.render()
+        self._update_buttons()
+        self._reply_status()
+        return True
+
+    def _reply_status(self) -> None:
+        """The line under the transcript: the shown path's last reply (after a switch of
+        branch or version it would otherwise name a reply no longer shown)."""
+        last = next((m for m in reversed(self.conversation["messages"]) if m.get("meta")), None)
+        if last is None:
+            self.status.setText("")
+            return
+        meta = last["meta"]
+        stopped = " · stopped" if meta.get("stop") == "cancel" else ""
+        tokens, tps = meta.get("tokens", 0), meta.get("tps", 0.0)
+        self.status.setText(f"{tokens_text(tokens)} · {tps:.1f} tok/s{stopped}")
 
     # -- generation --------------------------------------------------------------------------
     def _generate(self, previous: dict | None = None) -> bool:

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.conversation import every_message
 from core.settings import Conversations
 
 from .util import UndoBar
@@ -126,10 +127,11 @@ class ChatList(QWidget):
             item.setHidden(not all(w in text for w in words))
 
     def _content(self, cid: str) -> str:
-        """A chat's message text, lower-cased, read once (forget() when it changes)."""
+        """A chat's message text (every branch), lower-cased, read once (forget() when
+        it changes)."""
         if cid not in self._text:
             conv = self.store.load(cid)
-            msgs = conv["messages"] if conv else []
+            msgs = every_message(conv["messages"]) if conv else []  # every branch's
             self._text[cid] = "\n".join(m["content"] for m in msgs).lower()
         return self._text[cid]
 

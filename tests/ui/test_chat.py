@@ -77,6 +77,8 @@ def test_regenerate_and_edit_resend(window, qtbot, greedy):
         w.chat.send()
     msgs = w.chat.conversation["messages"]
     assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[0]["content"] == "Hi there"
+    # the old start and all that followed stay as another branch (issue #36)
+    assert msgs[0]["branch"] == 1 and len(msgs[0]["branches"][0]) == 4
     w.chat.clear()
     assert w.chat.conversation["messages"] == []
 
