@@ -382,3 +382,24 @@ def test_rank_mismatch_message_names_both_shapes(engine, work):
         engine.add_adapter(path)
     msg = str(ei.value)
     assert "(4, 576)" in msg and "(576, 3)" in msg and "blk.2.attn_output.weight" in msg
+
+
+def test_an_alora_peft_folder_loads_with_its_invocation_tokens(engine, work):
+    """PEFT's aLoRA (alora_invocation_tokens in adapter_config.json) loads as an aLoRA:
+    the engine lists its invocation as llama-server does; tokens outside the vocabulary
+    are refused, naming the field."""
+    from core.lora.adapter import AdapterError
+
+    lora = random_lora(engine.config, rank=4, seed=5)
+    inv = [1, 520, 9531, 198]
+    folder = write_peft(work / "alora", lora, alora_invocation_tokens=inv)
+    aid = engine.add_adapter(folder, scale=0.0)
+    try:
+        entry = next(a for a in engine.adapters() if a["id"] == aid)
+        assert entry["alora_invocation_tokens"] == inv
+        assert entry["alora_invocation_string"] == "<|im_start|>assistant\n"
+    finally:
+        engine.remove_adapter(aid)
+    bad = write_peft(work / "alora-bad", lora, alora_invocation_tokens=[1, 10**9])
+    with pytest.raises(AdapterError, match="alora_invocation_tokens"):
+        engine.add_adapter(bad)

@@ -234,11 +234,12 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Adapter:
     )
 
 
-def _invocation_tokens(value: Any, cfg: ModelConfig, label: str) -> list[int]:
-    """adapter.alora.invocation_tokens: token ids of the base model's vocabulary."""
+def _invocation_tokens(
+    value: Any, cfg: ModelConfig, label: str, key: str = "adapter.alora.invocation_tokens"
+) -> list[int]:
+    """An aLoRA's invocation tokens (``key``): token ids of the base model's vocabulary."""
     if value is None:
         return []
-    key = "adapter.alora.invocation_tokens"
     ok = (isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu") or (
         isinstance(value, list) and all(_is_int(t) for t in value)
     )
@@ -481,6 +482,11 @@ def _load_peft(folder: Path, cfg: ModelConfig) -> Adapter:
         tensors=tensors,
         alpha=alpha_default * math.sqrt(r_default) if rslora and alpha_default else alpha_default,
         task_name=task,
+        # PEFT's aLoRA (LoraConfig.alora_invocation_tokens), llama.cpp's
+        # adapter.alora.invocation_tokens once converted: the same checks
+        invocation_tokens=_invocation_tokens(
+            pc.get("alora_invocation_tokens"), cfg, label, "alora_invocation_tokens"
+        ),
     )
 
 

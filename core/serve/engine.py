@@ -25,6 +25,7 @@ from typing import Any
 from ..chat_template import DEFAULT_CHAT, ChatDefaults, ChatTemplate, build_prompt, encode_prompt
 from ..errors import EngineError
 from ..lora.adapter import Adapter, AdapterError
+from ..lora.alora import alora_of, base_positions
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix, MixKey
 from ..lora.registry import LORA_SCALE_MAX, AdapterRegistry
@@ -317,8 +318,20 @@ class Engine:
         return self.lora.get(aid)
 
     def adapters(self) -> list[dict[str, Any]]:
-        """llama-server's GET /lora-adapters entries, plus our extra info fields."""
-        return self.lora.listing()
+        """llama-server's GET /lora-adapters entries, plus our extra info fields. An
+        aLoRA's carry llama-server's ``alora_invocation_tokens`` and
+        ``alora_invocation_string`` (the tokens' text)."""
+        out = self.lora.listing()
+        for info in out:
+            tokens = info.get("invocation_tokens")
+            if tokens:
+                info["alora_invocation_tokens"] = list(tokens)
+                info["alora_invocation_string"] = (
+                    self.tokenizer.decode(tokens, strip_prefix_space=False)
+                    if self.tokenizer is not None
+                    else ""
+                )
+        return out
 
     # -- control vectors (core/lora/control.py, registered beside the adapters) ---------
     def add_control_vector(self, path: str | Path, scale: float = 1.0) -> int:
@@ -587,6 +600,7 @@ class Engine:
                 f"(vocabulary has {self.config.vocab_size})"
             )
         key, weights = self._built_mix(mix)
+        key, weights, base_until = self._alora(key, weights, prompt)
         ids: list[int] = []
 
         def relay(ev: Event) -> None:
@@ -621,6 +635,7 @@ class Engine:
                 )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
+        req.base_until = base_until
         if self.meters and weights is not None:
             try:
                 req.meter_parts = self.lora.meter_parts(key) or None
@@ -630,6 +645,21 @@ class Engine:
         req.id_slot = id_slot
         ids.append(req.id)
         return req
+
+    def _alora(self, key: MixKey, weights, prompt: list[int]) -> tuple[MixKey, Any, int]:
+        """A mix whose adapters are one aLoRA, as llama-server runs it
+        (core/lora/alora.py): (key, weights, leading prompt positions on the base).
+        Without its invocation in the prompt, the request runs on the base model.
+        (A mix with control vectors runs an aLoRA as a plain LoRA, for now.)"""
+        if weights is None or getattr(key, "steer", None):
+            return key, weights, 0
+        alora = alora_of(key, {aid: self.adapter(aid) for aid, _ in key})
+        if alora is None:
+            return key, weights, 0
+        n = base_positions(alora, prompt)
+        if n is None:
+            return (), None, 0
+        return key, weights, n
 
     def generate(
         self,

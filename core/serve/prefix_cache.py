@@ -44,16 +44,20 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
 
-    def take(self, key: MixKey, prompt: list[int]) -> tuple[KVCache | None, int]:
+    def take(
+        self, key: MixKey, prompt: list[int], limit: int | None = None
+    ) -> tuple[KVCache | None, int]:
         """Remove and return the entry sharing the longest prefix with ``prompt``
-        under exactly this mix, and how many tokens of it are usable. At least the
-        last prompt token is always recomputed, since its logits are needed."""
+        under exactly this mix, and how many tokens of it are usable (at most
+        ``limit``). At least the last prompt token is always recomputed, since its
+        logits are needed."""
         best, best_n = None, 0
+        cap = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
         with self._lock:
             for eid, e in self._entries.items():
                 if e.key != key:
                     continue
-                n = min(common_prefix(e.cache.tokens, prompt), len(prompt) - 1)
+                n = min(common_prefix(e.cache.tokens, prompt), cap)
                 if n > best_n:
                     best, best_n = eid, n
             if best is None:

@@ -167,6 +167,9 @@ class Request:
     # each adapter of the mix as a one-adapter mix: set, the request's steps are
     # metered (MeterEvent); None, never
     meter_parts: dict[int, MixWeights] | None = None
+    # an aLoRA's request (core/lora/alora.py): its first base_until prompt positions run
+    # on the base model, so their KV is the base's (and shared as such)
+    base_until: int = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -222,9 +225,22 @@ class _Seq:
         self.truncated = False  # the context filled up
         self.metered_at = 0.0  # perf_counter of its last metered step
 
+    @property
+    def done_prompt(self) -> int:
+        """Prompt positions in the cache so far."""
+        return len(self.req.prompt) - len(self.pending)
+
+    @property
+    def on_base(self) -> bool:
+        """This step runs base positions of an aLoRA request (no mix)."""
+        return bool(self.pending) and self.done_prompt < self.req.base_until
+
     def inputs(self) -> np.ndarray:
         if self.pending:
-            return np.asarray(self.pending[: self.chunk], dtype=np.int64)
+            n = self.chunk
+            if self.on_base:  # a chunk never straddles the aLoRA's switch
+                n = min(n, self.req.base_until - self.done_prompt)
+            return np.asarray(self.pending[:n], dtype=np.int64)
         return np.asarray([self.next_token] + self.draft, dtype=np.int64)
 
     @property
@@ -411,7 +427,8 @@ class Scheduler:
         t0 = time.perf_counter()
         metered = self._metered(seqs, t0)
         try:
-            deltas = LoraDeltas.of(items, [s.req.mix_weights for s in seqs], self.stacks)
+            mixes = [None if s.on_base else s.req.mix_weights for s in seqs]
+            deltas = LoraDeltas.of(items, mixes, self.stacks)
             if metered is not None:
                 m = seqs[metered].req
                 row = batch_spans([len(it.tokens) for it in items])[metered][1] - 1
@@ -574,7 +591,10 @@ class Scheduler:
         cache, n_cached = None, 0
         try:
             if req.cache_prompt:
-                entry, n_cached = self.prefix.take(req.mix, req.prompt)
+                if req.base_until:  # an aLoRA's base positions are the base model's
+                    entry, n_cached = self.prefix.take((), req.prompt, limit=req.base_until)
+                else:
+                    entry, n_cached = self.prefix.take(req.mix, req.prompt)
                 if entry is not None:
                     # the slot it was copied from may still hold it: then no copy back
                     # (unless the request asked for another slot by id_slot)
@@ -704,7 +724,13 @@ class Scheduler:
         if s.req.cache_prompt and stop_type != "error" and s.cache.length:
             # the slot goes back to the pool; the prefix cache keeps a compact copy
             capacity = -(-s.cache.length // CAPACITY_ROUND) * CAPACITY_ROUND
-            self.prefix.put(s.req.mix, self.pool.snapshot(s.cache, capacity))
+            snap = self.pool.snapshot(s.cache, capacity)
+            if s.req.base_until:  # an aLoRA's: only its base positions, kept as the base's
+                snap.trim(snap.length - min(snap.length, s.req.base_until))
+                if snap.length:
+                    self.prefix.put((), snap)
+            else:
+                self.prefix.put(s.req.mix, snap)
         if self.pool.holds(s.cache):
             t = s.timings
             self.slot_last[s.cache.slot] = SlotTask(
