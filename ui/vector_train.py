@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QSpinBox,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -42,6 +43,7 @@ from core.lora.vector_train import (
     TrainCancelled,
     check_name,
     make_spec,
+    middle_layers,
     train_on_engine,
 )
 from core.paths import data_dir
@@ -84,6 +86,18 @@ class VectorTrainDialog(QDialog):
             "pca: first principal component of the pair differences; mean: their mean"
         )
         self.name = QLineEdit("happy-sad")
+        # the layers written: the middle band by default (middle_layers says why)
+        n = bridge.engine.config.n_layers if bridge.engine.config is not None else 2
+        lo, hi = middle_layers(n)
+        self.first, self.last = QSpinBox(), QSpinBox()
+        for box, v in ((self.first, lo), (self.last, hi)):
+            box.setRange(1, max(1, n - 1))
+            box.setValue(v)
+        layers = QHBoxLayout()
+        layers.addWidget(self.first)
+        layers.addWidget(QLabel("to"))
+        layers.addWidget(self.last)
+        layers.addStretch(1)
         self.scale = QDoubleSpinBox()
         self.scale.setRange(-SCALE_MAX, SCALE_MAX)
         self.scale.setSingleStep(0.1)
@@ -103,6 +117,7 @@ class VectorTrainDialog(QDialog):
         form.addRow("Template", self.template)
         form.addRow("Reply starts", self.suffixes)
         form.addRow("Method", self.method)
+        form.addRow("Layers", layers)
         form.addRow("Name", self.name)
         form.addRow("Load at scale", self.scale)
         row = QHBoxLayout()
@@ -161,7 +176,8 @@ class VectorTrainDialog(QDialog):
             return
         try:
             suffixes = self.suffix_list()
-            spec = make_spec(self.table_pairs(), None, suffixes, self.method.currentText())
+            layers = [self.first.value(), self.last.value()]
+            spec = make_spec(self.table_pairs(), None, suffixes, self.method.currentText(), layers)
             name = check_name(self.name.text().strip())
             dest = data_dir() / "adapters" / f"{name}.gguf"
             if dest.exists():
@@ -221,7 +237,8 @@ class VectorTrainDialog(QDialog):
 
     def _busy(self, on: bool) -> None:
         self.make_btn.setEnabled(not on)
-        for w in (self.template, self.pairs, self.suffixes, self.method, self.name, self.scale):
+        boxes = (self.template, self.pairs, self.suffixes, self.method, self.first, self.last)
+        for w in (*boxes, self.name, self.scale):
             w.setEnabled(not on)
 
     def cancel(self) -> None:

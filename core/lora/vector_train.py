@@ -245,6 +245,14 @@ def make_spec(
     return spec
 
 
+def middle_layers(n_layers: int) -> tuple[int, int]:
+    """The band of layers the window steers by default, L/6 .. 2L/3: SmolLM2's 5..20,
+    the demo vector's. Steering every layer, the last ones (whose hidden states are
+    an order of magnitude larger) made replies loop at a fifth of the scale
+    (tools/train_demo_vector.py)."""
+    return max(1, n_layers // 6), max(1, min(n_layers - 1, 2 * n_layers // 3))
+
+
 def _layers(value: Any) -> tuple[int, int] | None:
     if value is None:
         return None

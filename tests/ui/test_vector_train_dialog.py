@@ -40,7 +40,9 @@ def test_a_template_run_makes_and_loads_a_vector(dialog, qtbot):
     assert [(v["id"], v["scale"], v["name"]) for v in eng.control_vectors()] == [
         (vid, 0.25, "formal-casual")
     ]
-    assert load_control_vector(path, eng.config).layers == tuple(range(1, 30))
+    # the middle band by default, as the demo vector's: layers 5..20 of SmolLM2's 30
+    assert (dialog.first.value(), dialog.last.value()) == (5, 20)
+    assert load_control_vector(path, eng.config).layers == tuple(range(5, 21))
     assert dialog.progress.value() == dialog.progress.maximum() == 1
     assert "Loaded formal-casual" in dialog.status.text()
     # the same name again: refused in the form, nothing runs
@@ -70,3 +72,9 @@ def test_a_bad_form_says_why_and_runs_nothing(dialog):
     dialog._add_pair("Be happy.", "")
     dialog.start()
     assert "negative must not be empty" in dialog.status.text() and not dialog.running
+    dialog.pairs.setRowCount(0)
+    dialog._add_pair("Be happy.", "Be sad.")
+    dialog.first.setValue(9)
+    dialog.last.setValue(3)
+    dialog.start()
+    assert "layers must be" in dialog.status.text() and not dialog.running
