@@ -96,3 +96,33 @@ def test_template_pairs_build_prompts_the_model_takes(engine):
     assert max(len(t) for pair in ex for t in pair) < MAX_PROMPT_TOKENS
     assert all(p != n for p, n in ex)
     assert np.mean([len(p) for p, _ in ex]) > 10
+
+
+def test_requests_are_served_while_a_vector_is_made(server):
+    """Training runs its forwards between the scheduler's steps: a completion sent
+    while a 3-example training runs is answered before the training ends, and a
+    second training at once is refused as busy (503) rather than queued."""
+    import threading
+    import time
+
+    from core.lora.vector_train import SUFFIXES
+
+    ended = {}
+
+    def train():
+        body = {"pairs": TINY["pairs"], "suffixes": list(SUFFIXES[:3]), "name": "busy-one"}
+        ended["train"] = (req(server, "POST", "/control-vectors/train", body), time.monotonic())
+
+    t = threading.Thread(target=train)
+    t.start()
+    time.sleep(0.3)  # the training is under way
+    st, busy = req(server, "POST", "/control-vectors/train", {**TINY, "name": "busy-two"})
+    prompt = {"prompt": "Hello", "n_predict": 2, "temperature": 0}
+    got = req(server, "POST", "/completion", prompt)
+    answered = time.monotonic()
+    t.join(120)
+    (tst, out), train_end = ended["train"]
+    assert tst == 200 and out["examples"] == 3
+    assert got[0] == 200 and answered < train_end
+    assert st == 503 and "busy" in busy["error"]["message"]
+    assert not (data_dir() / "adapters" / "busy-two.gguf").exists()

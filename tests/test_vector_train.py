@@ -201,3 +201,31 @@ def test_cli_makes_a_vector_and_refuses_a_bad_file(smollm_path, smollm_cfg, tmp_
     )  # fmt: skip
     assert r.returncode == 1 and "positive must not be empty" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "bad.gguf").exists()
+
+
+def test_out_and_method_without_training_are_refused(capsys):
+    from core.cli import parse_args
+
+    for argv in (["--out", "x.gguf"], ["--cv-method", "mean"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "are for --train-control-vector" in capsys.readouterr().err
+    args = parse_args(["--train-control-vector", "happy-sad", "--out", "h.gguf"])
+    assert (args.train_control_vector, args.out, args.cv_method) == ("happy-sad", "h.gguf", None)
+
+
+def test_read_request_takes_a_template_a_list_or_an_object(tmp_path):
+    from core.train_cli import read_request
+
+    assert read_request("happy-sad", "mean") == {"template": "happy-sad", "method": "mean"}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(TINY))
+    assert read_request(str(f), None) == {"pairs": TINY}
+    f.write_text(json.dumps({"pairs": TINY, "lr": 3}))
+    with pytest.raises(VectorTrainError, match="unknown field 'lr'"):
+        read_request(str(f), None)
+    f.write_text("{not json")
+    with pytest.raises(VectorTrainError, match="not JSON"):
+        read_request(str(f), None)
+    with pytest.raises(VectorTrainError, match="neither a file nor a template"):
+        read_request(str(tmp_path / "missing.json"), None)
