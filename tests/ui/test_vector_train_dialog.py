@@ -43,6 +43,11 @@ def test_a_template_run_makes_and_loads_a_vector(dialog, qtbot):
     # the middle band by default, as the demo vector's: layers 5..20 of SmolLM2's 30
     assert (dialog.first.value(), dialog.last.value()) == (5, 20)
     assert load_control_vector(path, eng.config).layers == tuple(range(5, 21))
+    # the desk's mix names no vectors: it runs under the new one, at its scale
+    from ui.desk import desk_mix
+
+    key, _ = eng.lora.built(desk_mix({}))
+    assert key.steer == ((vid, 0.25),)
     assert dialog.progress.value() == dialog.progress.maximum() == 1
     assert "Loaded formal-casual" in dialog.status.text()
     # the same name again: refused in the form, nothing runs
