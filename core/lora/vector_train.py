@@ -362,12 +362,14 @@ def train(
         if cancel is not None and cancel():
             raise TrainCancelled("cancelled: no control vector was written")
         h = run(lambda model, p=p, n=n: last_hidden(model, [p, n]))  # (L, 2, d)
-        pos.append(h[:, 0])
-        neg.append(h[:, 1])
+        # only the layers written are kept: 512 examples of a 4096-wide model's 32
+        # layers would hold 270 MB
+        pos.append(h[lo : hi + 1, 0])  # (layers, d)
+        neg.append(h[lo : hi + 1, 1])
         if progress is not None:
             progress(i + 1, len(examples))
-    hp, hn = np.stack(pos, axis=1), np.stack(neg, axis=1)  # (L, N, d) each
-    return {li: direction(hp[li], hn[li], spec.method) for li in range(lo, hi + 1)}
+    hp, hn = np.stack(pos, axis=1), np.stack(neg, axis=1)  # (layers, N, d) each
+    return {lo + k: direction(hp[k], hn[k], spec.method) for k in range(hi - lo + 1)}
 
 
 def engine_render(eng) -> Callable[[str, str], list[int]]:
