@@ -3,7 +3,8 @@ mix), Mixdesk's ``/mixdesk/mix`` and runtime loading (``/lora-adapters/load|unlo
 behind ``--allow-runtime-lora``), vLLM's ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter``, and the control vectors shaped like ``/lora-adapters``:
 ``GET|POST /control-vectors`` and ``/control-vectors/load|unload`` (same opt-in and
-path policy as adapters)."""
+path policy as adapters), and ``POST /control-vectors/train``, which makes one from
+prompt pairs (core/lora/vector_train.py) on its own one-at-a-time pool."""
 
 from __future__ import annotations
 
