@@ -229,3 +229,20 @@ def test_read_request_takes_a_template_a_list_or_an_object(tmp_path):
         read_request(str(f), None)
     with pytest.raises(VectorTrainError, match="neither a file nor a template"):
         read_request(str(tmp_path / "missing.json"), None)
+
+
+def test_a_model_swapped_mid_run_stops_the_run(engine, tmp_path):
+    """A model loaded while a vector is made would mix two models' hidden states: the
+    run stops with a clear error and writes nothing."""
+    spec = make_spec(TINY, suffixes=["", "Today"], layers=[1, 2])
+    real = engine.model
+
+    def swap(i, n):
+        engine.model = object()  # what a reload does to the engine's model, in effect
+
+    try:
+        with pytest.raises(VectorTrainError, match="model changed"):
+            train_on_engine(engine, spec, tmp_path / "mixed.gguf", swap)
+    finally:
+        engine.model = real
+    assert not (tmp_path / "mixed.gguf").exists()

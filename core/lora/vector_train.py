@@ -398,13 +398,16 @@ def train_on_engine(
     as it is: the LoRA layer does not import the serving layer) and write it to
     ``out``; each forward runs on the engine thread between scheduler steps."""
     eng.require_ready()
-    cfg = eng.config
-    dirs = train(
-        spec,
-        engine_render(eng),
-        lambda fn: eng.run_on_engine(fn).result(),
-        cfg.n_layers,
-        progress,
-        cancel,
-    )
+    cfg, first = eng.config, eng.model
+
+    def run(fn):
+        def same_model(model):
+            # a model loaded meanwhile would mix two models' hidden states
+            if model is not first:
+                raise VectorTrainError("the model changed while the vector was being made")
+            return fn(model)
+
+        return eng.run_on_engine(same_model).result()
+
+    dirs = train(spec, engine_render(eng), run, cfg.n_layers, progress, cancel)
     return write_control_vector(out, dirs, model_hint=cfg.arch)
