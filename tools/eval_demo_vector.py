@@ -6,11 +6,12 @@
 For every prompt in ``tools/demo_data/heldout.txt`` (20 questions none of the
 vector's training examples asks) it generates a greedy reply (temperature 0, 48
 tokens, SmolLM2's default system prompt through the chat template) under the vector
-at each scale of ``--scales`` and counts mood words, whole words, case-insensitive,
+at each scale of ``--scales`` (all 20 prompts batched) and counts mood words, whole words, case-insensitive,
 from two small fixed lists (below). It prints a Markdown table: per scale, positive
-and negative words per reply and the positive share, pos / (pos + neg), of all the
-mood words; and the share of replies that repeat themselves (the same 4 words twice
-in a row, a sign the text stopped being coherent). Replies go to ``--out`` as JSON.
+and negative words per reply, their difference (the mood), and the positive share,
+pos / (pos + neg), of all the mood words; and the replies that loop (some 4 words 3 times or more, a sign the text
+stopped being coherent). Replies go to ``--out`` as JSON; ``--replies FILE`` scores
+such a file again instead of generating.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import queue
 import re
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,10 +54,10 @@ def mood(reply: str) -> tuple[int, int]:
 
 
 def repeats(reply: str) -> bool:
-    """The same 4 words twice in a row: a degenerate loop."""
-    w = reply.lower().split()
+    """A degenerate loop: some 4 words (punctuation aside) come 3 times or more."""
+    w = _WORD.findall(reply.lower())
     grams = [tuple(w[i : i + 4]) for i in range(len(w) - 3)]
-    return any(grams[i] == grams[i + 4] for i in range(len(grams) - 4))
+    return any(grams.count(g) >= 3 for g in set(grams))
 
 
 def replies(eng, prompts: list[list[int]], vid: int, scale: float) -> list[str]:
@@ -93,35 +95,48 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="default: the default model")
     ap.add_argument("--scales", default=",".join(f"{s:g}" for s in SCALES))
     ap.add_argument("--out", type=Path, default=None, help="write the replies as JSON")
+    ap.add_argument("--replies", type=Path, default=None, help="score a --out file again")
     a = ap.parse_args(argv)
     scales = [float(s) for s in a.scales.split(",")]
     prompts_text = [p for p in HELDOUT.read_text().splitlines() if p.strip()]
+    if a.replies is not None:
+        dump = json.loads(a.replies.read_text())
+        print_table(a.vector.name, "the saved replies", [(float(k), v) for k, v in dump.items()])
+        return 0
     model = a.model or ensure_default_model(log=lambda m: print(m, file=sys.stderr))
     eng = Engine.from_path(model, EngineOptions(ctx_size=256, n_parallel=len(prompts_text)))
     try:
         vid = eng.add_control_vector(a.vector, 0.0)
         prompts = [eng.chat_prompt([{"role": "user", "content": p}]) for p in prompts_text]
-        rows, dump = [], {}
+        got_all, dump = [], {}
+        t0 = time.perf_counter()
         for s in scales:
             got = replies(eng, prompts, vid, s)
-            pos = sum(mood(r)[0] for r in got)
-            neg = sum(mood(r)[1] for r in got)
-            loops = sum(repeats(r) for r in got)
-            rows.append((s, pos / len(got), neg / len(got), pos / max(pos + neg, 1), loops))
+            got_all.append((s, got))
             dump[f"{s:g}"] = got
+            print(f"scale {s:+g}: {time.perf_counter() - t0:.0f} s so far", file=sys.stderr)
             print(f"scale {s:+g}: {got[0][:100]!r}", file=sys.stderr)
     finally:
         eng.stop()
-    print(f"\n{a.vector.name} on {Path(model).name}: {len(prompts)} held-out prompts, "
-          f"greedy, {MAX_TOKENS} tokens\n")  # fmt: skip
-    print("| scale | positive words / reply | negative words / reply | positive share | "
-          "replies looping |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|")
-    for s, p, n, share, loops in rows:
-        print(f"| {s:+g} | {p:.2f} | {n:.2f} | {share:.0%} | {loops}/{len(prompts)} |")
+    print_table(a.vector.name, Path(model).name, got_all)
     if a.out:
         a.out.write_text(json.dumps(dump, indent=1) + "\n")
     return 0
+
+
+def print_table(vector: str, model: str, got_all: list[tuple[float, list[str]]]) -> None:
+    n = len(got_all[0][1])
+    print(f"\n{vector} on {model}: {n} held-out prompts, greedy, {MAX_TOKENS} tokens\n")
+    print("| scale | positive words / reply | negative words / reply | mood (pos − neg) / reply "
+          "| positive share | replies looping |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
+    for s, got in got_all:
+        pos = sum(mood(r)[0] for r in got)
+        neg = sum(mood(r)[1] for r in got)
+        loops = sum(repeats(r) for r in got)
+        p, q = pos / len(got), neg / len(got)
+        print(f"| {s:+g} | {p:.2f} | {q:.2f} | {p - q:+.2f} | {pos / max(pos + neg, 1):.0%} | "
+              f"{loops}/{len(got)} |")  # fmt: skip
 
 
 if __name__ == "__main__":
