@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             from core.export_cli import run_exports
 
             return run_exports(args)
+        if args.train_control_vector:
+            from core.train_cli import run_train_vector
+
+            return run_train_vector(args)
         if args.prompt is not None:
             return one_shot(args)
         if args.headless:

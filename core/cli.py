@@ -476,6 +476,23 @@ def build_parser() -> argparse.ArgumentParser:
         "versions) from the cache dir, say how much disk that freed, and exit",
     )
 
+    t = p.add_argument_group("make a control vector from examples (-m base)")
+    t.add_argument(
+        "--train-control-vector",
+        metavar="PAIRS.json|TEMPLATE",
+        help="make a control vector from contrasting prompt pairs (a JSON file as POST "
+        "/control-vectors/train takes, or a template: happy-sad, formal-casual, "
+        "verbose-terse), write it to --out and exit",
+    )
+    t.add_argument("--out", metavar="FILE.gguf", help="where --train-control-vector writes")
+    t.add_argument(
+        "--cv-method",
+        choices=["pca", "mean"],
+        default=None,
+        help="--train-control-vector: first principal component of the pair differences "
+        "(pca, default) or their mean",
+    )
+
     e = p.add_argument_group("export the mix (-m base, --lora/--lora-scaled adapters)")
     e.add_argument("--export-lora", metavar="OUT.gguf", help="write the mix as one LoRA GGUF")
     e.add_argument(
@@ -605,6 +622,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{', '.join(merge_flags)}: only for --export-lora/--export-merged/--export-peft "
             "(a server's method is set per request or with POST /lora-adapters)"
         )
+    if (args.out or args.cv_method) and not args.train_control_vector:
+        parser.error("--out and --cv-method are for --train-control-vector")
     if args.lora_dir and not args.allow_runtime_lora:
         parser.error("--lora-dir needs --allow-runtime-lora")
     for d in args.lora_dir:

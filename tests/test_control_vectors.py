@@ -399,3 +399,56 @@ def test_gemma3_matches_llama_server(gemma3_engine, ref_dir, i):
     params = SamplingParams(temperature=0, n_predict=16, ignore_eos=True)
     done = eng.complete(case["prompt_tokens"], params, mix=mix, cache_prompt=False)
     assert done.tokens == case["tokens"]
+
+
+# ---- a vector Mixdesk made, as llama-server loads and applies it ------------------------
+
+# a step whose reference top-2 lie closer than this is a tie: float32 sums in another
+# order may pick either (at scale -1 the demo vector loops "gloomy, gloomy, ...": two
+# of its 128 steps are such ties, margins 0.003 and 0.0006)
+TIE = 0.01
+
+
+@pytest.fixture(scope="module")
+def demo_ref(ref_dir) -> dict:
+    return json.loads((ref_dir / "smollm2_f32_demo_vector.json").read_text())
+
+
+def test_the_recorded_demo_vector_is_the_one_mixdesk_ships(ref_dir, demo_ref):
+    shipped = REPO / "resources" / "vectors" / "happy.gguf"
+    assert shipped.read_bytes() == (ref_dir / "control_vectors" / "happy.gguf").read_bytes()
+    assert {c["case"] for c in demo_ref["greedy"]} == {"demo_happy", "demo_sad"}
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_mixdesk_made_demo_vector_matches_llama_server(engine, ref_dir, demo_ref, i):
+    """The demo vector (resources/vectors/happy.gguf, written by Mixdesk's trainer)
+    under llama-server's --control-vector-scaled happy.gguf:1 and :-1: top-5 logprobs
+    within 0.05 at every step, the same top-1 except at a tie (TIE), and the same
+    greedy tokens up to the first tie."""
+    from core.serve.sampling import log_softmax
+
+    case = demo_ref["greedy"][i]
+    if "happy.gguf" not in engine.vids:
+        engine.vids["happy.gguf"] = engine.add_control_vector(
+            ref_dir / "control_vectors" / "happy.gguf", 0.0
+        )
+    mix = case_mix(engine, case)
+    _, mw = engine.lora.built(mix)
+    toks = np.array(case["prompt_tokens"] + case["tokens"])  # (T,)
+    item = BatchItem(toks, engine.model.new_cache(64), all_logits=True)
+    logits = forward(engine.model, [item], [mw])[0]  # (T, vocab)
+    n, ties = len(case["prompt_tokens"]), []
+    for step, top in enumerate(case["top_logprobs"]):
+        lp = log_softmax(logits[n - 1 + step])  # (vocab,)
+        for tid, ref_lp in top[:5]:
+            assert abs(lp[tid] - ref_lp) < 0.05, f"step {step} token {tid}"
+        if top[0][1] - top[1][1] < TIE:
+            ties.append(step)
+        else:
+            assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"
+    params = SamplingParams(temperature=0, n_predict=16, ignore_eos=True)
+    done = engine.complete(case["prompt_tokens"], params, mix=mix, cache_prompt=False)
+    upto = ties[0] if ties else 16  # the token at a tie may differ, and all after it
+    assert done.tokens[:upto] == case["tokens"][:upto]
+    assert len(ties) <= 1

@@ -23,7 +23,13 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 SPEC = REPO / "packaging" / "mixdesk.spec"
 DESKTOP = REPO / "resources" / "mixdesk.desktop"
 ICON_SIZES = (16, 32, 48, 128, 256)
-RESOURCE_DIRS = ("resources/adapters", "resources/icons", "resources/styles", "resources/webui")
+RESOURCE_DIRS = (
+    "resources/adapters",
+    "resources/vectors",
+    "resources/icons",
+    "resources/styles",
+    "resources/webui",
+)
 
 
 def _canon(name: str) -> str:

@@ -14,9 +14,12 @@ logprobs per step into ``smollm2_f32_control_vectors.json`` (the README says how
 With ``--family gemma3`` it does the same for Gemma-3-270M (its float32 GGUF written
 here from the catalogue's Q4_K_M if missing; one case, ``gemma3_cv.gguf:0.7`` over
 layers 3..14) into ``gemma3_f32_control_vectors.json``: the same hook on another
-block. tests/test_control_vectors.py checks Mixdesk against both.
+block. With ``--family demo`` it records SmolLM2 under the demo vector Mixdesk made
+(resources/vectors/happy.gguf, copied into control_vectors/) at scales 1 and -1 into
+``smollm2_f32_demo_vector.json``: a Mixdesk-written vector, loaded by llama-server.
+tests/test_control_vectors.py checks Mixdesk against all three.
 
-    python tools/record_control_vectors.py [--family smollm2|gemma3] [--llama-server-bin PATH]
+    python tools/record_control_vectors.py [--family smollm2|gemma3|demo] [--llama-server-bin PATH]
 """
 
 from __future__ import annotations
@@ -83,6 +86,20 @@ GEMMA = {
     ],
     "out": "gemma3_f32_control_vectors.json",
     "reference": "gemma3_f32_llamacpp.json",
+}
+
+
+# the demo vector Mixdesk makes (tools/train_demo_vector.py), copied here so the
+# reference stays with the file it was recorded with: llama-server must load what
+# Mixdesk writes, and steer as Mixdesk does, at the fader's two ends
+DEMO = {
+    "source": REPO / "resources" / "vectors" / "happy.gguf",
+    "vectors": {"happy.gguf": None},
+    "cases": [
+        ("demo_happy", ["--control-vector-scaled", "{happy.gguf}:1"], [("happy.gguf", 1.0)], None),
+        ("demo_sad", ["--control-vector-scaled", "{happy.gguf}:-1"], [("happy.gguf", -1.0)], None),
+    ],
+    "out": "smollm2_f32_demo_vector.json",
 }
 
 
@@ -155,11 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         help="a llama-server built beforehand (default: $MIXDESK_LLAMA_SERVER_BIN, else "
         "built from the pinned sdist into the cache, as make compat does)",
     )
-    ap.add_argument("--family", choices=("smollm2", "gemma3"), default="smollm2")
+    ap.add_argument("--family", choices=("smollm2", "gemma3", "demo"), default="smollm2")
     a = ap.parse_args(argv)
     d = vector_dir()
     d.mkdir(exist_ok=True)
-    if a.family == "gemma3":
+    if a.family == "demo":
+        import shutil
+
+        vecs, case_list, out_name = DEMO["vectors"], DEMO["cases"], DEMO["out"]
+        shutil.copy(DEMO["source"], d / "happy.gguf")
+        f32 = interop.work_dir() / "SmolLM2-135M-Instruct.F32.gguf"
+        if not f32.exists():
+            raise SystemExit(f"{f32} is missing: run tools/interop.py first (it writes it)")
+        plist = interop.prompts()
+    elif a.family == "gemma3":
         vecs, case_list, out_name = GEMMA["vectors"], GEMMA["cases"], GEMMA["out"]
         for name, (seed, std, layers) in vecs.items():
             write_vector(d / name, seed, std, list(layers), GEMMA["dim"])

@@ -225,6 +225,9 @@ class MainWindow(FileDropMixin, QMainWindow):
         act = QAction("&Add adapter…", self, shortcut=QKeySequence("Ctrl+Shift+O"))
         act.triggered.connect(self.adapters._add_files)
         m.addAction(act)
+        act = QAction("&New control vector…", self)
+        act.triggered.connect(self.new_control_vector)
+        m.addAction(act)
         m.addSeparator()
         m.addMenu(self.exporter.menu)
         m.addSeparator()
@@ -261,6 +264,16 @@ class MainWindow(FileDropMixin, QMainWindow):
             )
         )
         h.addAction(act)
+
+    def new_control_vector(self):
+        """File > New control vector…: the dialog (ui/vector_train.py), not modal, so
+        the chat stays usable while it runs."""
+        from .vector_train import VectorTrainDialog
+
+        dlg = VectorTrainDialog(self.bridge, self)
+        dlg.made.connect(lambda vid, path: self.status(f"Control vector {Path(path).stem} loaded"))
+        dlg.show()
+        return dlg
 
     def _theme_changed(self, _theme) -> None:
         """Re-render what draws its own colours from the palette; rebuild the adapter

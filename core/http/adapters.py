@@ -3,7 +3,8 @@ mix), Mixdesk's ``/mixdesk/mix`` and runtime loading (``/lora-adapters/load|unlo
 behind ``--allow-runtime-lora``), vLLM's ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter``, and the control vectors shaped like ``/lora-adapters``:
 ``GET|POST /control-vectors`` and ``/control-vectors/load|unload`` (same opt-in and
-path policy as adapters)."""
+path policy as adapters), and ``POST /control-vectors/train``, which makes one from
+prompt pairs (core/lora/vector_train.py) on its own one-at-a-time pool."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from . import responses as R
 from .plumbing import (
     ADAPTER_POOL,
     LOAD_LOCK,
+    TRAIN_POOL,
     adapter_ids,
     get_engine,
     get_settings,
@@ -222,3 +224,84 @@ async def control_vectors_load(request: web.Request) -> web.Response:
 
 async def control_vectors_unload(request: web.Request) -> web.Response:
     return await _unload_by_id(request, get_engine(request).remove_control_vector)
+
+
+TRAIN_FIELDS = {"pairs", "template", "suffixes", "method", "layers", "name", "load", "scale"}
+
+
+def _train_and_load(eng, spec, dest, load: bool, scale: float, cancel) -> dict:
+    """Make the vector (each forward on the engine thread, between scheduler steps),
+    write it, and load it when asked; the new file goes if the load refuses it."""
+    from ..lora.vector_train import train_on_engine
+
+    path = train_on_engine(eng, spec, dest, cancel=cancel.is_set)
+    out = {"path": str(path), "name": path.stem, "method": spec.method,
+           "examples": spec.n_examples}  # fmt: skip
+    if load:
+        try:
+            out["vector"] = control_vector_entry(_add_vector(eng, path, scale))
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+    return out
+
+
+async def control_vectors_train(request: web.Request) -> web.Response:
+    """POST /control-vectors/train {"pairs": [{"positive", "negative"}], "template"?,
+    "suffixes"?, "method"?: "pca"|"mean", "layers"?: [first, last], "name"?, "load"?,
+    "scale"?} -> {"path", "name", "method", "examples", "vector"? (its GET entry when
+    loaded)}. Behind --allow-runtime-lora (it writes a file on the server and may load
+    it); the file goes to the data dir's adapters/ folder, never over an existing one.
+    Checked in full first: a bad body is a 400 and nothing runs."""
+    import threading
+
+    from ..lora.vector_train import check_name, make_spec
+    from ..paths import data_dir
+
+    s = get_settings(request)
+    _require_runtime_changes(request)
+    body = await json_body(request)
+    extra = set(body) - TRAIN_FIELDS
+    if extra:
+        raise HttpError(
+            f"unknown field {sorted(extra)[0]!r}; fields: {', '.join(sorted(TRAIN_FIELDS))}"
+        )
+    eng = get_engine(request)
+    eng.require_ready()
+    try:
+        spec = make_spec(
+            body.get("pairs"),
+            body.get("template"),
+            body.get("suffixes"),
+            body.get("method", "pca"),
+            body.get("layers"),
+        )
+        name = check_name(body.get("name", f"{body.get('template') or 'vector'}-{spec.method}"))
+    except UserError as e:
+        raise HttpError(str(e)) from None
+    load = P.get_bool(body, "load", False)
+    scale = P.get_float(body, "scale", 0.0 if s.lora_init_without_apply else 1.0)
+    if load:
+        from ..lora.control import check_scale
+
+        try:
+            check_scale(scale, "scale")
+        except UserError as e:
+            raise HttpError(str(e)) from None
+    dest = data_dir() / "adapters" / f"{name}.gguf"
+    if dest.exists():
+        raise HttpError(f"a control vector named {name!r} exists already ({dest})", 409)
+    cancel = threading.Event()  # set when the client goes or the pool gives up
+    try:
+        out = await request.app[TRAIN_POOL].run(
+            _train_and_load, eng, spec, dest, load, scale, cancel
+        )
+    except HttpError:
+        cancel.set()
+        raise
+    except UserError as e:  # too long a prompt with the template, a load the engine refuses
+        raise HttpError(str(e)) from None
+    except BaseException:
+        cancel.set()
+        raise
+    return web.json_response(out)

@@ -41,6 +41,7 @@ from .plumbing import (
     SETTINGS,
     STREAMS,
     TEXT_POOL,
+    TRAIN_POOL,
     BlockingPool,
     EngineBox,
 )
@@ -151,6 +152,8 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     # a bounded queue (a client sending new seeds cannot pile up threads), and a build
     # that outlasts the timeout still lands in the mix cache for the retry
     app[MIX_POOL] = BlockingPool("mix build", workers=1, queue=16, timeout=600.0)
+    # making a control vector: one at a time, none queued (a second is a 503 at once)
+    app[TRAIN_POOL] = BlockingPool("control-vector training", workers=1, queue=0, timeout=900.0)
     app[METRICS] = E.Metrics()
     app[RELAY] = LoopRelay()  # bound to the serving loop by the first generation
     app[STREAMS] = S.StreamSessions()
@@ -173,6 +176,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
     r.add_post("/control-vectors", adapters.post_control_vectors)
     r.add_post("/control-vectors/load", adapters.control_vectors_load)
     r.add_post("/control-vectors/unload", adapters.control_vectors_unload)
+    r.add_post("/control-vectors/train", adapters.control_vectors_train)
     r.add_post("/completion", generation.completion)
     r.add_post("/completions", generation.completion)
     r.add_post("/v1/completions", openai.oai_completions)

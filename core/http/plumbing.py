@@ -117,6 +117,7 @@ LOAD_LOCK = web.AppKey("load_lock", asyncio.Lock)
 ADAPTER_POOL = web.AppKey("adapter_pool", BlockingPool)
 TEXT_POOL = web.AppKey("text_pool", BlockingPool)
 MIX_POOL = web.AppKey("mix_pool", BlockingPool)
+TRAIN_POOL = web.AppKey("train_pool", BlockingPool)  # POST /control-vectors/train
 METRICS = web.AppKey("metrics", E.Metrics)
 RELAY = web.AppKey("relay", LoopRelay)  # engine events to this app's loop, once per step
 STREAMS = web.AppKey("streams", S.StreamSessions)  # resumable streams by X-Conversation-Id

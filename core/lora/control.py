@@ -20,7 +20,9 @@ llama.cpp (repeng exports a subset of layers when asked to).
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +156,42 @@ def load_control_vector(path: str | Path, cfg: ModelConfig) -> ControlVector:
         )
     finally:
         gf.close()
+
+
+def write_control_vector(
+    path: str | Path, directions: Mapping[int, np.ndarray], model_hint: str = ""
+) -> Path:
+    """Write ``directions`` {layer N: (d,) float32} as llama.cpp's cvector-generator
+    does, the file load_control_vector reads back: arch "controlvector", its
+    ``controlvector.model_hint`` and ``controlvector.layer_count`` (the directions
+    written), one F32 ``direction.N`` per layer. Our layer N is llama.cpp's N (both
+    add ``direction.N`` to block N's output), so the numbers are written as they are.
+    Written beside ``path`` and renamed over it: no reader sees half a file."""
+    import gguf  # the writer (pinned gguf package); the reader is our own
+
+    if not directions or any(int(n) < 1 for n in directions):
+        raise ControlVectorError("a control vector needs directions for layers 1 and up")
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, "controlvector")
+        w.add_string("controlvector.model_hint", model_hint)
+        w.add_uint32("controlvector.layer_count", len(directions))
+        for n in sorted(directions):
+            v = np.ascontiguousarray(directions[n], dtype=np.float32)  # (d,)
+            w.add_tensor(f"direction.{int(n)}", v)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dest)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return dest
 
 
 def layer_range(start: int, end: int, n_layers: int) -> tuple[int, int]:
