@@ -20,7 +20,14 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMenu, QProgressDialog, QWidget
 
 from core.errors import UserError
-from core.lora.export import export_lora, export_merged, export_peft
+from core.lora.export import (
+    CANNOT_FOLD,
+    export_control_vector,
+    export_lora,
+    export_merged,
+    export_peft,
+    vector_path,
+)
 from core.settings import Settings
 
 from .bridge import EngineBridge
@@ -64,6 +71,9 @@ class ExportWorker(Worker):
         self.merge = engine.get_mix().merge
         self.out, self.outtype = Path(out), outtype
         self.what = WHAT[kind] + (f" ({outtype})" if kind == "merged" else "")
+        # the desk's control vectors now: written beside the export as one vector file
+        self.vectors, self.layers = engine.steering()
+        self.label = f"Exporting the mix as a {self.what}…"  # the dialog's first line(s)
 
     def _progress(self, frac: float, msg: str) -> None:  # worker thread, called by core
         # core's exports take no cancel event: their progress callback is where the
@@ -74,6 +84,16 @@ class ExportWorker(Worker):
         self.progressed.emit(frac, msg)
 
     def _export(self):
+        res = self._export_mix()
+        if self.vectors:
+            self.check()
+            cfg = self.engine.config
+            res.vectors = export_control_vector(
+                cfg, self.vectors, self.layers, vector_path(self.out)
+            ).path
+        return res
+
+    def _export_mix(self):
         self.check()
         if self.kind == "lora":
             return export_lora(
@@ -199,9 +219,13 @@ class MixExporter(QObject):
         worker = self.worker = ExportWorker(self.engine, kind, adapters, out, outtype)
         what = worker.what
 
-        dlg = self.dialog = QProgressDialog(
-            f"Exporting the mix as a {what}…", "Cancel", 0, 1000, self.window
-        )
+        label = f"Exporting the mix as a {what}…"
+        if worker.vectors:  # the dialog says where the vectors go, and what cannot be
+            label += f"\nIts control vectors go beside it, as {vector_path(out).name}"
+            if kind == "merged":
+                label += f"\n({CANNOT_FOLD})"
+        worker.label = label
+        dlg = self.dialog = QProgressDialog(label, "Cancel", 0, 1000, self.window)
         dlg.setWindowTitle("Export mix")
         dlg.setWindowModality(Qt.NonModal)  # the desk and chat keep working meanwhile
         dlg.setAutoClose(False)
@@ -246,14 +270,15 @@ class MixExporter(QObject):
             self.dialog.setValue(int(round(frac * 1000)))
             if msg:
                 self.dialog.setLabelText(
-                    f"Exporting the mix as a {self.worker.what}…\n{msg}"
-                    if self.worker is not None
-                    else msg
+                    f"{self.worker.label}\n{msg}" if self.worker is not None else msg
                 )
 
     def _succeeded(self, res) -> None:
         self._close_dialog()
-        self.message.emit(f"Exported the mix to {res.path} ({human_bytes(res.nbytes)})")
+        text = f"Exported the mix to {res.path} ({human_bytes(res.nbytes)})"
+        if res.vectors is not None:
+            text += f"; its control vectors to {res.vectors.name} (load with --control-vector)"
+        self.message.emit(text)
         self.finished.emit(res)
 
     def _failed(self, e: BaseException) -> None:

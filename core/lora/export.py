@@ -74,6 +74,7 @@ class ExportResult:
     n_tensors: int  # base tensors the mix changes
     rank: int  # largest concatenated rank
     nbytes: int  # size of what was written
+    vectors: Path | None = None  # the mix's control vectors, written beside it
 
 
 @dataclass
@@ -584,3 +585,48 @@ def export_peft(
         max(ranks.values()),
         sum(p.stat().st_size for p in (st_path, cfg_path)),
     )
+
+
+# ---- control vectors beside a mix's export -----------------------------------------
+
+VECTOR_SUFFIX = ".cvec.gguf"  # the control vectors' file beside an export of the mix
+CANNOT_FOLD = (
+    "control vectors are not folded into a merged model: a vector adds a constant after "
+    "each block, which no weight of the model can hold exactly"
+)
+
+
+def vector_path(out: str | os.PathLike) -> Path:
+    """Where a mix export at ``out`` writes its control vectors: beside it, named after
+    it (model.gguf -> model.cvec.gguf; a PEFT folder mix -> mix.cvec.gguf)."""
+    out = Path(out)
+    stem = out.name[: -len(".gguf")] if out.name.endswith(".gguf") else out.name
+    return out.with_name(stem + VECTOR_SUFFIX)
+
+
+def export_control_vector(
+    cfg: ModelConfig,
+    vectors: Iterable[tuple[Any, float]],
+    layers: tuple[int, int],
+    out: str | os.PathLike,
+) -> ExportResult:
+    """Write a mix's control vectors, (ControlVector, scale) pairs steering the
+    inclusive ``layers``, as ONE llama.cpp control-vector GGUF: per layer the summed,
+    scaled directions (zero outside the range), so that ``--control-vector FILE``
+    (scale 1, no layer range) steers as the mix does."""
+    from .control import ControlVectorError, steer_rows, write_control_vector
+
+    pairs = [(v, float(s)) for v, s in vectors if float(s) != 0.0]
+    try:
+        rows = steer_rows(pairs, layers[0], layers[1], cfg) if pairs else None  # (L, d)
+    except ControlVectorError as e:
+        raise ExportError(f"export: {e}") from None
+    if rows is None:
+        raise ExportError("export: the mix steers with no control vector")
+    directions = {n: rows[n] for n in range(1, cfg.n_layers) if rows[n].any()}  # N: (d,)
+    out = Path(out)
+    try:
+        write_control_vector(out, directions, model_hint=cfg.arch)
+    except OSError as e:
+        raise _os_error("export", out, e) from None
+    return ExportResult(out, len(directions), 0, out.stat().st_size)

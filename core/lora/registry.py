@@ -236,6 +236,17 @@ class AdapterRegistry:
         with self.lock:
             return dict(self._vscales)
 
+    def steering(self) -> tuple[list[tuple[ControlVector, float]], tuple[int, int]]:
+        """The global mix's control vectors at their non-zero scales, (vector, scale)
+        by id, and the inclusive layers they steer (what an export writes)."""
+        with self.lock:
+            pairs = [
+                (self._vectors[v], s)
+                for v, s in sorted(self._vscales.items())
+                if s != 0.0 and v in self._vectors
+            ]
+            return pairs, layer_range(*self._vrange, self.cfg.n_layers if self.cfg else 0)
+
     def set_vectors(self, scales: Mapping[int, float], replace: bool = True) -> dict[int, float]:
         """Set the global vectors' scales (ids not given: 0 when ``replace``); nothing
         changes when an id or a scale is refused."""

@@ -348,6 +348,11 @@ class Engine:
         """GET /control-vectors: {id, path, name, layers, model_hint, scale} each."""
         return self.lora.vector_listing()
 
+    def steering(self) -> tuple[list[tuple[Any, float]], tuple[int, int]]:
+        """The global mix's control vectors at their non-zero scales, (ControlVector,
+        scale), and the inclusive layers they steer."""
+        return self.lora.steering()
+
     def set_control_vector_range(self, start: int, end: int) -> None:
         """--control-vector-layer-range START END (inclusive; <= 0: llama.cpp's default)."""
         self.lora.set_vector_range(start, end)

@@ -217,3 +217,41 @@ def test_export_of_a_merged_desk_mix_is_its_merged_adapter(loaded, qtbot, tmp_pa
         )
     finally:
         eng.remove_adapter(aid)
+
+
+@pytest.mark.parametrize("kind", ["lora", "merged"])
+def test_a_mix_with_a_control_vector_exports_it_beside_and_says_so(
+    loaded, qtbot, tmp_path, save_to, ref_dir, monkeypatch, kind
+):
+    """The desk steers with a control vector: the export writes the vector file beside
+    the mix, the progress dialog says where (and, for a merged model, that the vector
+    is not folded in), the status line names it, and it loads back as a vector."""
+    from core.lora.control import load_control_vector
+    from core.lora.export import CANNOT_FOLD
+
+    w = loaded
+    desk(w, attn=0.5)
+    vid = w.engine.add_control_vector(ref_dir / "control_vectors" / "cv_a.gguf", 0.8)
+    monkeypatch.setattr(QInputDialog, "getItem", staticmethod(lambda *a, **k: (a[3][0], True)))
+    out = tmp_path / f"steered-{kind}.gguf"
+    save_to(out)
+    try:
+        with qtbot.waitSignal(w.exporter.finished, timeout=120000) as blocker:
+            w.exporter.actions[kind].trigger()
+            label = w.exporter.dialog.labelText()
+            if kind == "merged":  # the dialog's word is what is tested; no 270 MB write
+                w.exporter.dialog.findChild(QPushButton).click()
+        res = blocker.args[0]
+    finally:
+        w.engine.remove_control_vector(vid)
+        desk(w)
+    side = tmp_path / f"steered-{kind}.cvec.gguf"
+    if kind == "merged":
+        assert CANNOT_FOLD in label and side.name in label
+        assert res is None and not side.exists()  # cancelled: nothing written
+        return
+    assert res.vectors == side and side.is_file() and out.is_file()
+    assert side.name in label and CANNOT_FOLD not in label
+    assert side.name in w.statusBar().currentMessage()
+    back = load_control_vector(side, w.engine.config)
+    assert back.layers and back.directions.any()
