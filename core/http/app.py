@@ -46,7 +46,7 @@ from .plumbing import (
     EngineBox,
 )
 from .security import add_cors_on_prepare, make_middlewares
-from .webui import add_webui_routes
+from .webui import MARKDOWN_PATH, add_webui_routes
 
 log = logging.getLogger("mixdesk.http")
 
@@ -201,6 +201,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> web.Applicatio
         r.add_post(path, service.rerank)
     if settings.webui:
         add_webui_routes(r)  # the chat page at / (llama-server's web UI)
+        r.add_post(MARKDOWN_PATH, text.markdown)  # its replies' Markdown
     return app
 
 

@@ -26,7 +26,6 @@ with a 500 naming it, instead of failing the server.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -37,7 +36,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..errors import HttpError
-from ..markdown import web_css, web_html
+from ..markdown import web_css
 from ..paths import resources_dir
 from .build_info import build_info
 
@@ -90,26 +89,6 @@ def add_webui_routes(router: web.UrlDispatcher, resources: Path | None = None) -
         router.add_get(asset.path, _asset_handler(asset, root / asset.file))
     version = json.dumps({"version": build_info()}).encode("utf-8")
     router.add_get(VERSION_PATH, _bytes_handler(version, "application/json", NO_CACHE, False))
-    router.add_post(MARKDOWN_PATH, markdown)
-
-
-async def markdown(request: web.Request) -> web.StreamResponse:
-    """POST /mixdesk/markdown ``{"text": "..."}`` -> ``{"html": "..."}``: the text's
-    Markdown with every bit of HTML in it escaped, code blocks as ``<pre class="code">``
-    with pygments classes (the page's stylesheet colours them)."""
-    from .plumbing import json_body  # plumbing -> security -> this module's PATHS
-
-    body = await json_body(request)
-    text = body.get("text") if isinstance(body, dict) else None
-    if not isinstance(text, str):
-        raise HttpError('"text" must be a string', 400)
-    if len(text) > MARKDOWN_MAX_CHARS:
-        raise HttpError(f'"text" is over {MARKDOWN_MAX_CHARS} characters', 413)
-    if len(text) > MARKDOWN_INLINE_CHARS:
-        out = await asyncio.to_thread(web_html, text)
-    else:
-        out = web_html(text)
-    return web.json_response({"html": out}, headers={"Cache-Control": "no-store"})
 
 
 def _asset_handler(asset: Asset, file: Path) -> Handler:
