@@ -7,17 +7,18 @@ SmolLM2-135M-Instruct (the default model), with Mixdesk's own trainer.
 The recipe: the built-in ``happy-sad`` template (3 instruction pairs, "Act as if you
 are extremely happy." / "... sad." and two more phrasings) x its 16 shared reply
 starts = 48 examples; ``pca`` (first principal component of the pair differences,
-oriented so that a positive scale is happy); layers 5..20 only. Why that range: with
-every layer (1..29) steered, scale 0.2 already made replies gush and 0.5 made 17 of
-20 replies loop (the late layers' hidden states are an order of magnitude larger,
-and so are their directions); layers 5..16 kept replies coherent to ±1 but moved the
-mood words little. 5..20 puts the useful range of the fader at about -1..1; see
-tools/eval_demo_vector.py and the README's table. It is the same as
+oriented so that a positive scale is happy); layers 5..20 only. Why that range, as
+tools/eval_demo_vector.py measured it: with every layer (1..29) steered, scale 0.2
+already made replies gush and 0.5 made all 20 replies loop (the late layers' hidden
+states are an order of magnitude larger, and so are their directions); layers 5..16
+kept replies mostly coherent to ±1 but moved the mood words little (-0.9 to +0.6 per
+reply). 5..20 moves them from -2.15 to +2.40; the sad side breaks down sooner than
+the happy one (see the README's table), and ``mean`` instead of ``pca`` did the same. It is the same as
 
     python main.py --train-control-vector happy-sad.json --out resources/vectors/happy.gguf
 
 with happy-sad.json ``{"template": "happy-sad", "method": "pca", "layers": [5, 20]}``.
-It takes about a minute on 2 shared cores.
+It takes 30 s to 2 min on 2 shared cores, and gives the same file byte for byte.
 """
 
 from __future__ import annotations
