@@ -1,0 +1,162 @@
+"""#37 item 2: control vectors are channels on the desk. A vector the engine has (loaded
+by flag, over HTTP or by File ▸ New control vector) gets a strip marked "vec"; its
+fader sets the engine's vector scale, mute/solo work across adapters and vectors, undo
+and presets carry it, a chat reply and an A/B side run under it. aLoRA strips are
+marked "aLoRA" with their invocation text visible in the tooltip."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.serve.sampling import SamplingParams
+from ui.compare import BASE
+from ui.desk import VecKey, key_mix, mix_label
+from ui.strip import VectorStrip, visible
+
+GREEDY = SamplingParams(temperature=0.0, n_predict=6, seed=1)
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture
+def vec_dir(ref_dir):
+    return ref_dir / "control_vectors"
+
+
+def add_vector(window, qtbot, path, scale=0.0) -> VectorStrip:
+    vid = window.engine.add_control_vector(path, scale)  # as the flag, HTTP, the dialog do
+    qtbot.waitUntil(lambda: VecKey(vid) in window.mixer.strips, timeout=5000)
+    return window.mixer.strips[VecKey(vid)]
+
+
+def engine_vectors(window) -> dict[int, float]:
+    return {v["id"]: v["scale"] for v in window.engine.control_vectors()}
+
+
+def test_a_vector_the_engine_loads_gets_a_marked_strip_whose_fader_steers(window, qtbot, vec_dir):
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf", 0.25)
+    vid = strip.info["vid"]
+    assert strip.value == 0.25  # the scale it was loaded with
+    assert strip.name.full_text == "[vec] cv_a"
+    assert strip.name.toolTip().startswith("Control vector: adds scale × direction to layers")
+    assert strip.eff.text().startswith("L")  # its layers, not an effective scale
+    assert not strip.meter.isVisible()
+    strip.spin.setValue(0.8)
+    assert engine_vectors(window) == {vid: 0.8}
+    assert window.mixer.desk_mix().vectors == {vid: 0.8}
+    # rescaled from outside (HTTP): the fader follows, and that is no undo step
+    steps = len(window.mixer.steps.undo_steps)
+    window.engine.set_control_vectors({vid: -0.5})
+    qtbot.waitUntil(lambda: strip.value == -0.5, timeout=5000)
+    assert len(window.mixer.steps.undo_steps) == steps
+    window.engine.remove_control_vector(vid)
+    qtbot.waitUntil(lambda: VecKey(vid) not in window.mixer.strips, timeout=5000)
+
+
+def test_mute_and_solo_work_across_adapters_and_vectors_and_undo_restores(loaded, qtbot, vec_dir):
+    w, m = loaded, loaded.mixer
+    strip = add_vector(w, qtbot, vec_dir / "cv_a.gguf")
+    vid = strip.info["vid"]
+    attn = m.strips[w.ids["lora_attn"]]
+    attn.spin.setValue(1.0)
+    strip.spin.setValue(0.6)
+    assert engine_vectors(w) == {vid: 0.6} and w.engine.get_mix()[w.ids["lora_attn"]] == 1.0
+    strip.solo.setChecked(True)  # only the vector sounds
+    assert engine_vectors(w) == {vid: 0.6} and not any(w.engine.get_mix().values())
+    strip.solo.setChecked(False)
+    attn.solo.setChecked(True)  # only the adapter sounds
+    assert engine_vectors(w) == {vid: 0.0} and w.engine.get_mix()[w.ids["lora_attn"]] == 1.0
+    attn.solo.setChecked(False)
+    strip.on.setChecked(False)  # mute
+    assert engine_vectors(w) == {vid: 0.0}
+    assert m.steps.undo_label() == "mute cv_a"
+    m.undo()
+    assert not strip.muted and engine_vectors(w) == {vid: 0.6}
+    m.undo()  # unsolo, solo, unsolo, solo, then the fader
+    for _ in range(4):
+        m.undo()
+    assert m.steps.redo_label() == "cv_a 0.00 → 0.60"
+    assert strip.value == 0.0 and engine_vectors(w) == {vid: 0.0}
+
+
+def test_presets_keep_vectors_and_old_presets_still_load(window, qtbot, vec_dir, tmp_path):
+    from core.settings import Presets
+
+    m = window.mixer
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
+    vid = strip.info["vid"]
+    strip.spin.setValue(0.7)
+    strip.on.setChecked(False)
+    m.save_preset("calm")
+    saved = m.settings.presets.get("calm")
+    assert saved["vectors"][str(vec_dir / "cv_a.gguf")]["scale"] == 0.7
+    # written and read back (presets.json), the vectors are kept
+    reread = Presets(m.settings.presets.path).get("calm")
+    assert reread["vectors"] == saved["vectors"]
+    strip.spin.setValue(0.0)
+    strip.on.setChecked(True)
+    assert m.modified.isVisible()
+    assert m.load_preset("calm")
+    assert (strip.value, strip.muted) == (0.7, True) and engine_vectors(window) == {vid: 0.0}
+    assert not m.modified.isVisible()
+    # a preset from before vectors: loads, the vector's strip goes to 0
+    m.settings.presets.save("old", {"bypass": False, "adapters": {}})
+    strip.on.setChecked(True)
+    assert m.load_preset("old")
+    assert strip.value == 0.0 and engine_vectors(window) == {vid: 0.0}
+    # the desk across restarts keeps adapters only (a vector path is not an adapter)
+    assert all("cv_a" not in e["path"] for e in m.desk_state()["adapters"])
+
+
+def test_a_chat_reply_under_a_vector_strip_differs_from_at_zero(window, qtbot, vec_dir):
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
+
+    def reply() -> str:
+        gen = window.bridge.chat(MESSAGES, GREEDY)  # mix=None: the global mix, as the chat
+        qtbot.waitUntil(lambda: gen.done is not None, timeout=20000)
+        assert gen.done.stop_type != "error"
+        return gen.text
+
+    plain = reply()
+    strip.spin.setValue(2.0)
+    steered = reply()
+    assert steered != plain
+    strip.spin.setValue(0.0)
+    assert reply() == plain
+
+
+def test_ab_compare_with_a_vector_on_one_side(window, qtbot, vec_dir, greedy):
+    m, cmp = window.mixer, window.compare
+    greedy(window, n_predict=6)
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
+    vid = strip.info["vid"]
+    strip.spin.setValue(2.0)
+    m.save_preset("steered")
+    strip.spin.setValue(0.0)
+    cmp.set_presets(BASE, "steered")
+    assert cmp.mix_of(cmp.a).vectors == {vid: 0.0}
+    assert cmp.mix_of(cmp.b).vectors == {vid: 2.0}
+    assert "vec cv_a ×2.00" in cmp.b.mix_label.text()
+    with qtbot.waitSignal(cmp.finished, timeout=30000):
+        assert cmp.run("Tell me about the sea.")
+    assert cmp.a.done.stop_type != "error" and cmp.b.done.stop_type != "error"
+    assert cmp.a.text != cmp.b.text
+    # the reply's key carries its vectors: the Diff scores each side as it ran
+    assert key_mix(cmp.b.done.mix).vectors == {vid: 2.0}
+    assert key_mix(cmp.a.done.mix).vectors == {}
+    names = {k: s.info["name"] for k, s in m.strips.items()}
+    assert mix_label(cmp.b.done.mix, names) == "vec cv_a ×2.00"
+    cmp.diff_btn.setChecked(True)  # each reply scored under both sides' mixes
+    qtbot.waitUntil(lambda: cmp.diff_worker is None, timeout=30000)
+    assert cmp.a.other is not None and cmp.b.other is not None
+    assert any(cmp.a.marks) or any(cmp.b.marks)  # the vector side's top-1 differs somewhere
+
+
+def test_an_alora_strip_is_marked_and_shows_its_invocation(window, qtbot, ref_dir):
+    window.adapters.add_paths([ref_dir / "adapters" / "lora_attn_alora.gguf"])
+    qtbot.waitUntil(lambda: len(window.mixer.strips) == 1, timeout=10000)
+    strip = next(iter(window.mixer.strips.values()))
+    invocation = strip.info["alora_invocation_string"]
+    assert strip.name.full_text.startswith("[aLoRA] ")
+    assert visible(invocation) in strip.name.toolTip()
+    assert "\n" not in visible(invocation)
+    assert visible("<|im_start|>assistant\n") == "“<|im_start|>assistant\\n”"
