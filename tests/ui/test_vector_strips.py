@@ -160,3 +160,23 @@ def test_an_alora_strip_is_marked_and_shows_its_invocation(window, qtbot, ref_di
     assert visible(invocation) in strip.name.toolTip()
     assert "\n" not in visible(invocation)
     assert visible("<|im_start|>assistant\n") == "“<|im_start|>assistant\\n”"
+
+
+def test_a_vector_scale_is_a_grid_axis_and_use_this_mix_puts_it_on_the_desk(
+    window, qtbot, vec_dir, greedy
+):
+    g = window.grid
+    greedy(window, n_predict=6)
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
+    vid = strip.info["vid"]
+    g.x.set_axis("vector", "0, 2", vector=vid)
+    g.y.set_axis(None, "")
+    with qtbot.waitSignal(g.finished, timeout=30000):
+        assert g.run("Tell me about the sea.")
+    off, on = g.cards
+    assert (off.cell.mix.vectors, on.cell.mix.vectors) == ({vid: 0.0}, {vid: 2.0})
+    assert on.cell.x_label == "cv_a ×2"
+    assert "vec cv_a ×2.00" in on.mix.text()
+    assert off.text != on.text
+    on.use.click()
+    assert strip.value == 2.0 and engine_vectors(window) == {vid: 2.0}
