@@ -3,8 +3,9 @@ control vector's.
 
 A strip holds a fader value (−2…2), an on/mute toggle and a solo button; the desk's
 rule (ui/desk.py) turns the strips into the engine mix. A control vector's strip
-(:class:`VectorStrip`) is the same channel with a "vec" tag where an adapter shows its
-effective scale (a vector has no α / r) and no meter; an aLoRA adapter's strip says
+(:class:`VectorStrip`) is the same channel with its name in italics and a "vec" tag
+(the layers it steers in its tooltip) where an adapter shows its effective scale (a vector has no
+α / r), and no meter; an aLoRA adapter's strip says
 "aLoRA" before its name and shows its invocation text in the tooltip.
 """
 
@@ -321,6 +322,11 @@ class VectorStrip(Strip):
         super().__init__(info, on_change, unity)
         self.meter.hide()
         self.placeholder = QWidget()  # the meter's column: a vector is not metered
+        # its name in italics, its "vec" tag in the Effective column: a tag before the
+        # name left nothing of the name ("[vec…") in a 1024 px window's narrow column
+        font = self.name.font()
+        font.setItalic(True)
+        self.name.setFont(font)
 
     def widgets(self) -> list[QWidget]:
         return [self.on, self.solo, self.name, self.slider, self.placeholder, self.spin, self.eff]
@@ -339,13 +345,15 @@ class VectorStrip(Strip):
         )
 
     def tag(self) -> tuple[str, str]:
-        return "vec", self.about()
+        return "", self.about()  # the tag is in the Effective column
 
     def set_busy(self, busy: bool) -> None:
         pass  # requests report their adapters, not their vectors
 
     def show_effective(self, engine_scale: float) -> None:
-        self.eff.setText(f"L{layer_span(self.info.get('layers')).split(' ')[0]}")
+        # the tag alone: "vec 1–29" was wider than "+2.000" and took the width from the
+        # names at 1024 px ("pirate" touched its fader); the layers are in the tooltip
+        self.eff.setText("vec")
         self.eff.setProperty("active", engine_scale != 0.0)
         self.eff.style().unpolish(self.eff)
         self.eff.style().polish(self.eff)

@@ -13,7 +13,7 @@ from ui.compare import BASE
 from ui.desk import VecKey, key_mix, mix_label
 from ui.strip import VectorStrip, visible
 
-GREEDY = SamplingParams(temperature=0.0, n_predict=6, seed=1)
+GREEDY = SamplingParams(temperature=0.0, n_predict=4, seed=1)
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
 
@@ -36,9 +36,10 @@ def test_a_vector_the_engine_loads_gets_a_marked_strip_whose_fader_steers(window
     strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf", 0.25)
     vid = strip.info["vid"]
     assert strip.value == 0.25  # the scale it was loaded with
-    assert strip.name.full_text == "[vec] cv_a"
+    assert strip.name.full_text == "cv_a" and strip.name.font().italic()
     assert strip.name.toolTip().startswith("Control vector: adds scale × direction to layers")
-    assert strip.eff.text().startswith("L")  # its layers, not an effective scale
+    assert strip.eff.text() == "vec"  # its tag, not an effective scale
+    assert "layers 1–29" in strip.eff.toolTip()
     assert not strip.meter.isVisible()
     strip.spin.setValue(0.8)
     assert engine_vectors(window) == {vid: 0.8}
@@ -120,13 +121,11 @@ def test_a_chat_reply_under_a_vector_strip_differs_from_at_zero(window, qtbot, v
     strip.spin.setValue(2.0)
     steered = reply()
     assert steered != plain
-    strip.spin.setValue(0.0)
-    assert reply() == plain
 
 
 def test_ab_compare_with_a_vector_on_one_side(window, qtbot, vec_dir, greedy):
     m, cmp = window.mixer, window.compare
-    greedy(window, n_predict=6)
+    greedy(window, n_predict=4)
     strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
     vid = strip.info["vid"]
     strip.spin.setValue(2.0)
@@ -166,7 +165,7 @@ def test_a_vector_scale_is_a_grid_axis_and_use_this_mix_puts_it_on_the_desk(
     window, qtbot, vec_dir, greedy
 ):
     g = window.grid
-    greedy(window, n_predict=6)
+    greedy(window, n_predict=4)
     strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
     vid = strip.info["vid"]
     g.x.set_axis("vector", "0, 2", vector=vid)
