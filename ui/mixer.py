@@ -95,7 +95,9 @@ class MixerPanel(QWidget):
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
-        self.bypass.setToolTip("Master bypass: run the base model with every adapter at 0")
+        self.bypass.setToolTip(
+            "Master bypass: run the base model, every adapter and control vector at 0"
+        )
         self.bypass.toggled.connect(lambda _: self._apply())
         reset = self.zero_btn = QPushButton("Zero all")
         reset.setToolTip("Set every fader to 0")
