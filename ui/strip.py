@@ -126,7 +126,7 @@ class Strip:
         self.solo = QToolButton(checkable=True, text="S")
         self.solo.setObjectName("soloButton")
         self.solo.setToolTip("Solo: hear only soloed strips (adapters and vectors)")
-        self.name = ElidedLabel(info["name"])
+        self.name = TaggedLabel(info["name"])
         self.name.setObjectName("stripName")
         self.name.setMinimumWidth(44)  # elided ("lora_a…") where the desk is narrow
         self.mark_differs(None)
@@ -212,8 +212,12 @@ class Strip:
                 f" ({flags})" if flags else ""
             )
         tag, about = self.tag()
-        shown = f"[{tag}] {name}" if tag else name  # the tag first: elision keeps it
-        self.name.setText(f"● {shown}" if preset is not None else shown)
+        if bool(tag) != self.name.font().underline():
+            font = self.name.font()
+            font.setUnderline(bool(tag))
+            self.name.setFont(font)
+        self.name.tag = f"[{tag}] " if tag else ""
+        self.name.setText(f"● {name}" if preset is not None else name)
         self.name.setToolTip(f"{about}\n{tip}" if about else tip)
 
     def tag(self) -> tuple[str, str]:
@@ -281,6 +285,40 @@ class Strip:
             if a
             else f"no alpha in the adapter (rank {r}): effective scale = scale"
         )
+
+
+class TaggedLabel(ElidedLabel):
+    """A strip's name with an optional tag before it ("[aLoRA] "): the tag shows while
+    the name keeps a few letters beside it, and gives way to the name where the column
+    is narrow (at 1024 px "[aLo…" left nothing of the name; the strip's underlined
+    name and its tooltip still say it)."""
+
+    MIN_NAME = 4  # letters of the name the tag must leave room for ("lora…")
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        self.tag = ""
+        super().__init__(text, parent)
+
+    def sizeHint(self):  # noqa: N802
+        hint = super().sizeHint()
+        hint.setWidth(hint.width() + self.fontMetrics().horizontalAdvance(self.tag))
+        return hint
+
+    def _elide(self) -> None:
+        if not self.tag:
+            return super()._elide()
+        fm = self.fontMetrics()
+        room = max(self.contentsRect().width(), 0)
+        name = self.full_text
+        tagged = self.tag + name
+        if self.width() <= 0 or fm.horizontalAdvance(tagged) <= room:
+            QLabel.setText(self, tagged)
+            return
+        left = room - fm.horizontalAdvance(self.tag)
+        if left >= fm.horizontalAdvance(name[: self.MIN_NAME] + "…"):
+            QLabel.setText(self, self.tag + fm.elidedText(name, Qt.ElideRight, left))
+        else:
+            QLabel.setText(self, fm.elidedText(name, Qt.ElideRight, room))
 
 
 def visible(text: str) -> str:

@@ -155,7 +155,11 @@ def test_an_alora_strip_is_marked_and_shows_its_invocation(window, qtbot, ref_di
     qtbot.waitUntil(lambda: len(window.mixer.strips) == 1, timeout=10000)
     strip = next(iter(window.mixer.strips.values()))
     invocation = strip.info["alora_invocation_string"]
-    assert strip.name.full_text.startswith("[aLoRA] ")
+    assert strip.name.tag == "[aLoRA] " and strip.name.font().underline()
+    strip.name.resize(400, strip.name.height())  # room: the tag shows before the name
+    assert strip.name.text() == "[aLoRA] lora_attn_alora"
+    strip.name.resize(60, strip.name.height())  # narrow: the name keeps the room
+    assert strip.name.text().startswith("lora") and "[aLoRA]" not in strip.name.text()
     assert visible(invocation) in strip.name.toolTip()
     assert "\n" not in visible(invocation)
     assert visible("<|im_start|>assistant\n") == "“<|im_start|>assistant\\n”"
