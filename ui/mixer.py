@@ -1,10 +1,13 @@
-"""The mixing desk: one channel strip per adapter, a master bypass and named presets.
+"""The mixing desk: one channel strip per adapter and per control vector, a master
+bypass and named presets.
 
-A strip holds a fader value (−2…2), an on/mute toggle and a solo button. The
-engine mix is derived from them (bypass → all 0; any solo → only soloed
-strips; muted → 0) and pushed to the engine on every change; the next request
-uses it, no reload. Mixes set elsewhere (HTTP ``POST /lora-adapters``) come back
-through ``bridge.mix_changed`` and move the faders.
+A strip (ui/strip.py) holds a fader value (−2…2), an on/mute toggle and a solo
+button. The engine mix is derived from them (bypass → all 0; any solo → only soloed
+strips, adapters and vectors alike; muted → 0) and pushed to the engine on every
+change: the adapters' scales with ``set_mix``, the vectors' with
+``set_control_vectors``; the next request uses it, no reload. Mixes set elsewhere
+(HTTP ``POST /lora-adapters``, ``POST /control-vectors``) come back through
+``bridge.mix_changed`` and ``bridge.vectors_changed`` and move the faders.
 """
 
 from __future__ import annotations
