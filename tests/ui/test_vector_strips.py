@@ -183,3 +183,49 @@ def test_a_vector_scale_is_a_grid_axis_and_use_this_mix_puts_it_on_the_desk(
     assert off.text != on.text
     on.use.click()
     assert strip.value == 2.0 and engine_vectors(window) == {vid: 2.0}
+
+
+# -- the rules without widgets ---------------------------------------------------------------
+def test_desk_mix_splits_vectors_out_and_solo_crosses_kinds():
+    from ui.desk import Channel, desk_mix, flat
+
+    chans = {1: Channel(0.5), VecKey(1): Channel(0.8), VecKey(2): Channel(1.0, solo=True)}
+    mix = desk_mix(chans)
+    assert dict(mix) == {1: 0.0} and mix.vectors == {1: 0.0, 2: 1.0}
+    assert flat(mix) == {1: 0.0, VecKey(1): 0.0, VecKey(2): 1.0}
+    assert desk_mix({1: Channel(0.5)}).vectors is None  # no vector strips: not said
+    assert desk_mix(chans, bypass=True).vectors == {1: 0.0, 2: 0.0}
+
+
+def test_a_grid_cell_keeps_the_base_vectors_and_a_preset_brings_its_own():
+    from core import grid as G
+    from core.lora.mix import Mix
+
+    base = Mix({1: 0.5}, vectors={7: 0.3})
+    spec = G.GridSpec(
+        G.Axis("preset", ("p",)),
+        G.Axis("vector", (0.0, 1.5), vector=7, name="calm"),
+        presets={"p": Mix({1: 1.0}, vectors={7: 0.9})},
+    )
+    cells = G.cells(spec, base)
+    assert [c.mix.vectors for c in cells] == [{7: 0.0}, {7: 1.5}]
+    assert cells[1].y_label == "calm ×1.5" and dict(cells[1].mix) == {1: 1.0}
+    seed = G.GridSpec(G.Axis("seed", (1,)))
+    assert G.cells(seed, base)[0].mix.vectors == {7: 0.3}
+    with pytest.raises(G.GridError, match="vector scale"):
+        G.check_axis(G.Axis("vector", (1000.0,), vector=7), "x", {})
+
+
+def test_an_imported_preset_with_a_bad_vector_entry_is_refused(tmp_path):
+    import json
+
+    from core.errors import UserError
+    from core.settings import read_presets_file
+
+    good = {"p": {"adapters": {}, "vectors": {"/v/cv.gguf": {"name": "cv", "scale": 0.5}}}}
+    (tmp_path / "ok.json").write_text(json.dumps(good))
+    assert read_presets_file(tmp_path / "ok.json")["p"]["vectors"]["/v/cv.gguf"]["scale"] == 0.5
+    bad = {"p": {"vectors": {"/v/cv.gguf": {"scale": 9}}}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="not in -2..2"):
+        read_presets_file(tmp_path / "bad.json")
