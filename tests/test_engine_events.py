@@ -22,7 +22,6 @@ FIELDS = {  # what ui/ and tests/test_reload.py read from each event
     E.MixBuilding: {"method", "progress", "message"},
     E.RequestStarted: {"id", "source", "mix", "prompt_n"},
     E.PromptProgress: {"id", "source", "done", "total"},
-    E.ChannelMeter: {"id", "source", "values"},
     E.RequestFinished: {"id", "source", "stop_type", "predicted_n", "timings", "error"},
 }
 
