@@ -1,8 +1,10 @@
 """The X/Y grid of mixes (issue #21): one prompt under every combination of two axes.
 
 An axis varies one thing over a list of values: the scale of one adapter
-(``scale``), a named mix (``preset``), the merge method (``method``: linear, ties,
-dare_ties, ... as core/lora/merge.py defines them) or the sampling seed (``seed``).
+(``scale``), the scale of one control vector (``vector``), a named mix (``preset``),
+the merge method (``method``: linear, ties, dare_ties, ... as core/lora/merge.py
+defines them) or the sampling seed (``seed``). A cell's mix carries the base mix's
+control vectors (a preset's own, when a preset axis sets the mix).
 The cells are X × Y; each starts from a base mix (the desk's, with its method,
 unless given) and takes the preset of its column/row first, then the adapter scale,
 then the method, then the seed, so "preset × scale of adapter 2" means "each
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import UserError
+from .lora.control import SCALE_MAX as VECTOR_SCALE_MAX
 from .lora.merge import MergeSpec
 from .lora.mix import Mix, mix_text
 from .lora.registry import LORA_SCALE_MAX
@@ -38,10 +41,10 @@ from .serve.scheduler import DoneEvent, Event, Request
 
 MAX_CELLS = 64  # a grid is one batch (then waves): 64 sequences is already 8 waves of 8
 MAX_SEED = 2**31 - 1
-AXIS_KINDS = ("scale", "preset", "method", "seed")
+AXIS_KINDS = ("scale", "vector", "preset", "method", "seed")
 # a cell applies its preset (a whole mix) first, then one adapter's scale, then how
 # the adapters merge, then the seed
-APPLY_ORDER = {"preset": 0, "scale": 1, "method": 2, "seed": 3}
+APPLY_ORDER = {"preset": 0, "scale": 1, "vector": 1, "method": 2, "seed": 3}
 
 
 class GridError(UserError):
@@ -55,9 +58,16 @@ class Axis:
     kind: str  # one of AXIS_KINDS
     values: tuple  # floats (scale), preset names (preset), MergeSpecs (method), ints (seed)
     adapter: int | None = None  # the adapter whose scale varies (kind "scale")
+    vector: int | None = None  # the control vector whose scale varies (kind "vector")
+    name: str | None = None  # that vector's name, for labels
+
+    def vector_name(self) -> str:
+        return self.name or f"vector #{self.vector}"
 
     def label(self, i: int, names: Mapping[int, str] | None = None) -> str:
         v = self.values[i]
+        if self.kind == "vector":
+            return f"{self.vector_name()} ×{float(v):g}"
         if self.kind == "scale":
             name = (names or {}).get(self.adapter, f"#{self.adapter}")
             return f"{name} ×{float(v):g}"
@@ -68,6 +78,8 @@ class Axis:
         return str(v)
 
     def title(self, names: Mapping[int, str] | None = None) -> str:
+        if self.kind == "vector":
+            return f"scale of vector {self.vector_name()}"
         if self.kind == "scale":
             return f"scale of {(names or {}).get(self.adapter, f'#{self.adapter}')}"
         return self.kind
@@ -171,12 +183,16 @@ def parse_axis(obj: Any, what: str, adapters: Mapping[int, str]) -> Axis:
     values = obj.get("values")
     if not isinstance(values, list):
         raise GridError(f"{what}.values must be a list")
-    adapter = None
+    adapter = vector = None
     if kind == "scale":
         adapter = resolve_adapter(obj.get("adapter"), f"{what}.adapter", adapters)
+    if kind == "vector":  # by id (GET /control-vectors); the engine refuses an unknown one
+        vector = obj.get("vector")
+        if isinstance(vector, bool) or not isinstance(vector, int):
+            raise GridError(f"{what}.vector must be a control vector id, got {vector!r}")
     if kind == "method":
         values = [merge_spec(v, f"{what}.values[{i}]") for i, v in enumerate(values)]
-    return check_axis(Axis(kind, tuple(values), adapter), what, adapters)
+    return check_axis(Axis(kind, tuple(values), adapter, vector), what, adapters)
 
 
 def merge_spec(value: Any, what: str) -> MergeSpec:
@@ -219,6 +235,14 @@ def check_axis(axis: Axis, what: str, adapters: Mapping[int, str]) -> Axis:
                 raise GridError(
                     f"{what}: a scale must be a finite number in "
                     f"[-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], got {v!r}"
+                )
+        return replace(axis, values=tuple(float(v) for v in axis.values))
+    if axis.kind == "vector":
+        for v in axis.values:
+            if not is_finite_number(v, VECTOR_SCALE_MAX):
+                raise GridError(
+                    f"{what}: a vector scale must be a finite number in "
+                    f"[-{VECTOR_SCALE_MAX:g}, {VECTOR_SCALE_MAX:g}], got {v!r}"
                 )
         return replace(axis, values=tuple(float(v) for v in axis.values))
     if axis.kind == "seed":
@@ -292,7 +316,11 @@ def check_spec(spec: GridSpec, adapters: Mapping[int, str]) -> None:
             if unknown:
                 known = ", ".join(sorted(spec.presets)) or "none"
                 raise GridError(f"{what}: unknown preset {unknown[0]!r} (known: {known})")
-    if spec.y is not None and (spec.x.kind, spec.x.adapter) == (spec.y.kind, spec.y.adapter):
+    if spec.y is not None and (spec.x.kind, spec.x.adapter, spec.x.vector) == (
+        spec.y.kind,
+        spec.y.adapter,
+        spec.y.vector,
+    ):
         raise GridError("x and y vary the same thing: pick two different axes")
     cols, rows = spec.shape
     if cols * rows > MAX_CELLS:
@@ -314,19 +342,26 @@ def cells(
     otherwise. ``names`` (adapter id -> name) name the adapters in the axis labels."""
     base = dict(spec.base if spec.base is not None else current)
     base_merge = getattr(current, "merge", None) if spec.base is None else None
+    # the base's control vectors (None: the engine's global ones, at submission)
+    base_vectors = getattr(spec.base if spec.base is not None else current, "vectors", None)
     cols, rows = spec.shape
     out = []
     for j in range(rows):
         for i in range(cols):
             mix, merge, params = dict(base), base_merge, spec.params
+            vectors = None if base_vectors is None else dict(base_vectors)
             picks = [(spec.x, i)] + ([(spec.y, j)] if spec.y else [])
             # presets first (a whole mix), then one adapter's scale, the method, the seed
             for axis, k in sorted(picks, key=lambda p: APPLY_ORDER[p[0].kind]):
                 v = axis.values[k]
                 if axis.kind == "preset":
                     mix = {a: spec.presets[v].get(a, 0.0) for a in base}
+                    own = getattr(spec.presets[v], "vectors", None)
+                    vectors = vectors if own is None else dict(own)
                 elif axis.kind == "scale":
                     mix[axis.adapter] = float(v)
+                elif axis.kind == "vector":
+                    vectors = {**(vectors or {}), axis.vector: float(v)}
                 elif axis.kind == "method":
                     merge = merge_spec(v, "method")
                 else:
@@ -340,7 +375,7 @@ def cells(
                     j * cols + i,
                     i,
                     j,
-                    Mix(mix, merge),
+                    Mix(mix, merge, vectors=vectors),
                     params,
                     spec.x.label(i, names),
                     spec.y.label(j, names) if spec.y else "",

@@ -388,27 +388,37 @@ class Settings:
 
 def _preset(value: Any) -> dict:
     """A preset: {"bypass": bool, "adapters": {path: {name, scale, muted, solo}},
-    "merge": {"method", ...}}; a preset saved before merge methods is linear."""
+    "merge": {"method", ...}, "vectors": {path: {name, scale, muted, solo}}}; a preset
+    saved before merge methods is linear, one saved before control vectors has none
+    (no "vectors" key: the desk's vector strips go to 0 when it loads)."""
     if not isinstance(value, dict):
         raise _Bad("not an object")
-    entries = value.get("adapters", {})
+    preset = {
+        "bypass": Field(False, _bool).clean(value.get("bypass", False)),
+        "adapters": _preset_entries(value, "adapters"),
+        "merge": Field(LINEAR_MERGE, _merge).clean(value.get("merge", _MISSING), "preset merge"),
+    }
+    if "vectors" in value:
+        preset["vectors"] = _preset_entries(value, "vectors")
+    return preset
+
+
+def _preset_entries(value: dict, key: str) -> dict:
+    """A preset's strips of one kind ("adapters" or "vectors"): path -> channel."""
+    entries = value.get(key, {})
     if not isinstance(entries, dict):
-        raise _Bad("its adapters are not an object")
-    adapters = {}
+        raise _Bad(f"its {key} are not an object")
+    out = {}
     for path, e in entries.items():
         if not isinstance(e, dict):
             continue
-        adapters[path] = {
+        out[path] = {
             "name": Field("", _str).clean(e.get("name", ""), "preset name"),
             "scale": Field(0.0, _float(-2.0, 2.0)).clean(e.get("scale", 0.0), "preset scale"),
             "muted": Field(False, _bool).clean(e.get("muted", False), "preset muted"),
             "solo": Field(False, _bool).clean(e.get("solo", False), "preset solo"),
         }
-    return {
-        "bypass": Field(False, _bool).clean(value.get("bypass", False)),
-        "adapters": adapters,
-        "merge": Field(LINEAR_MERGE, _merge).clean(value.get("merge", _MISSING), "preset merge"),
-    }
+    return out
 
 
 MAX_PRESET_NAME = 256  # as the "preset" setting
@@ -426,12 +436,23 @@ def _strict_preset(name: Any, value: Any) -> dict:
         raise UserError(f"{where} is not an object")
     if not isinstance(value.get("bypass", False), bool):
         raise UserError(f"{where}: bypass is not true/false")
-    entries = value.get("adapters", {})
+    for key, kind in (("adapters", "adapter"), ("vectors", "control vector")):
+        _strict_entries(where, value.get(key, {}), key, kind)
+    if "merge" in value:
+        try:
+            _merge(value["merge"])
+        except (ValueError, TypeError) as err:
+            raise UserError(f"{where}: merge: {err}") from None
+    return _preset(value)
+
+
+def _strict_entries(where: str, entries: Any, key: str, kind: str) -> None:
+    """An imported preset's "adapters" or "vectors", checked strictly (UserError)."""
     if not isinstance(entries, dict):
-        raise UserError(f"{where}: its adapters are not an object (path -> settings)")
+        raise UserError(f"{where}: its {key} are not an object (path -> settings)")
     for path, e in entries.items():
         if not path or len(path) > 4096 or not isinstance(e, dict):
-            raise UserError(f"{where}: adapter {path[:80]!r} is not a path with settings")
+            raise UserError(f"{where}: {kind} {path[:80]!r} is not a path with settings")
         scale = e.get("scale", 0.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise UserError(f"{where}: the scale of {path[:80]!r} is not a number")
@@ -442,12 +463,6 @@ def _strict_preset(name: Any, value: Any) -> dict:
                 raise UserError(f"{where}: {key} of {path[:80]!r} is not true/false")
         if not isinstance(e.get("name", ""), str) or len(e.get("name", "")) > MAX_PRESET_NAME:
             raise UserError(f"{where}: the name of {path[:80]!r} is not a short text")
-    if "merge" in value:
-        try:
-            _merge(value["merge"])
-        except (ValueError, TypeError) as err:
-            raise UserError(f"{where}: merge: {err}") from None
-    return _preset(value)
 
 
 def read_presets_file(path: Path) -> dict[str, dict]:

@@ -18,6 +18,7 @@ FIELDS = {  # what ui/ and tests/test_reload.py read from each event
     E.AdaptersChanged: {"adapters"},
     E.AdaptersDropped: {"dropped"},
     E.MixChanged: {"mix", "source", "merge"},
+    E.VectorsChanged: {"vectors", "source"},
     E.MixBuilding: {"method", "progress", "message"},
     E.RequestStarted: {"id", "source", "mix", "prompt_n"},
     E.PromptProgress: {"id", "source", "done", "total"},

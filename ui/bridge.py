@@ -115,6 +115,7 @@ class EngineBridge(QObject):
     model_cancelled = Signal(object)  # E.ModelError the user cancelled: the model in service stays
     adapters_changed = Signal(object)  # E.AdaptersChanged
     mix_changed = Signal(object)  # E.MixChanged: mix {id: scale}, source
+    vectors_changed = Signal(object)  # E.VectorsChanged: vectors loaded, unloaded, rescaled
     mix_building = Signal(object)  # E.MixBuilding: a merged mix's first build, progress 0..1
     request_started = Signal(object)  # E.RequestStarted
     request_finished = Signal(object)  # E.RequestFinished
@@ -134,6 +135,7 @@ class EngineBridge(QObject):
             E.ModelLoaded: self.model_loaded,
             E.AdaptersChanged: self.adapters_changed,
             E.MixChanged: self.mix_changed,
+            E.VectorsChanged: self.vectors_changed,
             E.MixBuilding: self.mix_building,
             E.RequestStarted: self.request_started,
             E.RequestFinished: self.request_finished,
@@ -225,8 +227,13 @@ class EngineBridge(QObject):
             self.error.emit(str(e))
 
     def set_mix(self, mix: Mapping[int, float]) -> None:
+        """Set the engine's global mix: its adapters, and its control vectors when the
+        mix names them (a Mix's ``vectors``; None leaves the engine's vectors)."""
         try:
             self.engine.set_mix(mix, source="gui", replace=True)  # a Mix keeps its method
+            vectors = getattr(mix, "vectors", None)
+            if vectors is not None:
+                self.engine.set_control_vectors(vectors, replace=True, source="gui")
         except Exception as e:
             self.error.emit(f"could not apply the mix: {e}")
 

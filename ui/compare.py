@@ -24,12 +24,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from core.lora.mix import mix_text
+from core.lora.mix import Mix, mix_text
 from core.serve.score import TokenScore, disagreements
 
 from . import theme
 from .bridge import EngineBridge, Generation
 from .chat import palette_colors
+from .desk import VecKey, key_mix, mix_label
 from .markdown import render as render_md
 from .mixer import MixerPanel
 from .sampling import SamplingForm
@@ -161,6 +162,7 @@ class ComparePane(QWidget):
         # desk's own and one set from outside (the API, the grid's "Use this mix")
         mixer.mix_applied.connect(lambda _: self._preview())
         bridge.mix_changed.connect(lambda _: self._preview())
+        bridge.vectors_changed.connect(lambda _: self._preview())
         self.refresh_presets()
 
     def refresh_presets(self) -> None:
@@ -184,15 +186,17 @@ class ComparePane(QWidget):
 
     def mix_of(self, side: Side) -> dict[int, float] | None:
         name = side.combo.currentText()
-        if name == BASE:
-            return {aid: 0.0 for aid in self.mixer.strips}
+        if name == BASE:  # every adapter and every vector at 0
+            keys = self.mixer.strips
+            vectors = {k.id: 0.0 for k in keys if isinstance(k, VecKey)}
+            return Mix({a: 0.0 for a in keys if not isinstance(a, VecKey)}, vectors=vectors)
         return self.mixer.mix_for_preset("" if name in (CURRENT, "") else name)
 
     def _preview(self, *_) -> None:
         names = {a: s.info["name"] for a, s in self.mixer.strips.items()}
         for side in (self.a, self.b):
             mix = self.mix_of(side)
-            side.mix_label.setText("mix: " + (mix_text(mix, names) if mix is not None else "?"))
+            side.mix_label.setText("mix: " + (mix_label(mix, names) if mix is not None else "?"))
 
     def _combo_changed(self, *_) -> None:
         self._preview()
@@ -289,8 +293,9 @@ class ComparePane(QWidget):
         the engine thread; the GUI never waits for them)."""
         engine, messages = self.bridge.engine, self._messages
         replies = [s.done.tokens for s in (self.a, self.b)]
-        # the mix keys the sides ran with (a merge method's key carries its method)
-        mixes = [s.done.mix for s in (self.a, self.b)]
+        # the mix keys the sides ran with (a merge method's key carries its method, a
+        # steered key its vectors: as a Mix, so the score is steered as the reply was)
+        mixes = [key_mix(s.done.mix) for s in (self.a, self.b)]
 
         def work():
             prompt = engine.chat_prompt(messages)
@@ -365,7 +370,7 @@ def side_label(title: str, preset: str, mix, names) -> str:
     """One side of A/B as the Diff tooltips name it: "A · warm: pirate ×0.50"; the
     base model is said once ("(base model, no adapters): base model (no adapters)"
     said it twice), and the current desk is called the desk."""
-    shown = mix_text(mix, names)  # a {id: scale}, a Mix or a mix key
+    shown = mix_label(mix, names)  # a {id: scale}, a Mix or a mix key, with its vectors
     if preset == BASE or shown == mix_text({}, {}):  # "base model (no adapters)"
         return f"{title} · {shown}"
     source = "the desk" if preset in (CURRENT, "") else preset

@@ -30,17 +30,24 @@ from PySide6.QtWidgets import (
 )
 
 from core import grid as G
-from core.lora.mix import mix_text
 
 from .bridge import EngineBridge, Generation
+from .desk import mix_label
 from .mixer import MixerPanel
 from .sampling import SamplingForm
 from .util import ElidedLabel, prompt_row
 
 NONE = "(none)"
-KINDS = {"Scale of": "scale", "Preset": "preset", "Method": "method", "Seed": "seed"}
+KINDS = {
+    "Scale of": "scale",
+    "Vector": "vector",
+    "Preset": "preset",
+    "Method": "method",
+    "Seed": "seed",
+}
 DEFAULTS = {
     "scale": "0, 0.25, 0.5, 0.75, 1",
+    "vector": "0, 0.5, 1",
     "seed": "1, 2",
     "preset": "",
     "method": "linear, ties, dare_ties",
@@ -78,6 +85,8 @@ class AxisPicker(QWidget):
         self.kind.addItems(([NONE] if optional else []) + list(KINDS))
         self.adapter = QComboBox()
         self.adapter.setMinimumWidth(110)
+        self.vector = QComboBox()  # kind "vector": which control vector's scale varies
+        self.vector.setMinimumWidth(110)
         self.values = QLineEdit()
         self.values.setPlaceholderText("values, comma-separated")
         title = QLabel(label)
@@ -87,11 +96,13 @@ class AxisPicker(QWidget):
         lay.addWidget(title)
         lay.addWidget(self.kind)
         lay.addWidget(self.adapter)
+        lay.addWidget(self.vector)
         lay.addWidget(self.values, 1)
         self._last_kind = ""
         self.kind.currentTextChanged.connect(self._kind_changed)
         self.values.textChanged.connect(lambda _: self.changed.emit())
         self.adapter.currentIndexChanged.connect(lambda _: self.changed.emit())
+        self.vector.currentIndexChanged.connect(lambda _: self.changed.emit())
         self._kind_changed()
 
     def kind_code(self) -> str | None:
@@ -100,6 +111,7 @@ class AxisPicker(QWidget):
     def _kind_changed(self, *_) -> None:
         kind = self.kind_code()
         self.adapter.setVisible(kind == "scale")
+        self.vector.setVisible(kind == "vector")
         self.values.setEnabled(kind is not None)
         # a kind's example values replace the field when it still shows another's
         if kind and (not self.values.text() or self.values.text() in DEFAULTS.values()):
@@ -118,12 +130,26 @@ class AxisPicker(QWidget):
         self.adapter.setCurrentIndex(max(i, 0))
         self.adapter.blockSignals(False)
 
-    def set_axis(self, kind: str | None, values: str, adapter: int | None = None) -> None:
-        """Set from code (tests, restoring): kind "scale"/"preset"/"seed" or None."""
+    def set_vectors(self, vectors: list[dict]) -> None:
+        """The control vectors a "Vector" axis can vary (Engine.control_vectors())."""
+        cur = self.vector.currentData()
+        self.vector.blockSignals(True)
+        self.vector.clear()
+        for v in vectors:
+            self.vector.addItem(v["name"], v["id"])
+        self.vector.setCurrentIndex(max(self.vector.findData(cur), 0))
+        self.vector.blockSignals(False)
+
+    def set_axis(
+        self, kind: str | None, values: str, adapter: int | None = None, vector: int | None = None
+    ) -> None:
+        """Set from code (tests, restoring): kind "scale"/"vector"/"preset"/"seed" or None."""
         names = {v: k for k, v in KINDS.items()}
         self.kind.setCurrentText(names[kind] if kind else NONE)
         if adapter is not None:
             self.adapter.setCurrentIndex(max(self.adapter.findData(adapter), 0))
+        if vector is not None:
+            self.vector.setCurrentIndex(max(self.vector.findData(vector), 0))
         self.values.setText(values)
 
     def axis(self) -> G.Axis | None:
@@ -133,6 +159,12 @@ class AxisPicker(QWidget):
         adapter = self.adapter.currentData() if kind == "scale" else None
         if kind == "scale" and adapter is None:
             raise G.GridError("load an adapter first: a scale axis varies one adapter")
+        if kind == "vector":
+            if self.vector.currentData() is None:
+                raise G.GridError("load a control vector first: a vector axis varies one")
+            values = parse_values(kind, self.values.text())
+            vid, name = self.vector.currentData(), self.vector.currentText()
+            return G.Axis(kind, values, vector=vid, name=name)
         return G.Axis(kind, parse_values(kind, self.values.text()), adapter)
 
 
@@ -262,12 +294,19 @@ class GridPane(QWidget):
         lay.addLayout(row)
 
         bridge.adapters_changed.connect(lambda _: self._adapters_changed())
+        bridge.vectors_changed.connect(lambda _: self._adapters_changed())
         self._adapters_changed()
 
     def _adapters_changed(self) -> None:
         adapters = self.bridge.engine.adapters()
+        vectors = self.bridge.engine.control_vectors()
         for picker in (self.x, self.y):
             picker.set_adapters(adapters)
+            picker.set_vectors(vectors)
+
+    def strip_names(self) -> dict:
+        """Names by the desk's strip keys (adapters and VecKey vectors): mix captions."""
+        return {k: s.info["name"] for k, s in self.mixer.strips.items()}
 
     # -- the spec ----------------------------------------------------------------------
     def build_spec(self, text: str) -> G.GridSpec:
@@ -358,7 +397,7 @@ class GridPane(QWidget):
                 h.setMaximumWidth(70)
                 grid.addWidget(h, j + 1, 0)
         for c in cells:
-            card = Card(c, mix_text(c.mix, self.names), buttons=buttons)
+            card = Card(c, mix_label(c.mix, self.strip_names()), buttons=buttons)
             grid.addWidget(card, c.y + 1, c.x + 1)
             cards.append(card)
         for i in range(cols):
@@ -380,7 +419,7 @@ class GridPane(QWidget):
 
     def use_mix(self, mix: dict) -> None:
         self.mixer.use_mix(mix)
-        self.message.emit("The desk now plays " + mix_text(mix, self.names))
+        self.message.emit("The desk now plays " + mix_label(mix, self.strip_names()))
 
     # -- exports ---------------------------------------------------------------------------
     def results(self) -> list[G.CellResult]:

@@ -1,10 +1,13 @@
-"""The mixing desk: one channel strip per adapter, a master bypass and named presets.
+"""The mixing desk: one channel strip per adapter and per control vector, a master
+bypass and named presets.
 
-A strip holds a fader value (−2…2), an on/mute toggle and a solo button. The
-engine mix is derived from them (bypass → all 0; any solo → only soloed
-strips; muted → 0) and pushed to the engine on every change; the next request
-uses it, no reload. Mixes set elsewhere (HTTP ``POST /lora-adapters``) come back
-through ``bridge.mix_changed`` and move the faders.
+A strip (ui/strip.py) holds a fader value (−2…2), an on/mute toggle and a solo
+button. The engine mix is derived from them (bypass → all 0; any solo → only soloed
+strips, adapters and vectors alike; muted → 0) and pushed to the engine on every
+change: the adapters' scales with ``set_mix``, the vectors' with
+``set_control_vectors``; the next request uses it, no reload. Mixes set elsewhere
+(HTTP ``POST /lora-adapters``, ``POST /control-vectors``) come back through
+``bridge.mix_changed`` and ``bridge.vectors_changed`` and move the faders.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -26,10 +29,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPushButton,
     QScrollArea,
-    QSizePolicy,
-    QSlider,
     QSpinBox,
-    QStyle,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -37,258 +37,37 @@ from PySide6.QtWidgets import (
 
 from core.errors import UserError
 from core.lora import merge as M
-from core.lora.adapter import effective_scale
 from core.lora.merge import LINEAR, MergeSpec
+from core.lora.mix import Mix
 from core.serve.events import (
     ChannelMeter,
     MixBuilding,
     MixChanged,
     RequestFinished,
     RequestStarted,
+    VectorsChanged,
 )
 from core.settings import Settings, read_presets_file
 
 from .bridge import EngineBridge
-from .desk import Channel, desk_merge, desk_mix, merge_fields, saved_merge, silenced
-from .meter import Meter
+from .desk import (
+    Channel,
+    VecKey,
+    desk_merge,
+    desk_mix,
+    flat,
+    merge_fields,
+    saved_merge,
+    silenced,
+)
 from .mix_history import MixHistory
-from .util import ElidedLabel, UndoBar
-
-SCALE_MIN, SCALE_MAX = -2.0, 2.0
-TICKS = 100  # slider steps per 1.0
-DETENTS = (-1.0, 0.0, 1.0)  # a drag that comes this close to them stops there
-# a drag that ends within this many pixels of a detent lands on it, whatever the fader's
-# width (a pull of 0.04 in scale made ±1 about 3 px wide: drags landed on 1.05 or 1.08)
-DETENT_PX = 6
-FINE = 0.1  # Shift+drag moves the fader this much per pixel of a normal drag
-# the throw: 4.0 of scale over at least 100 px (0.04 a pixel; the detents still catch
-# 0 and ±1, Shift+drag and the number box are finer). 160 px made the rows ~75 px too
-# wide for a 1024 px window's desk, which then scrolled sideways.
-FADER_MIN_WIDTH = 100
-
-
-def detent(value: float, pull: float) -> float:
-    """A fader value pulled onto 0 or ±1 when it is within ``pull`` (in scale) of one."""
-    for d in DETENTS:
-        if abs(value - d) <= pull:
-            return d
-    return value
-
-
-class Fader(QSlider):
-    """A channel fader as on a mixing desk: double-click or Alt+click resets it to 0,
-    Shift+drag moves it finely, Home goes to 0 (not to the −2 end)."""
-
-    reset = Signal()
-
-    def __init__(self):
-        super().__init__(Qt.Horizontal)
-        self._fine_from: tuple[int, int] | None = None  # (x at press, value at press)
-
-    def pull(self) -> float:
-        """DETENT_PX in the fader's units (scale, or effective in unity mode; a
-        Shift+drag's pixels are finer)."""
-        groove = max(self.width() - self.style().pixelMetric(QStyle.PM_SliderLength, None, self), 1)
-        per_px = (self.maximum() - self.minimum()) / TICKS / groove
-        return DETENT_PX * per_px * (FINE if self._fine_from is not None else 1.0)
-
-    def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 (Qt's name)
-        self.reset.emit()
-
-    def mousePressEvent(self, event) -> None:  # noqa: N802
-        mods = event.modifiers()
-        if mods & Qt.AltModifier:
-            self.reset.emit()
-            return
-        if mods & Qt.ShiftModifier:
-            self._fine_from = (int(event.position().x()), self.value())
-            self.setSliderDown(True)
-            return
-        super().mousePressEvent(event)
-
-    def mouseMoveEvent(self, event) -> None:  # noqa: N802
-        if self._fine_from is not None:
-            x0, v0 = self._fine_from
-            per_px = (self.maximum() - self.minimum()) / max(self.width(), 1)
-            self.setValue(int(round(v0 + (event.position().x() - x0) * per_px * FINE)))
-            return
-        super().mouseMoveEvent(event)
-
-    def mouseReleaseEvent(self, event) -> None:  # noqa: N802
-        if self._fine_from is not None:
-            self._fine_from = None
-            self.setSliderDown(False)
-            return
-        super().mouseReleaseEvent(event)
-
-    def keyPressEvent(self, event) -> None:  # noqa: N802
-        if event.key() == Qt.Key_Home:
-            self.reset.emit()
-            return
-        super().keyPressEvent(event)
-
-
-def unity_ratio(info: dict) -> float:
-    """α / r: effective = scale × this (1 for an adapter without alpha, as llama.cpp)."""
-    return effective_scale(1.0, info.get("alpha"), info.get("rank") or 1) or 1.0
-
-
-class Strip:
-    """The widgets of one mixer row. ``value`` is always llama-server's scale; in unity
-    mode the fader and number box show and take it in effective units (× α / r)."""
-
-    def __init__(self, info: dict, on_change, unity: bool = False):
-        self.info = info
-        self.id = info["id"]
-        self.unity = unity
-        # checked = on; lit (the DAW convention for a mute) while it is off
-        self.on = QToolButton(checkable=True, checked=True, text="M")
-        self.on.setObjectName("muteButton")
-        self.on.setToolTip("Mute this adapter (lit while muted)")
-        self.solo = QToolButton(checkable=True, text="S")
-        self.solo.setObjectName("soloButton")
-        self.solo.setToolTip("Solo: hear only soloed adapters")
-        self.name = ElidedLabel(info["name"])
-        self.name.setObjectName("stripName")
-        self.name.setMinimumWidth(44)  # elided ("lora_a…") where the desk is narrow
-        self.mark_differs(None)
-        self.slider = Fader()
-        self.slider.setTickPosition(QSlider.TicksBelow)
-        self.slider.setTickInterval(TICKS // 2)
-        self.slider.setMinimumWidth(FADER_MIN_WIDTH)
-        self.slider.setToolTip(
-            "Double-click or Alt+click: 0 · Shift+drag: fine · stops at 0 and ±1 · Home: 0"
-        )
-        self.slider.reset.connect(lambda: self.set_value(0.0))
-        self.slider.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.meter = Meter()  # how much the adapter changes the model, live
-        self.spin = QDoubleSpinBox(decimals=3, singleStep=0.05)
-        self.spin.setKeyboardTracking(False)
-        self.spin.setFixedWidth(70)  # "-2.000" and the arrows, as Fusion measures it
-        self.eff = QLabel()
-        self.eff.setObjectName("effLabel")
-        self.eff.setMinimumWidth(56)  # "+1.500" to "-12.000" without the column jumping
-        self._on_change = on_change
-        self.slider.valueChanged.connect(lambda v: self._set(v / TICKS, from_slider=True))
-        self.spin.valueChanged.connect(lambda v: self._set(v, from_slider=False))
-        self._set_ranges()
-        self.on.toggled.connect(self._toggled)
-        self.solo.toggled.connect(lambda _: on_change())
-        self.value = 0.0
-        self.set_value(float(info.get("scale", 0.0)), notify=False)
-
-    def widgets(self) -> list[QWidget]:
-        return [self.on, self.solo, self.name, self.slider, self.meter, self.spin, self.eff]
-
-    def _toggled(self, on: bool) -> None:
-        self._on_change()
-
-    def ratio(self) -> float:
-        """Displayed units per unit of scale: α / r in unity mode, else 1."""
-        return unity_ratio(self.info) if self.unity else 1.0
-
-    def _set_ranges(self) -> None:
-        """The fader and box span the scale's −2…2 in the displayed unit, so switching
-        units never clamps (and so never changes) the mix."""
-        lo, hi = sorted((SCALE_MIN * self.ratio(), SCALE_MAX * self.ratio()))
-        for w in (self.slider, self.spin):
-            w.blockSignals(True)
-        self.slider.setRange(math.floor(lo * TICKS), math.ceil(hi * TICKS))
-        self.spin.setRange(lo, hi)
-        for w in (self.slider, self.spin):
-            w.blockSignals(False)
-        self.spin.setToolTip(
-            "Effective scale (scale × α / r): 1.0 is the adapter as trained; "
-            "View → Unity faders switches back to llama-server's scale"
-            if self.unity
-            else "llama-server's scale (the Effective column multiplies it by α / r)"
-        )
-
-    def set_unity(self, on: bool) -> None:
-        """Show the fader and box in effective units (on) or scale units; the value stays."""
-        self.unity = on
-        self._set_ranges()
-        self.set_value(self.value, notify=False)
-
-    def _set(self, shown: float, from_slider: bool) -> None:
-        """A value the user set on the fader or box, in the displayed unit."""
-        ratio = self.ratio()
-        if from_slider and abs(round(self.value * ratio * TICKS) - shown * TICKS) < 0.5:
-            return  # the slider is coarser than the spin box: keep the precise value
-        if from_slider and self.slider.isSliderDown():
-            shown = detent(shown, self.slider.pull())  # 0 and ±1 in the unit shown
-        self.set_value(shown / ratio)
-
-    def mark_differs(self, preset: tuple[str, Channel] | None) -> None:
-        """● before the name while this strip differs from the selected preset (name,
-        what the preset has for it); the tooltip says what the preset has."""
-        self.differs = preset is not None
-        name, path = self.info["name"], self.info.get("path", "")
-        tip = f"{name}\n{path}" if path else name
-        if preset is not None:
-            pname, ch = preset
-            flags = ", ".join(f for f, on in (("muted", ch.muted), ("solo", ch.solo)) if on)
-            unit = "unity" if self.unity else "scale"  # as the fader shows it
-            there = ch.scale * self.ratio()
-            tip += f"\n● differs from preset “{pname}”: {unit} {there:.3f} there" + (
-                f" ({flags})" if flags else ""
-            )
-        self.name.setText(f"● {name}" if preset is not None else name)
-        self.name.setToolTip(tip)
-
-    def set_busy(self, busy: bool) -> None:
-        """Light the name while a request that uses this adapter runs (chat or HTTP)."""
-        if bool(self.name.property("busy")) == busy:
-            return
-        self.name.setProperty("busy", busy)
-        self.name.style().unpolish(self.name)
-        self.name.style().polish(self.name)
-
-    def show_silenced(self, silent: bool) -> None:
-        """Dim a strip that the desk's buttons keep silent (mute, solo, bypass)."""
-        for w in (self.name, self.eff):
-            w.setEnabled(not silent)
-
-    def set_value(self, value: float, notify: bool = True) -> None:
-        value = max(SCALE_MIN, min(SCALE_MAX, float(value)))
-        self.value = value
-        shown = value * self.ratio()
-        for w, v in ((self.slider, int(round(shown * TICKS))), (self.spin, shown)):
-            w.blockSignals(True)
-            w.setValue(v)
-            w.blockSignals(False)
-        if notify:
-            self._on_change()
-
-    @property
-    def muted(self) -> bool:
-        return not self.on.isChecked()
-
-    def channel(self) -> Channel:
-        return Channel(self.value, self.muted, self.solo.isChecked())
-
-    def set_flags(self, muted: bool | None = None, solo: bool | None = None) -> None:
-        for btn, val in ((self.on, None if muted is None else not muted), (self.solo, solo)):
-            if val is not None and btn.isChecked() != val:
-                btn.blockSignals(True)
-                btn.setChecked(val)
-                btn.blockSignals(False)
-
-    def show_effective(self, engine_scale: float) -> None:
-        a, r = self.info.get("alpha"), self.info.get("rank") or 1
-        eff = effective_scale(engine_scale, a, r)
-        # the number only: with "α16/r8" beside it the column pushed the desk past a
-        # 1280 px window's left pane; the ratio is in the tooltip (and the adapter list)
-        self.eff.setText(f"{eff:+.3f}")
-        self.eff.setProperty("active", engine_scale != 0.0)
-        self.eff.style().unpolish(self.eff)
-        self.eff.style().polish(self.eff)
-        self.eff.setToolTip(
-            f"effective scale = scale × α / r = {engine_scale:+.3f} × α{a:g}/r{r}\n"
-            f"α/r = {a:g}/{r} = {a / r:g}"
-            if a
-            else f"no alpha in the adapter (rank {r}): effective scale = scale"
-        )
+from .strip import (  # noqa: F401 (FADER_MIN_WIDTH, TICKS: the desk's, tests read them)
+    FADER_MIN_WIDTH,
+    TICKS,
+    Strip,
+    VectorStrip,
+)
+from .util import UndoBar
 
 
 class MixerPanel(QWidget):
@@ -302,7 +81,10 @@ class MixerPanel(QWidget):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
-        self.strips: dict[int, Strip] = {}
+        # adapter id -> its strip, VecKey(vector id) -> a control vector's (ui/desk.py)
+        self.strips: dict[int | VecKey, Strip] = {}
+        self._adapter_infos: list[dict] = []
+        self._vector_infos: list[dict] = []
         self._syncing = False
         # desk entries (path -> scale, mute, solo) waiting for their adapter to load:
         # a restart or a model reload puts them back on the strips as they were
@@ -316,7 +98,9 @@ class MixerPanel(QWidget):
 
         self.bypass = QPushButton("Bypass all", checkable=True)
         self.bypass.setObjectName("bypassButton")
-        self.bypass.setToolTip("Master bypass: run the base model with every adapter at 0")
+        self.bypass.setToolTip(
+            "Master bypass: run the base model, every adapter and control vector at 0"
+        )
         self.bypass.toggled.connect(lambda _: self._apply())
         reset = self.zero_btn = QPushButton("Zero all")
         reset.setToolTip("Set every fader to 0")
@@ -419,6 +203,7 @@ class MixerPanel(QWidget):
         # current state rather than the (possibly stale) payload.
         bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
+        bridge.vectors_changed.connect(self._engine_vectors_changed)
         bridge.mix_building.connect(self._mix_building)
         self._running: dict[int, set[int]] = {}  # request id -> adapter ids it uses
         bridge.request_started.connect(self._request_started)
@@ -427,6 +212,7 @@ class MixerPanel(QWidget):
         bridge.engine.meters = True  # requests from now on are metered (core/lora/meter.py)
         bridge.adapter_error.connect(lambda path, _: self._pending.pop(path, None))
         self.refresh_presets(select=settings.get("preset") or None)
+        self._vector_infos = self._vector_strip_infos(bridge.engine.control_vectors())
         self.set_adapters(bridge.engine.adapters())
         self._ready = True
         # Ctrl+Z and the Redo keys are the Edit menu's (ui/mix_history.py)
@@ -453,6 +239,21 @@ class MixerPanel(QWidget):
 
     # -- building -----------------------------------------------------------------
     def set_adapters(self, adapters: list[dict]) -> None:
+        """A strip per adapter (the engine's listing), above the vectors' strips."""
+        self._adapter_infos = list(adapters)
+        self._build()
+
+    def set_vectors(self, vectors: list[dict]) -> None:
+        """A strip per control vector (``Engine.control_vectors()``), below the adapters."""
+        self._vector_infos = self._vector_strip_infos(vectors)
+        self._build()
+
+    @staticmethod
+    def _vector_strip_infos(vectors: list[dict]) -> list[dict]:
+        return [{**v, "id": VecKey(v["id"]), "vid": v["id"]} for v in vectors]
+
+    def _build(self) -> None:
+        adapters = self._adapter_infos + self._vector_infos
         old = self.strips
         self.strips = {}
         keep = {info["id"] for info in adapters}
@@ -468,8 +269,10 @@ class MixerPanel(QWidget):
         for row, info in enumerate(adapters, start=1):
             strip = old.get(info["id"])
             if strip is None:
-                strip = Strip(info, self._apply, self.unity)
-                restored |= self._restore_strip(strip)
+                kind = VectorStrip if isinstance(info["id"], VecKey) else Strip
+                strip = kind(info, self._apply, self.unity)
+                if kind is Strip:
+                    restored |= self._restore_strip(strip)
             strip.info = info
             strip.set_unity(self.unity)  # a reloaded adapter may have another α / r
             self.strips[info["id"]] = strip
@@ -486,7 +289,7 @@ class MixerPanel(QWidget):
         if restored:
             self._apply()  # the desk as it was wins over the scales it was loaded with
         else:
-            self._reconcile(self.bridge.engine.get_mix())
+            self._reconcile(self._engine_mix())
 
     # -- unity mode -----------------------------------------------------------------------
     def set_unity(self, on: bool) -> None:
@@ -599,7 +402,7 @@ class MixerPanel(QWidget):
                     "solo": s.solo.isChecked(),
                 }
                 for s in self.strips.values()
-                if s.info.get("path")
+                if s.info.get("path") and not isinstance(s, VectorStrip)
             ],
         }
 
@@ -654,8 +457,9 @@ class MixerPanel(QWidget):
     def _show(self, mix: dict[int, float]) -> None:
         """Effective scales, dimmed silent strips and the preset's modified mark."""
         quiet = silenced(self.channels(), self.bypass.isChecked())
+        scales = flat(mix)
         for aid, s in self.strips.items():
-            s.show_effective(mix[aid])
+            s.show_effective(scales.get(aid, 0.0))
             s.show_silenced(aid in quiet)
         self._mark_modified()
 
@@ -752,14 +556,36 @@ class MixerPanel(QWidget):
 
     def _engine_mix_changed(self, ev: MixChanged) -> None:
         if ev.source != "gui":
-            self._reconcile(self.bridge.engine.get_mix())
+            self._reconcile(self._engine_mix())
+
+    def _engine_vectors_changed(self, ev: VectorsChanged) -> None:
+        """A vector loaded or unloaded (File ▸ New control vector, --control-vector, HTTP)
+        gets or loses its strip; one rescaled elsewhere moves its fader."""
+        vectors = self.bridge.engine.control_vectors()
+        if [v["id"] for v in vectors] != [i["vid"] for i in self._vector_infos]:
+            self.set_vectors(vectors)
+        elif ev.source != "gui":
+            self._reconcile(self._engine_mix())
+
+    def _engine_mix(self) -> Mix:
+        """The engine's global mix with its global vectors (what a chat request runs)."""
+        mix = self.bridge.engine.get_mix()
+        vectors = {v["id"]: v["scale"] for v in self.bridge.engine.control_vectors()}
+        return Mix(mix, mix.merge, vectors=vectors)
 
     def _reconcile(self, mix: dict[int, float]) -> None:
         """Move the desk so that it implies ``mix`` (set from outside), keeping mute,
         solo and bypass where they still agree with it."""
         if getattr(mix, "merge", None) is not None:
             self._set_merge(mix.merge)  # the method set from outside (the API, the grid)
-        mix = {aid: float(mix.get(aid, 0.0)) for aid in self.strips}
+        if getattr(mix, "vectors", None) is None:  # a mix that says nothing of vectors
+            mix = Mix(
+                mix,
+                vectors={k.id: s.value for k, s in self.strips.items() if isinstance(k, VecKey)}
+                or None,
+            )
+        given = flat(mix)
+        mix = {aid: float(given.get(aid, 0.0)) for aid in self.strips}
         self._syncing = True
         try:
             if any(mix.values()):
@@ -771,7 +597,7 @@ class MixerPanel(QWidget):
                 ):
                     for s in self.strips.values():
                         s.set_flags(solo=False)
-            desk = self.desk_mix()
+            desk = flat(self.desk_mix())
             for aid, s in self.strips.items():
                 if not math.isclose(desk[aid], mix[aid], abs_tol=1e-9):
                     if mix[aid] != 0.0:
@@ -782,7 +608,7 @@ class MixerPanel(QWidget):
             self._syncing = False
         self.steps.settle(self.snapshot())  # a change from outside is not an undo step
         self._show(desk)
-        if desk != mix and self.strips:  # e.g. solo still hides a fader: make it true
+        if flat(desk) != mix and self.strips:  # e.g. solo still hides a fader: make it true
             self.bridge.set_mix(desk)
         self._remember()
 
@@ -803,10 +629,11 @@ class MixerPanel(QWidget):
 
     # -- presets ---------------------------------------------------------------------------
     def preset_state(self) -> dict[str, Any]:
-        return {
-            "bypass": self.bypass.isChecked(),
-            "merge": self.merge_spec().as_dict(),
-            "adapters": {
+        """Bypass, method, and each strip by its file's path: adapters under "adapters",
+        control vectors under "vectors" (a preset saved before vectors has none)."""
+
+        def entries(vectors: bool) -> dict[str, dict]:
+            return {
                 s.info["path"]: {
                     "name": s.info["name"],
                     "scale": s.value,
@@ -814,11 +641,20 @@ class MixerPanel(QWidget):
                     "solo": s.solo.isChecked(),
                 }
                 for s in self.strips.values()
-            },
+                if isinstance(s, VectorStrip) == vectors
+            }
+
+        state = {
+            "bypass": self.bypass.isChecked(),
+            "merge": self.merge_spec().as_dict(),
+            "adapters": entries(False),
         }
+        if self._vector_infos:
+            state["vectors"] = entries(True)
+        return state
 
     def _entry_for(self, preset: dict, strip: Strip) -> dict | None:
-        entries = preset.get("adapters", {})
+        entries = preset.get("vectors" if isinstance(strip, VectorStrip) else "adapters", {})
         if strip.info["path"] in entries:
             return entries[strip.info["path"]]
         by_name = [e for e in entries.values() if e.get("name") == strip.info["name"]]
@@ -860,15 +696,17 @@ class MixerPanel(QWidget):
                     continue
                 s.set_value(float(e.get("scale", 0.0)), notify=False)
                 s.set_flags(muted=bool(e.get("muted")), solo=bool(e.get("solo")))
-            missing = len(preset.get("adapters", {})) - sum(
-                self._entry_for(preset, s) is not None for s in self.strips.values()
+            missing = (
+                len(preset.get("adapters", {}))
+                + len(preset.get("vectors", {}))
+                - sum(self._entry_for(preset, s) is not None for s in self.strips.values())
             )
         finally:
             self._syncing = False
         self._apply()
         self.preset_box.setCurrentText(name)
         self._mark_modified()
-        note = f" ({missing} of its adapters are not loaded)" if missing > 0 else ""
+        note = f" ({missing} of its adapters or vectors are not loaded)" if missing > 0 else ""
         self.message.emit(f"Loaded preset “{name}”{note}")
         return True
 

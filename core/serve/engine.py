@@ -52,6 +52,7 @@ from .events import (
     PromptProgress,
     RequestFinished,
     RequestStarted,
+    VectorsChanged,
 )
 from .loader import LOAD_CALIBRATED, LOAD_KV_DONE, load_model
 from .prefix_cache import PrefixCache
@@ -207,6 +208,7 @@ class Engine:
             self.tokenizer, self.chat_template = tok, template
             self.prefix.clear()
             # ids stay: an adapter removed while the model loaded is not brought back
+            had_vectors = bool(self.lora.vector_ids())  # bind drops those that do not fit
             before = self.lora.bind(cfg, kept)
             dropped = [d for d in dropped if d["id"] in before]
             scheduler.stacks = self.lora.stacks
@@ -224,6 +226,8 @@ class Engine:
             self._notify(AdaptersChanged(adapters=self.adapters()))
         if dropped:
             self._notify(AdaptersDropped(dropped=dropped))
+        if had_vectors:
+            self._notify(VectorsChanged(vectors=self.control_vectors(), source="reload"))
         # --control-vector(-scaled), with the first model: a bad file raises here once
         # (the headless server stops with its message), the model stays loaded
         while self._option_vectors:
@@ -338,11 +342,14 @@ class Engine:
         """Load and check a control vector, steering every request that names no vectors
         at ``scale``; returns its id. ControlVectorError, nothing changed, on failure."""
         self.require_ready()
-        return self.lora.add_vector(path, scale).id
+        vid = self.lora.add_vector(path, scale).id
+        self._notify(VectorsChanged(vectors=self.control_vectors(), source="load"))
+        return vid
 
     def remove_control_vector(self, vid: int) -> None:
         with self._lock:
             self.lora.remove_vector(vid)
+        self._notify(VectorsChanged(vectors=self.control_vectors(), source="unload"))
 
     def control_vectors(self) -> list[dict[str, Any]]:
         """GET /control-vectors: {id, path, name, layers, model_hint, scale} each."""
@@ -357,9 +364,12 @@ class Engine:
         """--control-vector-layer-range START END (inclusive; <= 0: llama.cpp's default)."""
         self.lora.set_vector_range(start, end)
 
-    def set_control_vectors(self, scales: Mapping[int, float], replace: bool = True) -> None:
+    def set_control_vectors(
+        self, scales: Mapping[int, float], replace: bool = True, source: str = "api"
+    ) -> None:
         """Set the global vectors' scales (unlisted ones to 0 with ``replace``)."""
         self.lora.set_vectors(scales, replace)
+        self._notify(VectorsChanged(vectors=self.control_vectors(), source=source))
 
     # -- the global mix ---------------------------------------------------------------
     def get_mix(self) -> Mix:

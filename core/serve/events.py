@@ -45,6 +45,14 @@ class AdaptersDropped(EngineEvent):
 
 
 @dataclass(frozen=True)
+class VectorsChanged(EngineEvent):
+    """Control vectors were loaded, unloaded or rescaled (the global vectors' scales)."""
+
+    vectors: list  # Engine.control_vectors(): {id, path, name, layers, model_hint, scale}
+    source: str  # "gui", "api", "load", "unload", ...
+
+
+@dataclass(frozen=True)
 class MixChanged(EngineEvent):
     mix: dict  # adapter id -> scale
     source: str  # "gui", "api", "unload", ...

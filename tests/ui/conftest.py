@@ -27,11 +27,13 @@ def engine(smollm_path):
 
 @pytest.fixture
 def clean_engine(engine):
-    """The session engine with no adapters and an empty, linear mix."""
+    """The session engine with no adapters, no control vectors and an empty, linear mix."""
     from core.lora.merge import LINEAR
 
     for a in engine.adapters():
         engine.remove_adapter(a["id"])
+    for v in engine.control_vectors():  # a vector's strip would stay on the next desk
+        engine.remove_control_vector(v["id"])
     engine.set_mix({}, merge=LINEAR)
     return engine
 
