@@ -9,7 +9,8 @@ where the PNG goes (to look at it before replacing the one in docs/); SHOT_THEME
 takes it in the dark theme; SHOT_SIZE=1024x700 sizes the window (with a screen that
 large: -screen 0 1024x700x24).
 
-The chat scene (docs/screenshot.png, docs/screenshot-dark.png): sets a mix, saves two
+The chat scene (docs/screenshot.png, docs/screenshot-dark.png): loads the demo control
+vector (a vector strip, at 0.3), sets a mix, saves two
 presets, chats at temperature 0 (a code block), regenerates the reply twice and shows
 the second version (‹ 2/3 ›), asks again and grabs the window while that reply streams.
 
@@ -82,6 +83,8 @@ def run_window(parallel: int, default_name: str, scene) -> None:
 def chat_scene(win, grab) -> None:
     from PySide6.QtCore import QTimer
 
+    # the demo control vector beside the demo adapters: a vector strip on the desk
+    win.engine.add_control_vector(REPO / "resources" / "vectors" / "happy.gguf", 0.0)
     ids = {s.info["name"]: a for a, s in win.mixer.strips.items()}
     m = win.mixer
     m.strips[ids["terse"]].spin.setValue(0.9)
@@ -92,6 +95,8 @@ def chat_scene(win, grab) -> None:
     m.save_preset("Pirate + a little hype")
     m.strips[ids["terse"]].spin.setValue(0.5)
     m.strips[ids["terse"]].on.setChecked(False)
+    vec = next(st for st in m.strips.values() if st.info.get("path", "").endswith("happy.gguf"))
+    vec.spin.setValue(0.3)
     win.sampling.set_values(
         {"temperature": 0.0, "n_predict": int(os.environ.get("N1", "70")), "repeat_penalty": 1.1}
     )
