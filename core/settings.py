@@ -237,13 +237,16 @@ SCHEMA: dict[str, Field] = {
     "preset": Field("", lambda v: _str(v, max_len=256)),  # the desk's selected preset
     "theme": Field("system", _one_of(THEMES)),  # the View menu's Light / Dark / System
     "unity": Field(False, _bool),  # View → Unity faders: the desk in effective units
-    # the mixing desk as the user left it: adapters by path, with their fader and buttons
+    # the mixing desk as the user left it: adapters and control vectors by path, with
+    # their fader and buttons
     "desk": Field(
         {"bypass": False, "adapters": []},
         _record(
             {
                 "bypass": Field(False, _bool),
                 "adapters": Field([], _desk_adapters),
+                # the control vectors' strips, by path, as the adapters' (#37)
+                "vectors": Field([], _desk_adapters),
                 "merge": Field(LINEAR_MERGE, _merge),  # how the mix combines (#21)
             }
         ),

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -89,6 +89,7 @@ class MixerPanel(QWidget):
         # desk entries (path -> scale, mute, solo) waiting for their adapter to load:
         # a restart or a model reload puts them back on the strips as they were
         self._pending: dict[str, dict] = {}
+        self._pending_vectors: dict[str, dict] = {}  # the same for control vectors
         self._pending_bypass: bool | None = None
         self._ready = False
         # View → Unity faders: faders in effective units (× α / r); the mix stays in scale
@@ -204,6 +205,7 @@ class MixerPanel(QWidget):
         bridge.adapters_changed.connect(lambda _: self.set_adapters(bridge.engine.adapters()))
         bridge.mix_changed.connect(self._engine_mix_changed)
         bridge.vectors_changed.connect(self._engine_vectors_changed)
+        bridge.model_loaded.connect(self.load_saved_vectors)
         bridge.mix_building.connect(self._mix_building)
         self._running: dict[int, set[int]] = {}  # request id -> adapter ids it uses
         bridge.request_started.connect(self._request_started)
@@ -271,8 +273,7 @@ class MixerPanel(QWidget):
             if strip is None:
                 kind = VectorStrip if isinstance(info["id"], VecKey) else Strip
                 strip = kind(info, self._apply, self.unity)
-                if kind is Strip:
-                    restored |= self._restore_strip(strip)
+                restored |= self._restore_strip(strip)
             strip.info = info
             strip.set_unity(self.unity)  # a reloaded adapter may have another α / r
             self.strips[info["id"]] = strip
@@ -390,11 +391,11 @@ class MixerPanel(QWidget):
 
     # -- the desk across restarts and model reloads -----------------------------------
     def desk_state(self) -> dict[str, Any]:
-        """What settings' "desk" keeps: bypass and each adapter by path, in order."""
-        return {
-            "bypass": self.bypass.isChecked(),
-            "merge": self.merge_spec().as_dict(),
-            "adapters": [
+        """What settings' "desk" keeps: bypass, each adapter and each control vector by
+        path, in order."""
+
+        def entries(vectors: bool) -> list[dict[str, Any]]:
+            return [
                 {
                     "path": s.info.get("path", ""),
                     "scale": s.value,
@@ -402,8 +403,14 @@ class MixerPanel(QWidget):
                     "solo": s.solo.isChecked(),
                 }
                 for s in self.strips.values()
-                if s.info.get("path") and not isinstance(s, VectorStrip)
-            ],
+                if s.info.get("path") and isinstance(s, VectorStrip) == vectors
+            ]
+
+        return {
+            "bypass": self.bypass.isChecked(),
+            "merge": self.merge_spec().as_dict(),
+            "adapters": entries(vectors=False),
+            "vectors": entries(vectors=True),
         }
 
     def expect(self, desk: dict) -> list[tuple[str, float]]:
@@ -411,12 +418,37 @@ class MixerPanel(QWidget):
         They load at scale 0 and the desk then applies its own mix (mutes included)."""
         entries = [e for e in desk.get("adapters", []) if e.get("path")]
         self._pending = {e["path"]: e for e in entries}
+        # the vectors load once the model has (load_saved_vectors), at 0, and their
+        # strips then take the saved fader and buttons as the adapters' do
+        self._pending_vectors = {e["path"]: e for e in desk.get("vectors", []) if e.get("path")}
         self._pending_bypass = bool(desk.get("bypass"))
         self._set_merge(saved_merge(desk.get("merge")))
         return [(e["path"], 0.0) for e in entries]
 
+    def load_saved_vectors(self, *_: Any) -> None:
+        """Load the saved desk's control vectors (after the model: a vector must fit it).
+        One that no longer loads is said in the status line and dropped from the desk."""
+        pending = dict(self._pending_vectors)
+        have = {v.get("path") for v in self.bridge.engine.control_vectors()}
+        for path in pending:
+            if path in have:
+                continue
+            try:
+                self.bridge.engine.add_control_vector(path, 0.0)
+            except UserError as e:
+                self._pending_vectors.pop(path, None)
+                text = f"Control vector {Path(path).name} not loaded: {e}"
+                # after the window's own "Loaded <model>" line, which would hide it
+                QTimer.singleShot(0, lambda t=text: self.message.emit(t))
+        if self._pending_vectors:  # already loaded (a flag): restore their strips now
+            for strip in self.strips.values():
+                if isinstance(strip, VectorStrip) and self._restore_strip(strip):
+                    self._apply()
+        self._remember()  # the desk as restored, without what did not load
+
     def _restore_strip(self, strip: Strip) -> bool:
-        entry = self._pending.pop(strip.info.get("path", ""), None)
+        pending = self._pending_vectors if isinstance(strip, VectorStrip) else self._pending
+        entry = pending.pop(strip.info.get("path", ""), None)
         if entry is None:
             return False
         strip.set_value(float(entry.get("scale", 0.0)), notify=False)
@@ -430,7 +462,7 @@ class MixerPanel(QWidget):
 
     def _remember(self) -> None:
         """Save the desk, except while one is being restored (it would save it half)."""
-        if self._ready and not self._pending:
+        if self._ready and not self._pending and not self._pending_vectors:
             self.settings.set("desk", self.desk_state())
 
     # -- the mix ------------------------------------------------------------------------

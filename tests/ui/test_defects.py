@@ -307,3 +307,43 @@ def test_a_model_added_as_an_adapter_offers_to_open_it_as_the_model(loaded, qtbo
         box.open_btn.click()
     assert w.engine.path == smollm_path
     assert {a["name"]: a["id"] for a in w.engine.adapters()} == w.ids
+
+
+def test_the_desks_control_vectors_are_restored_at_start(
+    loaded, make_window, qtbot, tmp_path, ref_dir
+):
+    """A control vector on the desk (made in the app, or loaded) comes back at the next
+    start with its fader and buttons, once the model has loaded; one whose file is gone
+    is said in the status line and left off the desk (#37)."""
+    from core.serve.events import ModelLoaded
+
+    w = loaded
+    src = ref_dir / "control_vectors" / "cv_a.gguf"
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(src.read_bytes())
+    w.engine.add_control_vector(mine, 0.0)
+    qtbot.waitUntil(lambda: len(w.mixer.strips) == 4, timeout=10000)
+    vec = next(s for s in w.mixer.strips.values() if s.info.get("path") == str(mine))
+    vec.spin.setValue(0.7)
+    vec.on.setChecked(False)  # muted
+    desk = w.settings.get("desk")
+    assert [(e["path"], e["scale"], e["muted"]) for e in desk["vectors"]] == [
+        (str(mine), 0.7, True)
+    ]
+    gone = tmp_path / "gone.gguf"
+    desk["vectors"].append({"path": str(gone), "scale": 1.0, "muted": False, "solo": False})
+    w.settings.set("desk", desk)
+    w.close()
+    for v in w.engine.control_vectors():  # a fresh start has none
+        w.engine.remove_control_vector(v["id"])
+
+    w2 = _restart_with_desk(make_window, qtbot, w)
+    qtbot.waitUntil(lambda: len(w2.mixer.strips) == 3, timeout=10000)
+    w2.bridge.model_loaded.emit(ModelLoaded(info=w2.engine.model_info()))  # as at start
+    qtbot.waitUntil(lambda: len(w2.mixer.strips) == 4, timeout=10000)
+    back = next(s for s in w2.mixer.strips.values() if s.info.get("path") == str(mine))
+    assert back.value == 0.7 and back.muted
+    assert [v["path"] for v in w2.engine.control_vectors()] == [str(mine)]
+    qtbot.waitUntil(lambda: "gone.gguf" in w2.statusBar().currentMessage(), timeout=5000)
+    saved = w2.settings.get("desk")["vectors"]
+    assert [e["path"] for e in saved] == [str(mine)]  # the gone one is off the desk
