@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from .lora.vector_train import TEMPLATES, VectorTrainError, make_spec, train_on_engine
+from .lora.vector_train import TEMPLATES, VectorTrainError, spec_of, train_on_engine
 
 
 def read_request(value: str, method: str | None) -> dict:
@@ -53,13 +53,7 @@ def run_train_vector(args) -> int:
     if not args.out:
         raise VectorTrainError("--train-control-vector needs --out FILE.gguf")
     body = read_request(args.train_control_vector, args.cv_method)
-    spec = make_spec(
-        body.get("pairs"),
-        body.get("template"),
-        body.get("suffixes"),
-        body.get("method", "pca"),
-        body.get("layers"),
-    )
+    spec = spec_of(body)
     model = (
         Path(args.model)
         if getattr(args, "model", None)

@@ -100,17 +100,20 @@ def test_template_pairs_build_prompts_the_model_takes(engine):
 
 def test_requests_are_served_while_a_vector_is_made(server):
     """Training runs its forwards between the scheduler's steps: a completion sent
-    while a 3-example training runs is answered before the training ends, and a
+    while a 24-example training runs is answered before the training ends, and a
     second training at once is refused as busy (503) rather than queued."""
     import threading
     import time
 
-    from core.lora.vector_train import SUFFIXES
-
     ended = {}
 
+    # 24 examples, one pair's forwards per engine turn: a 2-token completion is served
+    # between two of them, long before the last. (With 3 the completion could queue
+    # behind the whole training on a busy CI machine, and did, by 52 ms.)
+    suffixes = [f"{i}." for i in range(24)]
+
     def train():
-        body = {"pairs": TINY["pairs"], "suffixes": list(SUFFIXES[:3]), "name": "busy-one"}
+        body = {"pairs": TINY["pairs"], "suffixes": suffixes, "name": "busy-one"}
         ended["train"] = (req(server, "POST", "/control-vectors/train", body), time.monotonic())
 
     t = threading.Thread(target=train)
@@ -122,7 +125,7 @@ def test_requests_are_served_while_a_vector_is_made(server):
     answered = time.monotonic()
     t.join(120)
     (tst, out), train_end = ended["train"]
-    assert tst == 200 and out["examples"] == 3
+    assert tst == 200 and out["examples"] == len(suffixes)
     assert got[0] == 200 and answered < train_end
     assert st == 503 and "busy" in busy["error"]["message"]
     assert not (data_dir() / "adapters" / "busy-two.gguf").exists()

@@ -255,7 +255,7 @@ async def control_vectors_train(request: web.Request) -> web.Response:
     Checked in full first: a bad body is a 400 and nothing runs."""
     import threading
 
-    from ..lora.vector_train import check_name, make_spec
+    from ..lora.vector_train import check_name, spec_of
     from ..paths import data_dir
 
     s = get_settings(request)
@@ -269,13 +269,7 @@ async def control_vectors_train(request: web.Request) -> web.Response:
     eng = get_engine(request)
     eng.require_ready()
     try:
-        spec = make_spec(
-            body.get("pairs"),
-            body.get("template"),
-            body.get("suffixes"),
-            body.get("method", "pca"),
-            body.get("layers"),
-        )
+        spec = spec_of(body)
         name = check_name(body.get("name", f"{body.get('template') or 'vector'}-{spec.method}"))
     except UserError as e:
         raise HttpError(str(e)) from None

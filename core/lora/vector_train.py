@@ -191,6 +191,18 @@ def check_name(name: Any) -> str:
     return name
 
 
+def spec_of(body: Mapping[str, Any]) -> TrainSpec:
+    """make_spec from a request body or a pairs file ({"pairs", "template", "suffixes",
+    "method", "layers"}): the one reader of that shape (HTTP and the CLI)."""
+    return make_spec(
+        body.get("pairs"),
+        body.get("template"),
+        body.get("suffixes"),
+        body.get("method", "pca"),
+        body.get("layers"),
+    )
+
+
 def make_spec(
     pairs: Any = None,
     template: Any = None,
