@@ -26,11 +26,11 @@ from PySide6.QtWidgets import (
 
 from core import conversation as branching
 from core.errors import UserError
-from core.lora.mix import mix_text
 from core.settings import Conversations, Settings
 
 from .bridge import EngineBridge, Generation
 from .chat_list import ChatList
+from .desk import VecKey, mix_label
 from .markdown import Colors
 from .markdown import render as render_md
 from .sampling import SamplingForm
@@ -505,7 +505,9 @@ class ChatPane(QWidget):
         gen, self.gen = self.gen, None
         prompt_n = gen.prompt_n if gen is not None else 0  # the engine's count
         self.prompt_bar.hide()
-        names = {a["id"]: a["name"] for a in self.bridge.engine.adapters()}
+        eng = self.bridge.engine
+        names = {a["id"]: a["name"] for a in eng.adapters()}  # by strip key (ui/desk.py)
+        names.update({VecKey(v["id"]): v["name"] for v in eng.control_vectors()})
         t = done.timings.as_dict()
         reply["content"] = (
             done.content if done.content or not reply["content"] else reply["content"]
@@ -513,7 +515,7 @@ class ChatPane(QWidget):
         reply["meta"] = {
             "tokens": t["predicted_n"],
             "tps": round(t["predicted_per_second"], 1),  # shown the same in both places
-            "mix": mix_text(done.mix, names),
+            "mix": mix_label(done.mix, names),  # the vectors it ran under too
             "mix_ids": [[int(a), float(s)] for a, s in done.mix],
             "stop": done.stop_type,
             "context": prompt_n + t["predicted_n"],  # the context bar's, kept with the chat

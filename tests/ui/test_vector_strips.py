@@ -229,3 +229,20 @@ def test_an_imported_preset_with_a_bad_vector_entry_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(UserError, match="not in -2..2"):
         read_presets_file(tmp_path / "bad.json")
+
+
+def test_a_chat_replys_caption_names_the_vectors_it_ran_under(window, qtbot, vec_dir, greedy):
+    """The reply's caption ("mix: …") says what steered it, vectors included, as A/B's
+    captions do; a reply without them says nothing of vectors."""
+    greedy(window, n_predict=2)
+    strip = add_vector(window, qtbot, vec_dir / "cv_a.gguf")
+    strip.spin.setValue(1.5)
+    assert window.chat.send("hi")
+    qtbot.waitUntil(lambda: not window.chat.generating, timeout=30000)
+    meta = window.chat.conversation["messages"][-1]["meta"]
+    assert "vec cv_a ×1.50" in meta["mix"]
+    assert "vec cv_a ×1.50" in window.chat.view.toPlainText()
+    strip.spin.setValue(0.0)
+    assert window.chat.send("again")
+    qtbot.waitUntil(lambda: not window.chat.generating, timeout=30000)
+    assert "vec" not in window.chat.conversation["messages"][-1]["meta"]["mix"]
