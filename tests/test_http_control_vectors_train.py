@@ -98,34 +98,50 @@ def test_template_pairs_build_prompts_the_model_takes(engine):
     assert np.mean([len(p) for p, _ in ex]) > 10
 
 
-def test_requests_are_served_while_a_vector_is_made(server):
-    """Training runs its forwards between the scheduler's steps: a completion sent
-    while a 24-example training runs is answered before the training ends, and a
-    second training at once is refused as busy (503) rather than queued."""
+def test_requests_are_served_while_a_vector_is_made(server, monkeypatch):
+    """Training runs its forwards between the scheduler's steps: with the training held
+    between two pairs (on its own thread, the engine free), a completion is answered
+    and a second training is refused as busy (503) rather than queued; then the first
+    one finishes. Held by an event, not raced against a clock."""
     import threading
-    import time
 
+    from core.lora import vector_train
+
+    held, release = threading.Event(), threading.Event()
+    real_train = vector_train.train
+
+    def holding_train(spec, render, run, *args, **kwargs):
+        calls = []
+
+        def run_then_hold(fn):
+            out = run(fn)  # one pair's forwards, on the engine thread
+            calls.append(1)
+            if len(calls) == 1:  # after the first pair, on the training's thread
+                held.set()
+                assert release.wait(120)
+            return out
+
+        return real_train(spec, render, run_then_hold, *args, **kwargs)
+
+    monkeypatch.setattr(vector_train, "train", holding_train)
     ended = {}
-
-    # 24 examples, one pair's forwards per engine turn: a 2-token completion is served
-    # between two of them, long before the last. (With 3 the completion could queue
-    # behind the whole training on a busy CI machine, and did, by 52 ms.)
-    suffixes = [f"{i}." for i in range(24)]
-
-    def train():
-        body = {"pairs": TINY["pairs"], "suffixes": suffixes, "name": "busy-one"}
-        ended["train"] = (req(server, "POST", "/control-vectors/train", body), time.monotonic())
-
-    t = threading.Thread(target=train)
+    body = {"pairs": TINY["pairs"], "suffixes": ["", "I", "Well,"], "name": "busy-one"}
+    t = threading.Thread(
+        target=lambda: ended.setdefault(
+            "train", req(server, "POST", "/control-vectors/train", body)
+        )
+    )
     t.start()
-    time.sleep(0.3)  # the training is under way
-    st, busy = req(server, "POST", "/control-vectors/train", {**TINY, "name": "busy-two"})
-    prompt = {"prompt": "Hello", "n_predict": 2, "temperature": 0}
-    got = req(server, "POST", "/completion", prompt)
-    answered = time.monotonic()
-    t.join(120)
-    (tst, out), train_end = ended["train"]
-    assert tst == 200 and out["examples"] == len(suffixes)
-    assert got[0] == 200 and answered < train_end
+    try:
+        assert held.wait(120)  # the training is under way, between two pairs
+        st, busy = req(server, "POST", "/control-vectors/train", {**TINY, "name": "busy-two"})
+        got = req(server, "POST", "/completion", {"prompt": "Hello", "n_predict": 2})
+        assert "train" not in ended  # answered while the training is still running
+    finally:
+        release.set()
+        t.join(120)
+    tst, out = ended["train"]
+    assert tst == 200 and out["examples"] == 3
+    assert got[0] == 200
     assert st == 503 and "busy" in busy["error"]["message"]
     assert not (data_dir() / "adapters" / "busy-two.gguf").exists()

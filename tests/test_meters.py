@@ -123,14 +123,13 @@ def test_a_metered_reply_sends_meters_for_its_adapters_that_follow_the_fader(eng
     attn, ffn = ids["lora_attn"], ids["lora_ffn"]
     engine.meters = True
     try:
-        full, took = collect(engine, {attn: 1.0, ffn: 0.0})
+        full, _ = collect(engine, {attn: 1.0, ffn: 0.0})
         half, _ = collect(engine, {attn: 0.5, ffn: 0.0})
         none, _ = collect(engine, {})  # the base model: nothing to meter
     finally:
         engine.meters = False
     assert full and half and not none
     assert all(set(ev.values) == {attn} for ev in full + half)  # a 0 scale is not in the mix
-    assert len(full) <= took / METER_INTERVAL_S + 1  # at most every METER_INTERVAL_S
     # the first metered step is the first decode step of the same prompt: half the
     # scale, about half the delta (the activations differ a little under the two mixes)
     assert 0.35 < half[0].values[attn] / full[0].values[attn] < 0.65
@@ -141,3 +140,26 @@ def test_an_engine_without_meters_sends_none(engine):
     assert not engine.meters
     meters, _ = collect(engine, {ids["lora_attn"]: 1.0})
     assert meters == []
+
+
+def test_one_decoding_stream_is_metered_a_step_at_most_every_interval():
+    """The scheduler's choice (Scheduler._metered), with the times given: a stream is
+    due METER_INTERVAL_S after its last metered step, the longest-waiting first, never
+    while its prompt runs or without meter parts, one a step."""
+    from types import SimpleNamespace as NS
+
+    from core.serve.scheduler import Scheduler
+
+    def seq(at, parts=True, pending=(), weights=True):
+        req = NS(
+            meter_parts={0: object()} if parts else None, mix_weights=object() if weights else None
+        )
+        return NS(req=req, metered_at=at, pending=list(pending))
+
+    now = 100.0
+    seqs = [seq(now - 0.05), seq(now - 0.5), seq(now - 0.2), seq(now - 9, parts=False)]
+    assert Scheduler._metered(seqs, now) == 1  # the longest-waiting of those due
+    assert Scheduler._metered(seqs[:1], now) is None  # metered 0.05 s ago: not yet
+    assert Scheduler._metered([seq(now - 2 * METER_INTERVAL_S)], now) == 0
+    assert Scheduler._metered([seq(0.0, pending=[5])], now) is None  # prompt running
+    assert Scheduler._metered([seq(0.0, weights=False)], now) is None  # the base model
