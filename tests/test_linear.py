@@ -456,3 +456,39 @@ def test_the_calibration_step_runs_the_model_and_leaves_no_trace(smollm_path):
     assert 1 <= k < cfg.n_layers
     assert calls == [(k, [(1, CALIBRATION_CTX, True)] * 8)] * 3
     assert len(model.w.layers) == cfg.n_layers  # the model itself keeps every layer
+
+
+def test_a_quantized_decode_holds_blas_at_one_thread(smollm_path):
+    """A model in GGUF blocks runs its decode products on numba's threads; a BLAS call
+    between them (a LoRA delta, attention) must stay on the calling thread, or
+    OpenBLAS's spinning threads take the cores from numba's (8 streams under 8 mixes
+    ran at half speed). Prefill, which hands BLAS the products, keeps every thread."""
+    from core.model.deltas import Deltas
+    from core.model.llama import BatchItem
+    from core.model.families import model_class
+    from core.model.quant import SMALL
+    from core.model.weights import map_weights, open_model_file
+
+    gf, cfg = open_model_file(smollm_path)
+    model = model_class(cfg)(cfg, map_weights(gf, cfg), threads=2)
+    seen: list[list[int]] = []
+
+    class Spy(Deltas):
+        def project(self, lin, x, w, li, target):
+            seen.append(blas_thread_counts())
+            return lin(x, w)
+
+    outside = blas_thread_counts()
+    assert max(outside) > 1  # else there is nothing to hold
+    caches = [model.new_cache(64) for _ in range(8)]
+    for c in caches:  # a prefill: BLAS keeps its threads
+        model([BatchItem(np.arange(1, SMALL + 2), c)], Spy())
+    assert seen and all(s == outside for s in seen)
+    seen.clear()
+    model([BatchItem(np.array([5]), c) for c in caches], Spy())  # 8 streams decoding
+    assert seen and all(s == [1] * len(outside) for s in seen)
+    seen.clear()
+    model([BatchItem(np.array([6]), caches[0])], Spy())  # one stream
+    assert seen and all(s == [1] * len(outside) for s in seen)
+    assert blas_thread_counts() == outside
+    model.lin.close()

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from .quant import SMALL as KERNEL_ROWS  # rows a matrix in GGUF blocks runs on its kernels
 
 SMALL_ROWS = 32  # up to here a small-batch regime can beat packed gemm (bench/engine.py)
 CHUNK = 64  # rows of W per block: 64 x 1536 floats = 384 KB, fits L2
@@ -128,8 +129,11 @@ class Linear:
     does one share of the blocks itself.
     """
 
-    def __init__(self, threads: int | None = None, small: str = "gemm"):
+    def __init__(self, threads: int | None = None, small: str = "gemm", kernels: bool = False):
         self.threads = max(1, threads or blas_threads())
+        # the model's matrices are in GGUF blocks: small batches run on the compiled
+        # kernels' threads (numba's), whatever the regime says (see ``forward_context``)
+        self.kernels = kernels
         self.force(small)
         self._helpers = [_Helper() for _ in range(self.threads - 1)]
         weakref.finalize(self, _close_all, self._helpers)
@@ -336,6 +340,19 @@ class Linear:
         if isinstance(steps, dict) and all(isinstance(v, float) for v in steps.values()):
             self.step_times = dict(steps)
         return True
+
+    def forward_context(self, rows: int):
+        """The context a forward of ``rows`` rows runs in. BLAS is held at one thread
+        while our own threads run the products: the blocked regime's, or the compiled
+        kernels' for a model in GGUF blocks up to KERNEL_ROWS rows. Any BLAS call in
+        between (a LoRA delta, attention) then stays on this thread: OpenBLAS's
+        threads spin for a while after each call, and on a machine with as many cores
+        as threads they took the cores from numba's (8 streams under 8 LoRA mixes on
+        the 1B-shaped Q4_K_M: 11.2 tok/s, 21.8 with BLAS held at one thread; 2 cores,
+        2026-12-06). Prefill (more rows) hands BLAS the products, on all threads."""
+        if self.kernels:
+            return self.single_blas() if rows <= KERNEL_ROWS else contextlib.nullcontext()
+        return self.small_batch(self.regime(rows))
 
     def small_batch(self, regime: str):
         """The context products of this regime run in: BLAS held at one thread for

@@ -59,7 +59,7 @@ class LlamaModel:
         self.w = weights
         # every x @ W.T goes through here; small batches in the regime per row count
         # that calibrate() picks for this CPU ("gemm" for all until then)
-        self.lin = Linear(threads)
+        self.lin = Linear(threads, kernels=weights.quantized)
         if weights.quantized:  # the compiled kernels run on as many threads as BLAS
             quant.set_threads(self.lin.threads)
         self.rope = RopeTable(cfg, weights.rope_freqs)
@@ -157,9 +157,9 @@ class LlamaModel:
         built by the caller for this batch's layout, ``batch_spans``)."""
         spans, tokens, positions = self.pack(items)
         cis = self.rope_cis(positions)
-        # the regime calibrated for this many rows (blocked products on our threads
-        # hold BLAS at one thread for the whole forward)
-        with self.lin.small_batch(self.lin.regime(len(tokens))):
+        # BLAS at one thread for the whole forward while our threads do the products
+        # (the blocked regime, the compiled kernels' small batches)
+        with self.lin.forward_context(len(tokens)):
             x = self.embed(tokens, deltas)  # (T, d)
             pooled = PooledDecode.plan(items, spans)
             masks = [causal_mask(it.cache.length, len(it.tokens)) for it in items]
