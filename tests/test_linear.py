@@ -464,8 +464,8 @@ def test_a_quantized_decode_holds_blas_at_one_thread(smollm_path):
     OpenBLAS's spinning threads take the cores from numba's (8 streams under 8 mixes
     ran at half speed). Prefill, which hands BLAS the products, keeps every thread."""
     from core.model.deltas import Deltas
-    from core.model.llama import BatchItem
     from core.model.families import model_class
+    from core.model.llama import BatchItem
     from core.model.quant import SMALL
     from core.model.weights import map_weights, open_model_file
 
