@@ -122,3 +122,33 @@ def test_base_positions_switch_one_token_before_the_invocation(engine, data):
     prompt = data["reuse"]["alora_prompt"]
     assert base_positions(ad, prompt) == len(data["reuse"]["base_prompt"]) - 1
     assert base_positions(ad, data["reuse"]["base_prompt"]) is None
+
+
+def test_control_vectors_steer_the_positions_before_the_invocation(engine, data, ref_dir):
+    """llama-server's control vectors steer every position, so with a vector in the mix
+    the positions before the invocation run under the vector alone: never invoked, the
+    reply is the vector's alone; invoked, the prefix a vector-only request left in the
+    prefix cache is reused, as the base's is without vectors. (It ran the aLoRA as a
+    plain LoRA from the first token.)"""
+    from core.lora.mix import Mix
+
+    alora = next(a["id"] for a in engine.adapters() if a.get("alora_invocation_tokens"))
+    vid = engine.add_control_vector(
+        ref_dir.parents[2] / "resources" / "vectors" / "happy.gguf", scale=0.0
+    )
+    try:
+        steer = {vid: 1.5}
+        never = next(c for c in data["cases"] if c["case"] == "not_invoked")["prompt_tokens"]
+        alone = run(engine, never, Mix({}, vectors=steer))
+        assert alone.tokens != run(engine, never, {}).tokens  # the vector steers
+        assert run(engine, never, Mix({alora: 1.0}, vectors=steer)).tokens == alone.tokens
+
+        r = data["reuse"]
+        run(engine, r["base_prompt"], Mix({}, vectors=steer), cache_prompt=True)
+        then = run(engine, r["alora_prompt"], Mix({alora: 1.0}, vectors=steer), cache_prompt=True)
+        assert then.timings.cache_n == r["alora_cache_n"]  # the vector's prefix, reused
+        assert then.tokens != r["alora_tokens"]  # steered
+        cold = run(engine, r["alora_prompt"], Mix({alora: 1.0}, vectors=steer))
+        assert cold.timings.cache_n == 0 and cold.tokens == then.tokens
+    finally:
+        engine.remove_control_vector(vid)

@@ -14,7 +14,8 @@ An aLoRA carries ``invocation_tokens`` (GGUF ``adapter.alora.invocation_tokens``
   generated token, the adapter is on.
 
 A mix with a plain LoRA beside the aLoRA runs the aLoRA as a plain LoRA from the first
-token, as llama-server does.
+token, as llama-server does. Control vectors in the mix steer every position (llama-server's
+are global): the positions off the aLoRA run under the vectors alone.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .control import (
 )
 from .control import check_scale as check_vector_scale
 from .merge import LINEAR, MergeSpec
-from .mix import Mix, MixKey, MixWeights, Progress, build_mix, mix_key
+from .mix import Mix, MixKey, MixWeights, Progress, SteeredKey, build_mix, mix_key
 from .runtime import AdapterStacks, MixCache
 
 log = logging.getLogger(__name__)
@@ -321,6 +321,17 @@ class AdapterRegistry:
             if vid not in vectors:  # unloaded since the key was made
                 raise ControlVectorError(f"no control vector with id {vid}")
         return key, self.mixes.get(key, adapters, progress(merge), vectors)
+
+    def vectors_only(self, key: MixKey) -> tuple[MixKey, MixWeights | None]:
+        """The control vectors of a built mix's ``key`` without its adapters, built:
+        what an aLoRA's positions before its invocation run under (core/lora/alora.py).
+        ((), None), the base model, for a key that steers nothing."""
+        if not getattr(key, "steer", None):
+            return (), None
+        base = SteeredKey((), None, key.steer, key.layers)
+        with self.lock:
+            vectors = dict(self._vectors)
+        return base, self.mixes.get(base, {}, None, vectors)
 
     def meter_parts(self, key: MixKey) -> dict[int, MixWeights]:
         """Each adapter of a built mix's ``key`` as a one-adapter linear mix at its

@@ -615,7 +615,7 @@ class Engine:
                 f"(vocabulary has {self.config.vocab_size})"
             )
         key, weights = self._built_mix(mix)
-        key, weights, base_until = self._alora(key, weights, prompt)
+        key, weights, base_until, (base_key, base_weights) = self._alora(key, weights, prompt)
         ids: list[int] = []
 
         def relay(ev: Event) -> None:
@@ -650,7 +650,7 @@ class Engine:
                 )
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
-        req.base_until = base_until
+        req.base_until, req.base_mix, req.base_weights = base_until, base_key, base_weights
         if self.meters and weights is not None:
             try:
                 req.meter_parts = self.lora.meter_parts(key) or None
@@ -661,20 +661,22 @@ class Engine:
         ids.append(req.id)
         return req
 
-    def _alora(self, key: MixKey, weights, prompt: list[int]) -> tuple[MixKey, Any, int]:
+    def _alora(self, key: MixKey, weights, prompt: list[int]) -> tuple[MixKey, Any, int, tuple]:
         """A mix whose adapters are one aLoRA, as llama-server runs it
-        (core/lora/alora.py): (key, weights, leading prompt positions on the base).
-        Without its invocation in the prompt, the request runs on the base model.
-        (A mix with control vectors runs an aLoRA as a plain LoRA, for now.)"""
-        if weights is None or getattr(key, "steer", None):
-            return key, weights, 0
+        (core/lora/alora.py): (key, weights, leading prompt positions off the aLoRA,
+        (key, weights) those positions run under). Off the aLoRA is the mix's control
+        vectors alone, or the base model: llama-server's vectors steer every position.
+        Without its invocation in the prompt, the whole request runs so."""
+        if weights is None:
+            return key, weights, 0, ((), None)
         alora = alora_of(key, {aid: self.adapter(aid) for aid, _ in key})
         if alora is None:
-            return key, weights, 0
+            return key, weights, 0, ((), None)
+        off = self.lora.vectors_only(key)
         n = base_positions(alora, prompt)
         if n is None:
-            return (), None, 0
-        return key, weights, n
+            return *off, 0, off
+        return key, weights, n, off
 
     def generate(
         self,

@@ -168,8 +168,11 @@ class Request:
     # metered (MeterEvent); None, never
     meter_parts: dict[int, MixWeights] | None = None
     # an aLoRA's request (core/lora/alora.py): its first base_until prompt positions run
-    # on the base model, so their KV is the base's (and shared as such)
+    # without the aLoRA, under base_mix (the mix's control vectors alone, or () the base
+    # model), so their KV is base_mix's and is shared as such
     base_until: int = 0
+    base_mix: MixKey = ()
+    base_weights: MixWeights | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -232,7 +235,7 @@ class _Seq:
 
     @property
     def on_base(self) -> bool:
-        """This step runs base positions of an aLoRA request (no mix)."""
+        """This step runs base positions of an aLoRA request (under its base_mix)."""
         return bool(self.pending) and self.done_prompt < self.req.base_until
 
     def inputs(self) -> np.ndarray:
@@ -427,7 +430,7 @@ class Scheduler:
         t0 = time.perf_counter()
         metered = self._metered(seqs, t0)
         try:
-            mixes = [None if s.on_base else s.req.mix_weights for s in seqs]
+            mixes = [s.req.base_weights if s.on_base else s.req.mix_weights for s in seqs]
             deltas = LoraDeltas.of(items, mixes, self.stacks)
             if metered is not None:
                 m = seqs[metered].req
@@ -591,8 +594,10 @@ class Scheduler:
         cache, n_cached = None, 0
         try:
             if req.cache_prompt:
-                if req.base_until:  # an aLoRA's base positions are the base model's
-                    entry, n_cached = self.prefix.take((), req.prompt, limit=req.base_until)
+                if req.base_until:  # an aLoRA's base positions are its base_mix's
+                    entry, n_cached = self.prefix.take(
+                        req.base_mix, req.prompt, limit=req.base_until
+                    )
                 else:
                     entry, n_cached = self.prefix.take(req.mix, req.prompt)
                 if entry is not None:
@@ -725,10 +730,10 @@ class Scheduler:
             # the slot goes back to the pool; the prefix cache keeps a compact copy
             capacity = -(-s.cache.length // CAPACITY_ROUND) * CAPACITY_ROUND
             snap = self.pool.snapshot(s.cache, capacity)
-            if s.req.base_until:  # an aLoRA's: only its base positions, kept as the base's
+            if s.req.base_until:  # an aLoRA's: only its base positions, kept as base_mix's
                 snap.trim(snap.length - min(snap.length, s.req.base_until))
                 if snap.length:
-                    self.prefix.put((), snap)
+                    self.prefix.put(s.req.base_mix, snap)
             else:
                 self.prefix.put(s.req.mix, snap)
         if self.pool.holds(s.cache):
