@@ -33,7 +33,7 @@ ROUTES: list[tuple[str, list[str], list[tuple[str, str, str, str]]]] = [
             ("`/props`", "llama-server's fields", "the same, plus `mixdesk_version`", "which Mixdesk answers"),
             ("`/v1/models`", "the base model only", "the base model plus one entry per adapter (`parent`, `root` as in vLLM)", "discoverability"),
             ("model id", "the `-m` path unless `--alias`", "the model file's name unless `--alias`", "a short id that clients can display"),
-            ("web UI at `/` (`--no-webui`)", "llama.cpp's Svelte app, its MCP CORS proxy", "a built-in one-file chat page (streaming, Stop, per-request mix sliders, API key prompt) with `/sw.js`, `/manifest.webmanifest`, `/_app/version.json`; no MCP proxy", "a page to try the mix in; no build step, no third-party code"),
+            ("web UI at `/` (`--no-webui`)", "llama.cpp's Svelte app, its MCP CORS proxy", "a built-in one-file chat page: streaming, Stop, Regenerate, Markdown replies rendered by the desktop's renderer (`POST /mixdesk/markdown`), max tokens, a mix per chat (sent as each request's `lora`) kept with the reply labels across a reload, a foldable phone layout, an API key checked before it is stored ([http-api.md](http-api.md#web-chat-page)); with `/sw.js`, `/manifest.webmanifest`, `/_app/version.json`; no MCP proxy", "a page to try the mix in; no build step, no third-party code"),
         ],
     ),
     (

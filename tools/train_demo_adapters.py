@@ -34,7 +34,7 @@ What it does
 
 Time here (2 shared CPU cores, torch 2.13 CPU, 1 thread): ~50 s per epoch, 4 epochs per
 adapter, ~12 min for all three on an idle machine (1222 s measured while shared); see
-the README section "Demo adapters".
+docs/development.md, "Demo adapters".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ already made replies gush and 0.5 made all 20 replies loop (the late layers' hid
 states are an order of magnitude larger, and so are their directions); layers 5..16
 kept replies mostly coherent to ±1 but moved the mood words little (-0.9 to +0.6 per
 reply). 5..20 moves them from -2.15 to +2.40; the sad side breaks down sooner than
-the happy one (see the README's table), and ``mean`` instead of ``pca`` did the same. It is the same as
+the happy one (see docs/control-vectors.md), and ``mean`` instead of ``pca`` did the same. It is the same as
 
     python main.py --train-control-vector happy-sad.json --out resources/vectors/happy.gguf
 

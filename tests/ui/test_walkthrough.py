@@ -1,4 +1,5 @@
-"""README "Mixing in five minutes", step by step, in the real window (#17 "Done when").
+"""docs/walkthrough.md ("Mixing in five minutes", README's short version), step by step,
+in the real window (#17 "Done when").
 
 The window is made as `make run` makes it (ui.app.create_window with no flags: the
 default SmolLM2 and the demo adapters under resources/adapters). Each step is done with
@@ -186,13 +187,13 @@ def test_mixing_in_five_minutes(app_window, qtbot, tmp_path, monkeypatch):
     assert [s.top1 for s in got] == [s.top1 for s in want]
     assert max(abs(x.logprob - y.logprob) for x, y in zip(got, want)) < 1e-2  # f16 export
 
-    # The same desk over HTTP: the Server tab, then the README's curl moves a fader.
-    assert w.server.port.value() == 8080  # the README's localhost:8080
+    # The same desk over HTTP: the Server tab, then the walkthrough's curl moves a fader.
+    assert w.server.port.value() == 8080  # the walkthrough's localhost:8080
     w.server.port.setValue(free_port())
     w.server.toggle.click()
     qtbot.waitUntil(lambda: w.server.running, timeout=10000)
     url = w.server.base_url()
-    # adapters load in alphabetical order, as the README says: hype 0, pirate 1, terse 2
+    # adapters load in alphabetical order, as the walkthrough says: hype 0, pirate 1, terse 2
     assert ids == {"hype": 0, "pirate": 1, "terse": 2}
     body = '[{"id":1,"scale":0.8},{"id":0,"scale":0.5}]'
     assert in_thread(qtbot, curl_post, url + "/lora-adapters", body)
