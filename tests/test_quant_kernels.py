@@ -306,3 +306,40 @@ def test_wide_vectors_on_avx512_unless_the_user_chose(tmp_path):
     env["NUMBA_CPU_FEATURES"] = "+avx2"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.stdout.strip() == "+avx2", run.stderr
+
+
+def test_old_kernel_cache_folders_are_deleted_when_unused_for_two_weeks(tmp_path):
+    """Every update of the kernels leaves its predecessor's cache folder behind; one no
+    process has used for STALE_CACHE_DAYS goes, this version's and anything not
+    named by a digest stay, and this version's is marked used (loading from a cache
+    writes nothing)."""
+    import os
+    import time
+
+    from core.model import kernel_base
+
+    now = time.time()
+    old_age = now - (kernel_base.STALE_CACHE_DAYS + 1) * 86400
+    recent_age = now - (kernel_base.STALE_CACHE_DAYS - 1) * 86400
+    folders = {}
+    for name, age in [
+        ("kernels-old", old_age),
+        ("kernels-recent", recent_age),
+        ("kernels-mine", old_age),
+        ("somebody-else", old_age),
+    ]:
+        d = tmp_path / name
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "k.nbc").write_bytes(b"x")
+        os.utime(d, (age, age))
+        folders[name] = d
+    gone = kernel_base.prune_caches(tmp_path, "kernels-mine", now=now)
+    assert gone == [folders["kernels-old"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kernels-mine",
+        "kernels-recent",
+        "somebody-else",
+    ]
+    assert folders["kernels-mine"].stat().st_mtime == now
+    # a root that cannot be read or written is left as it is, and the load goes on
+    assert kernel_base.prune_caches(tmp_path / "missing" / "file.txt" / "x", "k") == []

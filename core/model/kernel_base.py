@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +34,38 @@ def sources_digest() -> str:
     return "kernels-" + h.hexdigest()[:12]
 
 
+# a kernel cache folder of another version of the kernels that no process has used for
+# this long is deleted (a few MB each; every update of the kernels makes a new one)
+STALE_CACHE_DAYS = 14
+
+
+def prune_caches(root: Path, keep: str, now: float | None = None) -> list[Path]:
+    """Mark ``root/keep`` used now and delete the other kernel cache folders of ``root``
+    (``kernels-*``, what :func:`sources_digest` names) unused for STALE_CACHE_DAYS:
+    an update leaves its predecessor's folder behind, and a checkout and an installed
+    copy that take turns keep theirs. Returns the folders deleted. Never raises: a
+    cache that cannot be tidied costs disk space, not a model load."""
+    now = time.time() if now is None else now
+    gone = []
+    try:
+        mine = root / keep
+        mine.mkdir(parents=True, exist_ok=True)
+        os.utime(mine, (now, now))  # loading from the cache writes nothing: say "used"
+        for d in root.glob("kernels-*"):
+            if d.name != keep and d.is_dir() and now - d.stat().st_mtime > STALE_CACHE_DAYS * 86400:
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d)
+    except OSError:
+        pass
+    return gone
+
+
 def _configure() -> None:
     """Set what numba reads when it is imported (a variable the user set wins):
 
     * NUMBA_CACHE_DIR: compiled kernels go to the user cache dir (or the folder the
-      user set), in a subfolder named by :func:`sources_digest`;
+      user set), in a subfolder named by :func:`sources_digest`; other versions'
+      subfolders unused for STALE_CACHE_DAYS are deleted (:func:`prune_caches`);
     * NUMBA_CPU_FEATURES: on a CPU with AVX-512, the host's features without LLVM's
       preference for 256-bit vectors. LLVM keeps to 256 bits on such CPUs (early
       ones slowed their clock for 512-bit work); the fused dots then ran at
@@ -48,6 +77,7 @@ def _configure() -> None:
     digest = sources_digest()
     # a child process inherits the folder already named
     os.environ["NUMBA_CACHE_DIR"] = str(root if root.name == digest else root / digest)
+    prune_caches(root.parent if root.name == digest else root, digest)
     if not os.environ.get("NUMBA_CPU_FEATURES") and not os.environ.get("NUMBA_CPU_NAME"):
         import llvmlite.binding as llvm
 
