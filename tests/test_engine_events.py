@@ -23,7 +23,7 @@ FIELDS = {  # what ui/ and tests/test_reload.py read from each event
     E.RequestStarted: {"id", "source", "mix", "prompt_n"},
     E.PromptProgress: {"id", "source", "done", "total"},
     E.RequestFinished: {"id", "source", "stop_type", "predicted_n", "timings", "error"},
-    E.ChannelMeter: {"id", "source", "values"},
+    E.ChannelMeter: {"id", "source", "values", "vectors"},
 }
 
 

@@ -152,7 +152,9 @@ def test_one_decoding_stream_is_metered_a_step_at_most_every_interval():
 
     def seq(at, parts=True, pending=(), weights=True):
         req = NS(
-            meter_parts={0: object()} if parts else None, mix_weights=object() if weights else None
+            meter_parts={0: object()} if parts else None,
+            meter_vectors={},
+            mix_weights=object() if weights else None,
         )
         return NS(req=req, metered_at=at, pending=list(pending))
 
@@ -163,3 +165,85 @@ def test_one_decoding_stream_is_metered_a_step_at_most_every_interval():
     assert Scheduler._metered([seq(now - 2 * METER_INTERVAL_S)], now) == 0
     assert Scheduler._metered([seq(0.0, pending=[5])], now) is None  # prompt running
     assert Scheduler._metered([seq(0.0, weights=False)], now) is None  # the base model
+
+
+def test_a_vector_meter_is_what_it_adds_over_the_hidden_state_it_is_added_to(engine, ref_dir):
+    """A control vector's meter: at each layer it steers, ‖s·v_l‖ against the block's
+    output before the mix's vectors are added, summed over those layers; measured here
+    from the vector file's own directions and the hidden states seen before the
+    engine's hook steers them. Beside an adapter, both meters come from one forward."""
+    from core.lora.mix import Mix
+
+    ids = {a["name"]: a["id"] for a in engine.adapters()}
+    from core.lora.control import load_control_vector
+
+    a, b = ref_dir / "control_vectors" / "cv_a.gguf", ref_dir / "control_vectors" / "cv_b.gguf"
+    va = engine.add_control_vector(a, scale=0.0)
+    vb = engine.add_control_vector(b, scale=0.0)
+    try:
+        mix = Mix({ids["lora_attn"]: 0.8}, vectors={va: 0.7, vb: -1.2})
+        key, own = engine.lora.built(mix)
+        parts = engine.lora.meter_parts(key)
+        vectors = engine.lora.meter_vectors(key)
+        assert set(vectors) == {va, vb}
+        lo, hi = key.layers
+        dirs = {
+            va: 0.7 * load_control_vector(a, engine.config).directions,
+            vb: -1.2 * load_control_vector(b, engine.config).directions,
+        }
+        tokens = [1, 504, 3458, 282, 4109, 314]
+        model = engine.model
+        hidden = {}
+
+        class Seen(Deltas):  # the block outputs before the mix's vectors
+            def __init__(self, inner):
+                self.inner = inner
+
+            def embed(self, x, tokens):
+                self.inner.embed(x, tokens)
+
+            def project(self, lin, x, w, li, target):
+                return self.inner.project(lin, x, w, li, target)
+
+            def layer_out(self, x, li):
+                hidden[li] = x[0].astype(np.float64).copy()
+                self.inner.layer_out(x, li)
+
+            def logits(self, logits, h, counts):
+                self.inner.logits(logits, h, counts)
+
+        def run(wrap):
+            cache = model.new_cache(16)
+            model([BatchItem(np.array(tokens[:-1]), cache)], LoraDeltas([own], [(0, 5)]))
+            d = wrap(LoraDeltas([own], [(0, 1)]))
+            return model([BatchItem(np.array(tokens[-1:]), cache)], d)[0], d
+
+        lg_m, metered = run(lambda inner: MeteredDeltas(inner, 0, own, parts, vectors))
+        lg_s, _ = run(Seen)
+        np.testing.assert_array_equal(lg_m, lg_s)  # metering changes nothing
+        got = metered.vector_values()
+        for vid, d in dirs.items():
+            steered = [li for li in range(max(lo, 0), min(hi + 1, len(d))) if d[li].any()]
+            assert steered
+            v_sq = sum(float(d[li].astype(np.float64) @ d[li]) for li in steered)
+            h_sq = sum(float(hidden[li] @ hidden[li]) for li in steered)
+            assert got[vid] == pytest.approx(np.sqrt(v_sq / h_sq), rel=1e-5), vid
+            assert 1e-4 < got[vid] < 10.0
+        assert set(metered.values()) == {ids["lora_attn"]}  # the adapter's, as before
+
+        # a metered reply sends both kinds, and a vector alone is metered too
+        engine.meters = True
+        try:
+            both, _ = collect(engine, mix)
+            alone, _ = collect(engine, Mix({}, vectors={va: 0.7}))
+            half, _ = collect(engine, Mix({}, vectors={va: 0.35}))
+        finally:
+            engine.meters = False
+        assert both and alone and half
+        assert all(set(ev.vectors) == {va, vb} and set(ev.values) == {ids["lora_attn"]}
+                   for ev in both)  # fmt: skip
+        assert all(set(ev.vectors) == {va} and ev.values == {} for ev in alone)
+        assert 0.35 < half[0].vectors[va] / alone[0].vectors[va] < 0.65
+    finally:
+        engine.remove_control_vector(va)
+        engine.remove_control_vector(vb)

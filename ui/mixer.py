@@ -229,8 +229,10 @@ class MixerPanel(QWidget):
         self._show_activity()
 
     def _channel_meter(self, ev: ChannelMeter) -> None:
-        for aid, ratio in ev.values.items():
-            strip = self.strips.get(int(aid))
+        readings = [(int(aid), r) for aid, r in ev.values.items()]
+        readings += [(VecKey(int(vid)), r) for vid, r in ev.vectors.items()]
+        for key, ratio in readings:
+            strip = self.strips.get(key)
             if strip is not None:
                 strip.meter.show_value(ratio)
 

@@ -5,7 +5,7 @@ A strip holds a fader value (−2…2), an on/mute toggle and a solo button; the
 rule (ui/desk.py) turns the strips into the engine mix. A control vector's strip
 (:class:`VectorStrip`) is the same channel with its name in italics and a "vec" tag
 (the layers it steers in its tooltip) where an adapter shows its effective scale (a vector has no
-α / r), and no meter; an aLoRA adapter's strip says
+α / r); an aLoRA adapter's strip says
 "aLoRA" before its name and shows its invocation text in the tooltip.
 """
 
@@ -352,22 +352,18 @@ class VectorStrip(Strip):
     """A control vector's strip: fader, box, mute and solo as an adapter's, in the
     vector's own scale (llama.cpp's ``--control-vector-scaled``: it adds scale ×
     direction to the hidden state after each steered layer). No α / r, so no unity
-    unit and no Effective value: the column shows the layers it steers; no meter."""
+    unit and no Effective value: the column shows the layers it steers. Its meter is
+    what it adds against the hidden state it is added to (core/lora/meter.py)."""
 
     KIND = "vector"
 
     def __init__(self, info: dict, on_change, unity: bool = False):
         super().__init__(info, on_change, unity)
-        self.meter.hide()
-        self.placeholder = QWidget()  # the meter's column: a vector is not metered
         # its name in italics, its "vec" tag in the Effective column: a tag before the
         # name left nothing of the name ("[vec…") in a 1024 px window's narrow column
         font = self.name.font()
         font.setItalic(True)
         self.name.setFont(font)
-
-    def widgets(self) -> list[QWidget]:
-        return [self.on, self.solo, self.name, self.slider, self.placeholder, self.spin, self.eff]
 
     def ratio(self) -> float:
         return 1.0  # a vector's scale is its only unit

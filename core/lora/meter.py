@@ -14,6 +14,12 @@ the adapter changes nothing; 0.05 means its deltas are 5% of the base products' 
 Under a merge method (TIES, DARE, ...) it is still each adapter's own delta at its
 fader, before the merge.
 
+A control vector's meter is the same ratio for what it adds: at each layer it steers,
+its scaled direction against the hidden state it is added to (the block's output
+without the mix's vectors), over the layers it steers:
+
+    meter(v) = sqrt( Σ_layers ‖s·v_l‖² / Σ_layers ‖h_l‖² )
+
 Measuring costs two small matmuls per adapter and product for one row, so the
 scheduler meters a step at most every METER_INTERVAL_S (a meter redrawn 10 times a
 second looks live, and decoding pays ~1% for it).
@@ -34,21 +40,44 @@ METER_INTERVAL_S = 0.1  # at most one metered step per this many seconds
 class MeteredDeltas(Deltas):
     """``inner``'s deltas, unchanged, plus the meters of one batch row: ``own`` is that
     row's built mix, ``parts`` maps each of its adapter ids to a one-adapter mix at the
-    same scale."""
+    same scale, ``vectors`` each of its control vectors' ids to what that vector adds
+    after each block, (n_layers, d) (``control.steer_rows`` of the vector alone)."""
 
-    def __init__(self, inner: Deltas, row: int, own: MixWeights, parts: Mapping[int, MixWeights]):
+    def __init__(
+        self,
+        inner: Deltas,
+        row: int,
+        own: MixWeights,
+        parts: Mapping[int, MixWeights],
+        vectors: Mapping[int, np.ndarray] | None = None,
+    ):
         self.inner = inner
         self.row = row
         self.own = own
         self.parts = dict(parts)
         self.delta_sq = dict.fromkeys(self.parts, 0.0)  # adapter id -> Σ ‖Δ_a x‖²
         self.base_sq = 0.0  # Σ ‖W x‖²
+        self.vectors = dict(vectors or {})
+        # vector id -> [Σ ‖s·v_l‖², Σ ‖h_l‖²] over the layers it steers
+        self.vector_sq = {vid: [0.0, 0.0] for vid in self.vectors}
 
     def embed(self, x: np.ndarray, tokens: np.ndarray) -> None:
         self.inner.embed(x, tokens)
 
     def layer_out(self, x: np.ndarray, li: int) -> None:
         self.inner.layer_out(x, li)
+        if not self.vectors:
+            return
+        h = x[self.row].copy()  # (d,) the block's output, steered ...
+        if self.own.steer is not None and li in self.own.steer_layers:
+            h -= self.own.steer[li]  # ... less the mix's vectors
+        h_sq = float(np.dot(h, h))
+        for vid, rows in self.vectors.items():
+            v = rows[li]  # (d,)
+            if v.any():
+                acc = self.vector_sq[vid]
+                acc[0] += float(np.dot(v, v))
+                acc[1] += h_sq
 
     def logits(self, logits: np.ndarray, h: np.ndarray, counts) -> None:
         self.inner.logits(logits, h, counts)
@@ -75,3 +104,12 @@ class MeteredDeltas(Deltas):
         if self.base_sq <= 0.0 or not np.isfinite(self.base_sq):
             return {}
         return {aid: float(np.sqrt(sq / self.base_sq)) for aid, sq in self.delta_sq.items()}
+
+    def vector_values(self) -> dict[int, float]:
+        """control vector id -> its meter (see the module docstring); a vector whose
+        layers saw no hidden state yet is left out."""
+        return {
+            vid: float(np.sqrt(v_sq / h_sq))
+            for vid, (v_sq, h_sq) in self.vector_sq.items()
+            if h_sq > 0.0 and np.isfinite(h_sq)
+        }

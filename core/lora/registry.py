@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import EngineError, UserError
 from ..model.config import ModelConfig
 from ..values import is_finite_number, shown
@@ -30,6 +32,7 @@ from .control import (
     layer_range,
     load_control_vector,
     steer_pairs,
+    steer_rows,
 )
 from .control import check_scale as check_vector_scale
 from .merge import LINEAR, MergeSpec
@@ -344,6 +347,22 @@ class AdapterRegistry:
             for aid, s in key
             if aid in adapters
         }
+
+    def meter_vectors(self, key: MixKey) -> dict[int, np.ndarray]:
+        """Each control vector of a built mix's ``key`` as what it alone adds after each
+        block, (n_layers, d): what its channel meter measures (core/lora/meter.py)."""
+        steer = getattr(key, "steer", ())
+        if not steer:
+            return {}
+        with self.lock:
+            vectors = dict(self._vectors)
+        lo, hi = key.layers
+        out = {}
+        for vid, s in steer:
+            rows = steer_rows([(vectors[vid], s)], lo, hi, self.cfg) if vid in vectors else None
+            if rows is not None:
+                out[vid] = rows
+        return out
 
     def is_built(self, mixes: Iterable[Mapping[int, float] | None]) -> bool:
         """Whether every mix (None: the global mix) is built already. An unknown adapter

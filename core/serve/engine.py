@@ -621,7 +621,12 @@ class Engine:
         def relay(ev: Event) -> None:
             if isinstance(ev, MeterEvent):  # for listeners (the desk) only
                 self._notify(
-                    ChannelMeter(id=ids[0] if ids else -1, source=source, values=ev.values)
+                    ChannelMeter(
+                        id=ids[0] if ids else -1,
+                        source=source,
+                        values=ev.values,
+                        vectors=ev.vectors,
+                    )
                 )
                 return
             if isinstance(ev, PromptProgressEvent):
@@ -653,7 +658,8 @@ class Engine:
         req.base_until, req.base_mix, req.base_weights = base_until, base_key, base_weights
         if self.meters and weights is not None:
             try:
-                req.meter_parts = self.lora.meter_parts(key) or None
+                req.meter_parts = self.lora.meter_parts(key)
+                req.meter_vectors = self.lora.meter_vectors(key)
             except Exception:  # a meter must never cost the user a reply
                 log.exception("could not build the channel meters of mix %s", key)
         req.progress = True  # relay() turns each chunk into a PromptProgress for listeners

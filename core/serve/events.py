@@ -89,12 +89,13 @@ class PromptProgress(EngineEvent):
 @dataclass(frozen=True)
 class ChannelMeter(EngineEvent):
     """One metered decode step of a running request (Engine.meters on): how much each
-    adapter of its mix changes the products (core/lora/meter.py), at most every
+    adapter and control vector of its mix changes the model (core/lora/meter.py), at most every
     METER_INTERVAL_S per request."""
 
     id: int
     source: str
     values: dict  # adapter id -> ‖Δ_a x‖ / ‖W x‖ over the step's products
+    vectors: dict  # control vector id -> ‖s·v‖ / ‖h‖ over the layers it steers
 
 
 @dataclass(frozen=True)

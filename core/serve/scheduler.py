@@ -144,6 +144,7 @@ class MeterEvent:
     sent at most every METER_INTERVAL_S to requests with ``meter_parts``."""
 
     values: dict[int, float]  # adapter id -> its delta's size relative to the base
+    vectors: dict[int, float] = field(default_factory=dict)  # vector id -> its meter
     kind: str = "meter"
 
 
@@ -167,6 +168,9 @@ class Request:
     # each adapter of the mix as a one-adapter mix: set, the request's steps are
     # metered (MeterEvent); None, never
     meter_parts: dict[int, MixWeights] | None = None
+    # with meter_parts, each control vector of the mix as what it alone adds after
+    # each block, (n_layers, d)
+    meter_vectors: dict[int, np.ndarray] = field(default_factory=dict)
     # an aLoRA's request (core/lora/alora.py): its first base_until prompt positions run
     # without the aLoRA, under base_mix (the mix's control vectors alone, or () the base
     # model), so their KV is base_mix's and is shared as such
@@ -435,7 +439,7 @@ class Scheduler:
             if metered is not None:
                 m = seqs[metered].req
                 row = batch_spans([len(it.tokens) for it in items])[metered][1] - 1
-                deltas = MeteredDeltas(deltas, row, m.mix_weights, m.meter_parts)
+                deltas = MeteredDeltas(deltas, row, m.mix_weights, m.meter_parts, m.meter_vectors)
             logits = self.model(items, deltas)
         except Exception as e:  # a bug must not kill the engine thread: fail these requests
             log.exception("forward failed")
@@ -445,7 +449,7 @@ class Scheduler:
         self.steps += 1
         if metered is not None:
             seqs[metered].metered_at = t0
-            self._emit(seqs[metered], MeterEvent(deltas.values()))
+            self._emit(seqs[metered], MeterEvent(deltas.values(), deltas.vector_values()))
         for s, it, lg in zip(seqs, items, logits):
             try:
                 self._advance(s, len(it.tokens), lg, dt)
@@ -464,7 +468,7 @@ class Scheduler:
         due = [
             (s.metered_at, i)
             for i, s in enumerate(seqs)
-            if s.req.meter_parts
+            if (s.req.meter_parts or s.req.meter_vectors)
             and s.req.mix_weights is not None
             and not s.pending
             and now - s.metered_at >= METER_INTERVAL_S

@@ -1,6 +1,7 @@
 """The desk's channel meters (ui/meter.py): while a reply streams, the strip of each
-adapter its mix uses shows the engine's meter readings (core/lora/meter.py) and falls
-back to empty after it ends; an adapter the mix does not use stays empty."""
+adapter and control vector its mix uses shows the engine's meter readings
+(core/lora/meter.py) and falls back to empty after it ends; an adapter the mix does not
+use stays empty."""
 
 from __future__ import annotations
 
@@ -38,3 +39,29 @@ def test_a_streaming_reply_moves_the_meters_of_its_adapters_only(loaded, qtbot):
     assert w.mixer.strips[q8].meter.level == 0.0
     req.cancel()
     qtbot.waitUntil(lambda: meter.level == 0.0, timeout=5000)  # falls back once it ends
+
+
+def test_a_reply_under_a_control_vector_moves_the_vectors_meter(loaded, qtbot, ref_dir):
+    from core.lora.mix import Mix
+    from ui.desk import VecKey
+
+    w = loaded
+    attn = w.ids["lora_attn"]
+    vid = w.engine.add_control_vector(ref_dir / "control_vectors" / "cv_a.gguf", 0.0)
+    try:
+        qtbot.waitUntil(lambda: VecKey(vid) in w.mixer.strips, timeout=5000)
+        meter = w.mixer.strips[VecKey(vid)].meter
+        req = w.engine.submit(
+            [1, 2, 3, 4],
+            SamplingParams(temperature=0.0, n_predict=400),
+            lambda ev: None,
+            mix=Mix({}, vectors={vid: 1.0}),
+            source="http",
+        )
+        qtbot.waitUntil(lambda: meter.level > 0.0, timeout=20000)
+        assert "%" in meter.toolTip()
+        assert w.mixer.strips[attn].meter.level == 0.0  # not in the mix
+        req.cancel()
+        qtbot.waitUntil(lambda: meter.level == 0.0, timeout=5000)
+    finally:
+        w.engine.remove_control_vector(vid)

@@ -40,7 +40,7 @@ def test_a_vector_the_engine_loads_gets_a_marked_strip_whose_fader_steers(window
     assert strip.name.toolTip().startswith("Control vector: adds scale × direction to layers")
     assert strip.eff.text() == "vec"  # its tag, not an effective scale
     assert "layers 1–29" in strip.eff.toolTip()
-    assert not strip.meter.isVisible()
+    assert not strip.meter.isHidden()  # metered like an adapter (tests/ui/test_meters_desk.py)
     strip.spin.setValue(0.8)
     assert engine_vectors(window) == {vid: 0.8}
     assert window.mixer.desk_mix().vectors == {vid: 0.8}
