@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving import running_engine, serving
+from serving import hold_training, running_engine, serving
 from test_http_api import req
 
 from core.http import adapters as adapters_http
@@ -106,25 +106,7 @@ def test_requests_are_served_while_a_vector_is_made(server, monkeypatch):
     one finishes. Held by an event, not raced against a clock."""
     import threading
 
-    from core.lora import vector_train
-
-    held, release = threading.Event(), threading.Event()
-    real_train = vector_train.train
-
-    def holding_train(spec, render, run, *args, **kwargs):
-        calls = []
-
-        def run_then_hold(fn):
-            out = run(fn)  # one pair's forwards, on the engine thread
-            calls.append(1)
-            if len(calls) == 1:  # after the first pair, on the training's thread
-                held.set()
-                assert release.wait(120)
-            return out
-
-        return real_train(spec, render, run_then_hold, *args, **kwargs)
-
-    monkeypatch.setattr(vector_train, "train", holding_train)
+    held, release, _ = hold_training(monkeypatch, after=1)
     ended = {}
     body = {"pairs": TINY["pairs"], "suffixes": ["", "I", "Well,"], "name": "busy-one"}
     t = threading.Thread(
@@ -163,28 +145,9 @@ def test_a_client_that_disconnects_cancels_the_training(engine, monkeypatch, hol
 
     from core.lora import vector_train
 
-    held, release, ended = threading.Event(), threading.Event(), threading.Event()
+    held, release, outcome = hold_training(monkeypatch, after=hold_after)
+    ended = threading.Event()
     gone = threading.Event()  # the request log's "499 (client disconnected)" line
-    outcome: dict = {}
-    real_train = vector_train.train
-
-    def holding_train(spec, render, run, *args, **kwargs):
-        calls = []
-
-        def run_then_hold(fn):
-            out = run(fn)  # one pair's forwards, on the engine thread
-            calls.append(1)
-            if len(calls) == hold_after:  # on the training's thread
-                held.set()
-                assert release.wait(120)
-            return out
-
-        try:
-            outcome["dirs"] = real_train(spec, render, run_then_hold, *args, **kwargs)
-            return outcome["dirs"]
-        except BaseException as e:
-            outcome["error"] = e
-            raise
 
     def on_log(line: str) -> None:
         if "/control-vectors/train 499" in line:
@@ -203,7 +166,6 @@ def test_a_client_that_disconnects_cancels_the_training(engine, monkeypatch, hol
         finally:
             ended.set()  # the training's thread is done: written, loaded or not
 
-    monkeypatch.setattr(vector_train, "train", holding_train)
     monkeypatch.setattr(adapters_http, "_train_and_load", train_and_load)
     name = f"hung-up-{hold_after}"
     body = {"pairs": TINY["pairs"], "suffixes": ["", "I", "Well,"], "name": name,

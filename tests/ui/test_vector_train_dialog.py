@@ -8,6 +8,7 @@ import pytest
 
 from core.lora.control import load_control_vector
 from core.paths import data_dir
+from tests.serving import hold_training
 
 
 @pytest.fixture
@@ -89,27 +90,7 @@ def test_closing_mid_run_cancels_it_even_in_the_last_pair(dialog, qtbot, monkeyp
     """Closing the window while a vector is being made cancels the run, also when it
     comes during the last pair (the file and the load still to come): nothing written,
     nothing loaded. The run is held after its last pair by an event, not a clock."""
-    import threading
-
-    from core.lora import vector_train
-
-    held, release = threading.Event(), threading.Event()
-    real_train = vector_train.train
-
-    def holding_train(spec, render, run, *args, **kwargs):
-        calls = []
-
-        def run_then_hold(fn):
-            out = run(fn)
-            calls.append(1)
-            if len(calls) == spec.n_examples:  # the last pair is in
-                held.set()
-                assert release.wait(120)
-            return out
-
-        return real_train(spec, render, run_then_hold, *args, **kwargs)
-
-    monkeypatch.setattr(vector_train, "train", holding_train)
+    held, release, _ = hold_training(monkeypatch, after=None)  # after the last pair
     eng = dialog.bridge.engine
     dialog.template.setCurrentIndex(dialog.template.findData("happy-sad"))
     dialog.pairs.setRowCount(1)
