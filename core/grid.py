@@ -34,7 +34,7 @@ from .errors import UserError
 from .lora.control import SCALE_MAX as VECTOR_SCALE_MAX
 from .lora.merge import MergeSpec
 from .lora.mix import Mix, mix_text
-from .lora.registry import LORA_SCALE_MAX
+from .lora.registry import LORA_SCALE_MAX, scales_of_list
 from .options import is_finite_number
 from .serve.sampling import SamplingParams
 from .serve.scheduler import DoneEvent, Event, Request
@@ -261,19 +261,14 @@ def check_axis(axis: Axis, what: str, adapters: Mapping[int, str]) -> Axis:
 
 
 def parse_mix_list(entries: Any, what: str, adapters: Mapping[int, str]) -> dict[int, float]:
-    """llama-server's [{"id", "scale"}] list (unlisted adapters 0) -> a full mix."""
-    if not isinstance(entries, list):
-        raise GridError(f'{what} must be a list of {{"id", "scale"}} objects')
-    out = dict.fromkeys(adapters, 0.0)
-    for e in entries:
-        if not isinstance(e, Mapping) or "id" not in e:
-            raise GridError(f'each {what} entry must be an object with "id" and "scale"')
-        aid = resolve_adapter(e["id"], f"{what}: id", adapters)
-        s = e.get("scale", 1.0)
-        if not is_finite_number(s, LORA_SCALE_MAX):
-            raise GridError(f"{what}: scale of adapter {aid} must be a finite number, got {s!r}")
-        out[aid] = float(s)
-    return out
+    """llama-server's [{"id", "scale"}] list (unlisted adapters 0) -> a full mix; an
+    adapter may be named by id or name. GridError otherwise (a bad scale's too)."""
+    try:
+        return scales_of_list(
+            entries, what, adapters, lambda ref: resolve_adapter(ref, f"{what}: id", adapters)
+        )
+    except UserError as e:  # check_scale's EngineError
+        raise GridError(str(e)) from None
 
 
 def parse_spec(body: Mapping, params: SamplingParams, adapters: Mapping[int, str]) -> GridSpec:

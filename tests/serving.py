@@ -19,6 +19,7 @@ model once per module, starting the scheduler and serving it on a free loopback 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -60,3 +61,38 @@ def serving(engine: Engine, **settings) -> Iterator[ServerThread]:
 def wire_mix(engine, entries, what="lora"):
     """A mix in its HTTP wire form, read as the server reads it (core/http/parsing.py)."""
     return parse_lora(entries, what, [a["id"] for a in engine.adapters()])
+
+
+def hold_training(
+    monkeypatch, after: int | None = 1
+) -> tuple[threading.Event, threading.Event, dict]:
+    """(held, release, outcome): core.lora.vector_train.train patched so that the next
+    control-vector training waits on its own thread after its ``after``-th pair (None:
+    its last) until ``release`` is set, ``held`` set once it waits; events, not clocks.
+    ``outcome`` gets the training's "dirs", or the "error" it ended with."""
+    from core.lora import vector_train
+
+    held, release, outcome = threading.Event(), threading.Event(), {}
+    real_train = vector_train.train
+
+    def holding_train(spec, render, run, *args, **kwargs):
+        calls = []
+        stop_at = spec.n_examples if after is None else after
+
+        def run_then_hold(fn):
+            out = run(fn)  # one pair's forwards, on the engine thread
+            calls.append(1)
+            if len(calls) == stop_at:  # on the training's thread
+                held.set()
+                assert release.wait(120)
+            return out
+
+        try:
+            outcome["dirs"] = real_train(spec, render, run_then_hold, *args, **kwargs)
+            return outcome["dirs"]
+        except BaseException as e:
+            outcome["error"] = e
+            raise
+
+    monkeypatch.setattr(vector_train, "train", holding_train)
+    return held, release, outcome

@@ -12,6 +12,7 @@ import asyncio
 import csv
 import io
 import json
+import re
 import threading
 
 import aiohttp
@@ -271,6 +272,24 @@ def test_http_bad_grids_are_400_with_a_message(server, change, message):
     assert st == 400, out
     assert out["error"]["type"] == "invalid_request_error"
     assert message in out["error"]["message"]
+
+
+def test_grid_mix_lists_take_ids_or_names_and_refuse_as_grid_errors(names):
+    """A grid's base mix and presets are read as a request's "lora" list (one reader,
+    core/lora/registry.scales_of_list), with adapters also named by name; each fault
+    is a GridError naming the field."""
+    body = {**GRID_BODY, "lora": [{"id": "lora_ffn", "scale": 0.5}],
+            "presets": {"p": [{"id": 0}]}}  # fmt: skip
+    spec = G.parse_spec(body, greedy(), names)
+    assert spec.base == {0: 0.0, 1: 0.5} and spec.presets == {"p": {0: 1.0, 1: 0.0}}
+    for change, message in (
+        ({"lora": {"id": 0}}, 'lora must be a list of {"id", "scale"} objects'),
+        ({"lora": [7]}, 'each lora entry must be an object with "id" and "scale"'),
+        ({"lora": [{"id": "zz"}]}, "lora: id: no adapter named 'zz'"),
+        ({"presets": {"p": [{"id": 0, "scale": 1e20}]}}, "presets['p']: scale of adapter 0"),
+    ):
+        with pytest.raises(G.GridError, match=re.escape(message)):
+            G.parse_spec({**GRID_BODY, **change}, greedy(), names)
 
 
 def test_http_grid_needs_the_api_key(eng):

@@ -1,15 +1,16 @@
 """POST /control-vectors/train on a real server (127.0.0.1): a tiny vector made from
 one pair, written into the data dir and loaded as a new vector that then steers a
 request; the opt-in (--allow-runtime-lora) and every kind of bad body, each a 4xx
-with nothing changed."""
+with nothing changed; a client that hangs up mid-training cancels it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving import running_engine, serving
+from serving import hold_training, running_engine, serving
 from test_http_api import req
 
+from core.http import adapters as adapters_http
 from core.lora.control import load_control_vector
 from core.paths import data_dir
 
@@ -105,25 +106,7 @@ def test_requests_are_served_while_a_vector_is_made(server, monkeypatch):
     one finishes. Held by an event, not raced against a clock."""
     import threading
 
-    from core.lora import vector_train
-
-    held, release = threading.Event(), threading.Event()
-    real_train = vector_train.train
-
-    def holding_train(spec, render, run, *args, **kwargs):
-        calls = []
-
-        def run_then_hold(fn):
-            out = run(fn)  # one pair's forwards, on the engine thread
-            calls.append(1)
-            if len(calls) == 1:  # after the first pair, on the training's thread
-                held.set()
-                assert release.wait(120)
-            return out
-
-        return real_train(spec, render, run_then_hold, *args, **kwargs)
-
-    monkeypatch.setattr(vector_train, "train", holding_train)
+    held, release, _ = hold_training(monkeypatch, after=1)
     ended = {}
     body = {"pairs": TINY["pairs"], "suffixes": ["", "I", "Well,"], "name": "busy-one"}
     t = threading.Thread(
@@ -145,3 +128,67 @@ def test_requests_are_served_while_a_vector_is_made(server, monkeypatch):
     assert got[0] == 200
     assert st == 503 and "busy" in busy["error"]["message"]
     assert not (data_dir() / "adapters" / "busy-two.gguf").exists()
+
+
+@pytest.mark.parametrize("hold_after", [1, 3], ids=["between-pairs", "after-the-last-pair"])
+def test_a_client_that_disconnects_cancels_the_training(engine, monkeypatch, hold_after):
+    """A client that hangs up while its vector is being made cancels the training, also
+    when it goes during the last pair (nothing left to train, the file and the load to
+    come): the training ends with TrainCancelled, no file is written, nothing is
+    registered and the engine goes on serving. Held by events, not clocks: the training
+    waits after pair ``hold_after`` of 3 until the server has logged the request as 499
+    (its handler has seen the client go), then is let go."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from core.lora import vector_train
+
+    held, release, outcome = hold_training(monkeypatch, after=hold_after)
+    ended = threading.Event()
+    gone = threading.Event()  # the request log's "499 (client disconnected)" line
+
+    def on_log(line: str) -> None:
+        if "/control-vectors/train 499" in line:
+            gone.set()
+
+    real_and_load = adapters_http._train_and_load
+
+    def train_and_load(*args):
+        try:
+            out = real_and_load(*args)
+            outcome["out"] = out
+            return out
+        except BaseException as e:
+            outcome.setdefault("error", e)
+            raise
+        finally:
+            ended.set()  # the training's thread is done: written, loaded or not
+
+    monkeypatch.setattr(adapters_http, "_train_and_load", train_and_load)
+    name = f"hung-up-{hold_after}"
+    body = {"pairs": TINY["pairs"], "suffixes": ["", "I", "Well,"], "name": name,
+            "load": True}  # fmt: skip
+
+    async def post_then_hang_up(url: str) -> None:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(s.post(url + "/control-vectors/train", json=body))
+            assert await asyncio.to_thread(held.wait, 120)  # the training is under way
+            task.cancel()  # the client goes: its connection is closed
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    with serving(engine, allow_runtime_lora=True, on_log=on_log) as srv:
+        _, vectors = req(srv, "GET", "/control-vectors")
+        try:
+            asyncio.run(post_then_hang_up(srv.url))
+            assert gone.wait(60)  # the server saw the client go
+        finally:
+            release.set()
+        assert ended.wait(120)
+        assert isinstance(outcome.get("error"), vector_train.TrainCancelled), outcome
+        assert not (data_dir() / "adapters" / f"{name}.gguf").exists()
+        assert req(srv, "GET", "/control-vectors") == (200, vectors)  # nothing registered
+        st, out = req(srv, "POST", "/completion", {"prompt": "Hello", "n_predict": 2})
+        assert st == 200 and out["tokens_predicted"] == 2

@@ -42,6 +42,7 @@ from core.lora.vector_train import (
     TEMPLATES,
     TrainCancelled,
     check_name,
+    load_made,
     make_spec,
     middle_layers,
     train_on_engine,
@@ -205,13 +206,11 @@ class VectorTrainDialog(QDialog):
             path = train_on_engine(
                 eng, spec, dest, lambda i, n: self.progressed.emit(i, n), abort.is_set
             )
+            # not loaded (and the file gone) if Cancel came while it was written
+            vid = load_made(path, lambda p: eng.add_control_vector(p, scale), abort.is_set)
         except TrainCancelled:
             raise Aborted() from None
-        try:
-            return eng.add_control_vector(path, scale), str(path)
-        except BaseException:
-            path.unlink(missing_ok=True)  # a file the session refused is no use
-            raise
+        return vid, str(path)
 
     def _progressed(self, done: int, total: int) -> None:
         self.progress.setValue(done)

@@ -231,18 +231,16 @@ TRAIN_FIELDS = {"pairs", "template", "suffixes", "method", "layers", "name", "lo
 
 def _train_and_load(eng, spec, dest, load: bool, scale: float, cancel) -> dict:
     """Make the vector (each forward on the engine thread, between scheduler steps),
-    write it, and load it when asked; the new file goes if the load refuses it."""
-    from ..lora.vector_train import train_on_engine
+    write it, and load it when asked; the new file goes if the load refuses it or the
+    client went meanwhile (``cancel``, set by the handler: TrainCancelled)."""
+    from ..lora.vector_train import load_made, train_on_engine
 
     path = train_on_engine(eng, spec, dest, cancel=cancel.is_set)
     out = {"path": str(path), "name": path.stem, "method": spec.method,
            "examples": spec.n_examples}  # fmt: skip
     if load:
-        try:
-            out["vector"] = control_vector_entry(_add_vector(eng, path, scale))
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
+        info = load_made(path, lambda p: _add_vector(eng, p, scale), cancel.is_set)
+        out["vector"] = control_vector_entry(info)
     return out
 
 

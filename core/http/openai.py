@@ -58,8 +58,14 @@ def _oai_final(
     }
     if not usage_chunk:
         return [R.sse({**last, **extra}), R.SSE_DONE]
-    tail = {k: v for k, v in last.items() if k != "choices"}
-    return [R.sse(last), R.sse({**tail, "choices": [], **extra}), R.SSE_DONE]
+    return [R.sse(last), _usage_chunk(last, extra), R.SSE_DONE]
+
+
+def _usage_chunk(like: dict, extra: dict) -> bytes:
+    """The chunk after the last choice: ``like``'s id, object, created and model, an
+    empty ``choices`` and ``extra`` (usage, timings...), as OpenAI sends usage."""
+    tail = {k: v for k, v in like.items() if k != "choices"}
+    return R.sse({**tail, "choices": [], **extra})
 
 
 def _verbose_body(eng, opts, prompt: list[int], done: DoneEvent, mid: str, all_ids) -> dict:
@@ -85,33 +91,46 @@ def _verbose_body(eng, opts, prompt: list[int], done: DoneEvent, mid: str, all_i
     )
 
 
+def _oai_answer(tok, done: DoneEvent, toks, prompt_n: int, meta, n_top: int, chat: bool) -> dict:
+    """One non-streaming OpenAI answer, a chat.completion or a text_completion, with
+    its logprobs when asked (``n_top``); meta is (model id, all adapter ids, response
+    id, created). _oai_many takes each choice of its answer from one of these."""
+    mid, all_ids, cid, created = meta
+    if not n_top:
+        lp = None
+    elif chat:
+        lp = [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
+    else:
+        lp = R.oai_completion_logprobs(tok, [(t.token, t.logprob, t.top) for t in toks], n_top)
+    build = R.oai_chat if chat else R.oai_completion
+    return build(
+        done, cid=cid, created=created, model=mid, prompt_n=prompt_n, all_ids=all_ids, logprobs=lp
+    )
+
+
+async def _oai_one(request, eng, opts, prompt: list[int], gen, meta, chat=False) -> web.Response:
+    """/v1/completions and /v1/chat/completions answered whole (no stream, one choice),
+    with llama-server's ``__verbose`` copy when asked."""
+    done, toks = await gen.collect()
+    raise_for_done(done)
+    if chat:
+        log_verbose(request, "content", lambda: done.content)
+    out = _oai_answer(eng.tokenizer, done, toks, len(prompt), meta, opts.extra["n_top"], chat)
+    if opts.extra["verbose"]:  # llama-server's debug copy, in its /completion form
+        mid, all_ids = meta[:2]
+        out["__verbose"] = _verbose_body(eng, opts, prompt, done, mid, all_ids)
+    return web.json_response(out)
+
+
 async def oai_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/completions."""
     eng, opts, prompt, gen, mid, all_ids, cid, created, n_top = await _start_oai(request, "cmpl")
     tok = eng.tokenizer
+    meta = (mid, all_ids, cid, created)
     if isinstance(gen, list):  # n > 1 or several prompts: one choice each
-        return await _oai_many(request, eng, opts, prompt, gen, (mid, all_ids, cid, created))
-
+        return await _oai_many(request, eng, opts, prompt, gen, meta)
     if not opts.stream:
-        done, toks = await gen.collect()
-        raise_for_done(done)
-        lp = (
-            R.oai_completion_logprobs(tok, [(t.token, t.logprob, t.top) for t in toks], n_top)
-            if n_top
-            else None
-        )
-        out = R.oai_completion(
-            done,
-            cid=cid,
-            created=created,
-            model=mid,
-            prompt_n=len(prompt),
-            all_ids=all_ids,
-            logprobs=lp,
-        )
-        if opts.extra["verbose"]:
-            out["__verbose"] = _verbose_body(eng, opts, prompt, done, mid, all_ids)
-        return web.json_response(out)
+        return await _oai_one(request, eng, opts, prompt, gen, meta)
 
     def token_chunk(ev):
         lp = (
@@ -154,31 +173,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         request, "chatcmpl", chat=True
     )
     tok = eng.tokenizer
+    meta = (mid, all_ids, cid, created)
     if isinstance(gen, list):  # n > 1
-        meta = (mid, all_ids, cid, created)
         return await _oai_many(request, eng, opts, prompt, gen, meta, chat=True)
-
     if not opts.stream:
-        done, toks = await gen.collect()
-        raise_for_done(done)
-        log_verbose(request, "content", lambda: done.content)
-        lp = (
-            [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
-            if n_top
-            else None
-        )
-        out = R.oai_chat(
-            done,
-            cid=cid,
-            created=created,
-            model=mid,
-            prompt_n=len(prompt),
-            all_ids=all_ids,
-            logprobs=lp,
-        )
-        if opts.extra["verbose"]:  # llama-server's debug copy, in its /completion form
-            out["__verbose"] = _verbose_body(eng, opts, prompt, done, mid, all_ids)
-        return web.json_response(out)
+        return await _oai_one(request, eng, opts, prompt, gen, meta, chat=True)
 
     def token_chunk(ev):
         lp = (
@@ -229,16 +228,8 @@ async def _oai_many(request, eng, opts, prompts, gens, meta, chat=False) -> web.
         got = await collect_all(gens)
         choices, out = [], {}
         for i, (done, toks) in enumerate(got):
-            args = dict(cid=cid, created=created, model=mid, all_ids=all_ids)
             p_n = len(choice_prompt(prompts, n, i))
-            if chat:
-                lp = [R.oai_chat_logprob(tok, t.token, t.logprob, t.top, n_top) for t in toks]
-                one = R.oai_chat(done, prompt_n=p_n, logprobs=lp if n_top else None, **args)
-            else:
-                lp = R.oai_completion_logprobs(
-                    tok, [(t.token, t.logprob, t.top) for t in toks], n_top
-                )
-                one = R.oai_completion(done, prompt_n=p_n, logprobs=lp if n_top else None, **args)
+            one = _oai_answer(tok, done, toks, p_n, meta, n_top, chat)
             out = out or one
             choices.append({**one["choices"][0], "index": i})
         out["choices"] = choices
@@ -261,9 +252,8 @@ async def _oai_many(request, eng, opts, prompts, gens, meta, chat=False) -> web.
         return [R.sse(chunk(i, {} if chat else "", R.finish_reason(ev.stop_type)))]
 
     def closing(dones: list[DoneEvent]) -> list[bytes]:
-        tail = {k: v for k, v in chunk(0, {} if chat else "").items() if k != "choices"}
         extra = {"usage": total_usage(dones), "timings": R.timings(dones[0].timings)}
-        return [R.sse({**tail, "choices": [], **extra}), R.SSE_DONE]
+        return [_usage_chunk(chunk(0, {} if chat else ""), extra), R.SSE_DONE]
 
     def first(i: int) -> dict:
         return chunk(i, {"role": "assistant", "content": None})

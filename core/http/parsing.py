@@ -20,7 +20,7 @@ from ..errors import HttpError
 from ..lora.control import check_scale as check_vector_scale
 from ..lora.merge import MergeSpec
 from ..lora.mix import Mix
-from ..lora.registry import check_scale
+from ..lora.registry import scales_of_list
 from ..serve.sampling import SamplingError, SamplingParams, validate
 from ..values import shown
 
@@ -465,17 +465,7 @@ def parse_lora(entries: Any, what: str, known: Iterable[int]) -> dict[int, float
             f'{what} must be a list of {{"id", "scale"}} objects '
             '(or {"adapters": [...], "method": ...})'
         )
-    out: dict[int, float] = {}
-    for e in entries:
-        if not isinstance(e, dict) or "id" not in e:
-            raise HttpError(f'each {what} entry must be an object with "id" and "scale"')
-        aid = e["id"]
-        if not isinstance(aid, int) or isinstance(aid, bool):
-            raise HttpError(f"{what}: adapter id must be an integer, got {aid!r}")
-        if aid not in ids:
-            raise HttpError(f"{what}: no adapter with id {aid}")
-        out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
-    return {aid: out.get(aid, 0.0) for aid in ids}
+    return scales_of_list(entries, what, ids, error=HttpError)
 
 
 def parse_control_vectors(entries: Any, what: str, known: Iterable[int]) -> dict[int, float]:

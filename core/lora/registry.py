@@ -58,6 +58,38 @@ def check_scale(value: Any, what: str) -> float:
     return float(value)
 
 
+def scales_of_list(
+    entries: Any,
+    what: str,
+    known: Iterable[int],
+    resolve: Callable[[Any], int] | None = None,
+    error: Callable[[str], Exception] = EngineError,
+) -> dict[int, float]:
+    """llama-server's ``[{"id", "scale"}]`` list (scale 1 when left out) as a full mix
+    over the ``known`` adapter ids, in their order (unlisted ids 0). The one reading of
+    that list: a request's ``"lora"`` (core/http/parsing.py) and a grid's base mix and
+    presets (core/grid.py, whose ``resolve`` also takes an adapter's name). A list of
+    the wrong shape or an unknown id raises ``error`` (the caller's kind), a bad scale
+    check_scale's EngineError; each names ``what``."""
+    ids = list(known)
+    if not isinstance(entries, list):
+        raise error(f'{what} must be a list of {{"id", "scale"}} objects')
+    out: dict[int, float] = {}
+    for e in entries:
+        if not isinstance(e, Mapping) or "id" not in e:
+            raise error(f'each {what} entry must be an object with "id" and "scale"')
+        if resolve is not None:
+            aid = resolve(e["id"])
+        else:
+            aid = e["id"]
+            if not isinstance(aid, int) or isinstance(aid, bool):
+                raise error(f"{what}: adapter id must be an integer, got {aid!r}")
+            if aid not in ids:
+                raise error(f"{what}: no adapter with id {aid}")
+        out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
+    return {aid: out.get(aid, 0.0) for aid in ids}
+
+
 class AdapterRegistry:
     """Adapters by id, the global mix, built mixes and adapter stacks of one model."""
 

@@ -22,7 +22,8 @@ What llama.cpp's cvector-generator and repeng do, on Mixdesk's own forward:
 
 The engine runs each pair's forward between scheduler steps (``run`` below is
 ``Engine.run_on_engine``), so serving goes on while a vector is made, and the
-caller's ``cancel`` is honoured between pairs. The file is written as llama.cpp
+caller's ``cancel`` is honoured between pairs, after the last one and, with
+``load_made``, before the new file is loaded. The file is written as llama.cpp
 reads it (core/lora/control.py): ``direction.N`` for block N's output, N >= 1.
 """
 
@@ -380,6 +381,8 @@ def train(
         neg.append(h[lo : hi + 1, 1])
         if progress is not None:
             progress(i + 1, len(examples))
+    if cancel is not None and cancel():  # set during the last pair: nothing to write
+        raise TrainCancelled("cancelled: no control vector was written")
     hp, hn = np.stack(pos, axis=1), np.stack(neg, axis=1)  # (layers, N, d) each
     return {lo + k: direction(hp[k], hn[k], spec.method) for k in range(hi - lo + 1)}
 
@@ -423,3 +426,17 @@ def train_on_engine(
 
     dirs = train(spec, engine_render(eng), run, cfg.n_layers, progress, cancel)
     return write_control_vector(out, dirs, model_hint=cfg.arch)
+
+
+def load_made(path: Path, add: Callable[[Path], Any], cancel: Callable[[], bool] | None = None):
+    """``add(path)`` (the caller's load of the file just made) unless its ``cancel`` was
+    set while the file was written: then TrainCancelled, so a caller that has gone
+    (an HTTP client that hung up, a closed dialog) gets nothing registered. The file
+    goes if it is not loaded (cancelled, or the load refuses it)."""
+    try:
+        if cancel is not None and cancel():
+            raise TrainCancelled("cancelled: no control vector was kept")
+        return add(path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise

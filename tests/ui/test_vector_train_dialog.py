@@ -8,6 +8,7 @@ import pytest
 
 from core.lora.control import load_control_vector
 from core.paths import data_dir
+from tests.serving import hold_training
 
 
 @pytest.fixture
@@ -83,3 +84,28 @@ def test_a_bad_form_says_why_and_runs_nothing(dialog):
     dialog.last.setValue(3)
     dialog.start()
     assert "layers must be" in dialog.status.text() and not dialog.running
+
+
+def test_closing_mid_run_cancels_it_even_in_the_last_pair(dialog, qtbot, monkeypatch):
+    """Closing the window while a vector is being made cancels the run, also when it
+    comes during the last pair (the file and the load still to come): nothing written,
+    nothing loaded. The run is held after its last pair by an event, not a clock."""
+    held, release, _ = hold_training(monkeypatch, after=None)  # after the last pair
+    eng = dialog.bridge.engine
+    dialog.template.setCurrentIndex(dialog.template.findData("happy-sad"))
+    dialog.pairs.setRowCount(1)
+    dialog.suffixes.setPlainText("I")
+    dialog.name.setText("closed-one")
+    made, cancelled = [], []
+    dialog.made.connect(lambda *a: made.append(a))
+    dialog.cancelled.connect(lambda: cancelled.append(1))
+    try:
+        dialog.make_btn.click()
+        qtbot.waitUntil(held.is_set, timeout=120_000)
+        dialog.close()  # the window's close button: reject() aborts the run
+    finally:
+        release.set()
+    qtbot.waitUntil(lambda: bool(made or cancelled), timeout=120_000)  # the outcome
+    assert made == [] and cancelled == [1] and "Cancelled" in dialog.status.text()
+    assert not (data_dir() / "adapters" / "closed-one.gguf").exists()
+    assert eng.control_vectors() == []

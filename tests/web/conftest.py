@@ -13,6 +13,8 @@ that skip into a failure: the browser tests never pass by not running.
 The engine (SmolLM2 with one adapter) is shared by test_webui.py and the browser tests:
 loading it and its first prefill cost seconds each time, and neither module changes it
 (the page's mix goes with each request; both check the global mix stays as it was).
+Their servers over it, ``srv`` (no key) and ``locked`` (the module's ``api_key``), are
+here too, one of each per module.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import running_engine
+from tests.serving import running_engine, serving
 
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -53,6 +55,21 @@ def engine(smollm_path, ref_dir):
     attn = ref_dir / "adapters" / "lora_attn.gguf"
     with running_engine(smollm_path, adapters=[attn], ctx_size=512, n_parallel=2) as eng:
         yield eng
+
+
+@pytest.fixture(scope="module")
+def srv(engine):
+    """A server over the shared engine with the defaults: the web UI on, no key."""
+    with serving(engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def locked(engine, api_key):
+    """A server over the shared engine behind ``api_key``, a module-scoped fixture each
+    module that uses this one defines (its own key, named in its own tests)."""
+    with serving(engine, api_keys=[api_key]) as s:
+        yield s
 
 
 def why_unavailable() -> str | None:

@@ -28,7 +28,6 @@ try:
 except ImportError:  # the browser fixture says so, in one line (conftest.py)
     expect = None
 
-from tests.serving import serving
 
 KEY = "browser-test-key"
 WIDE = {"width": 1280, "height": 800}
@@ -40,15 +39,9 @@ SHOTS = os.environ.get("MIXDESK_WEB_SHOTS")
 
 
 @pytest.fixture(scope="module")
-def srv(engine):
-    with serving(engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def locked(engine):
-    with serving(engine, api_keys=[KEY]) as s:
-        yield s
+def api_key():
+    """The key of this module's ``locked`` server (tests/web/conftest.py)."""
+    return KEY
 
 
 class Page:

@@ -42,16 +42,9 @@ CSP_DIRECTIVES = [
 
 
 @pytest.fixture(scope="module")
-def srv(engine):
-    """Defaults: the web UI on, no key."""
-    with serving(engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def locked(engine):
-    with serving(engine, api_keys=[KEY]) as s:
-        yield s
+def api_key():
+    """The key of this module's ``locked`` server (tests/web/conftest.py)."""
+    return KEY
 
 
 def fetch(srv, path, method=None, headers=None, body=None):
