@@ -22,7 +22,6 @@ from ..lora.merge import MergeSpec
 from ..lora.mix import Mix
 from ..lora.registry import scales_of_list
 from ..serve.sampling import SamplingError, SamplingParams, validate
-from ..values import shown
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -473,17 +472,6 @@ def parse_control_vectors(entries: Any, what: str, known: Iterable[int]) -> dict
     list (scale 1 when left out; unlisted ids 0, so ``[]`` is no vector): the one
     reading of a request's ``"control_vectors"`` field and of ``POST
     /control-vectors``'s body. A 400 naming the field, and nothing changed."""
-    ids = list(known)
-    if not isinstance(entries, list):
-        raise HttpError(f'{what} must be a list of {{"id", "scale"}} objects')
-    out: dict[int, float] = {}
-    for e in entries:
-        if not isinstance(e, dict) or "id" not in e:
-            raise HttpError(f'each {what} entry must be an object with "id" and "scale"')
-        vid = e["id"]
-        if not isinstance(vid, int) or isinstance(vid, bool):
-            raise HttpError(f"{what}: control vector id must be an integer, got {shown(vid)}")
-        if vid not in ids:
-            raise HttpError(f"{what}: no control vector with id {vid}")
-        out[vid] = check_vector_scale(e.get("scale", 1.0), f"{what}: scale of control vector {vid}")
-    return {vid: out.get(vid, 0.0) for vid in ids}
+    return scales_of_list(
+        entries, what, known, error=HttpError, noun="control vector", check=check_vector_scale
+    )

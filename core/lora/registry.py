@@ -64,13 +64,16 @@ def scales_of_list(
     known: Iterable[int],
     resolve: Callable[[Any], int] | None = None,
     error: Callable[[str], Exception] = EngineError,
+    noun: str = "adapter",
+    check: Callable[[Any, str], float] = check_scale,
 ) -> dict[int, float]:
-    """llama-server's ``[{"id", "scale"}]`` list (scale 1 when left out) as a full mix
-    over the ``known`` adapter ids, in their order (unlisted ids 0). The one reading of
-    that list: a request's ``"lora"`` (core/http/parsing.py) and a grid's base mix and
-    presets (core/grid.py, whose ``resolve`` also takes an adapter's name). A list of
-    the wrong shape or an unknown id raises ``error`` (the caller's kind), a bad scale
-    check_scale's EngineError; each names ``what``."""
+    """llama-server's ``[{"id", "scale"}]`` list (scale 1 when left out) as full scales
+    over the ``known`` ids, in their order (unlisted ids 0). The one reading of that
+    list: a request's ``"lora"`` (core/http/parsing.py), a grid's base mix and presets
+    (core/grid.py, whose ``resolve`` also takes an adapter's name), and, with ``noun``
+    "control vector" and the vectors' ``check``, a request's ``"control_vectors"``. A
+    list of the wrong shape or an unknown id raises ``error`` (the caller's kind), a bad
+    scale ``check``'s error; each names ``what``."""
     ids = list(known)
     if not isinstance(entries, list):
         raise error(f'{what} must be a list of {{"id", "scale"}} objects')
@@ -79,15 +82,15 @@ def scales_of_list(
         if not isinstance(e, Mapping) or "id" not in e:
             raise error(f'each {what} entry must be an object with "id" and "scale"')
         if resolve is not None:
-            aid = resolve(e["id"])
+            i = resolve(e["id"])
         else:
-            aid = e["id"]
-            if not isinstance(aid, int) or isinstance(aid, bool):
-                raise error(f"{what}: adapter id must be an integer, got {aid!r}")
-            if aid not in ids:
-                raise error(f"{what}: no adapter with id {aid}")
-        out[aid] = check_scale(e.get("scale", 1.0), f"{what}: scale of adapter {aid}")
-    return {aid: out.get(aid, 0.0) for aid in ids}
+            i = e["id"]
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise error(f"{what}: {noun} id must be an integer, got {shown(i)}")
+            if i not in ids:
+                raise error(f"{what}: no {noun} with id {i}")
+        out[i] = check(e.get("scale", 1.0), f"{what}: scale of {noun} {i}")
+    return {i: out.get(i, 0.0) for i in ids}
 
 
 class AdapterRegistry:
