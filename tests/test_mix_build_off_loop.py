@@ -70,13 +70,14 @@ class Gate:
         self.released.set()
 
 
-def merged(seed: int) -> dict:
-    # a seed of its own per test: every test's mix is new to the engine's cache
+def merged(rank: int) -> dict:
+    # a rank of its own per test: every test's mix is new to the engine's cache. SVD,
+    # the quickest method to build (0.2 s here against dare_ties' 10 s): the gate holds
+    # the build, whatever its method
     return {
         "adapters": [{"id": 0, "scale": 0.8}, {"id": 1, "scale": 0.6}],
-        "method": "dare_ties",
-        "density": 0.5,
-        "seed": seed,
+        "method": "svd",
+        "rank": rank,
     }
 
 
@@ -90,7 +91,7 @@ GRID = {
     "n_predict": 2,
     "temperature": 0,
     "x": {"kind": "scale", "adapter": 0, "values": [1]},  # one cell: one build
-    "y": {"kind": "method", "values": [{"method": "dare_ties", "density": 0.5, "seed": 44}]},
+    "y": {"kind": "method", "values": [{"method": "svd", "rank": 44}]},
 }
 
 # (route, a body that needs the held build): every path that submits work under a mix
