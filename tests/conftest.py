@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,12 +40,33 @@ def pytest_configure(config):
     os.environ.setdefault(
         "NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "mixdesk-test-numba")
     )
+    _compile_kernels_alongside()
     models = _SESSION_CACHE / "models"
     models.mkdir()
     if real_models.is_dir():
         for f in real_models.iterdir():
             if f.is_file() and f.suffix == ".gguf":
                 (models / f.name).symlink_to(f)
+
+
+_KERNEL_WARMER: subprocess.Popen | None = None
+
+
+def _compile_kernels_alongside() -> None:
+    """Compile every block type's kernels into NUMBA_CACHE_DIR in a second process while
+    the first tests run. A first-ever compile takes ~8 s a type (~100 s for all twelve
+    on the 2-core CI machine), and the suite would otherwise wait for it a type at a time
+    (test_quant_kernels' setup, the first Gemma or Qwen load) on one core. With the cache
+    warm it only loads (a second or two). numba writes its cache files whole (a temporary
+    file, then a rename), so a test compiling the same type meanwhile is safe."""
+    global _KERNEL_WARMER
+    code = "from core.model import quant; quant.warm_up(quant.SUPPORTED)"
+    _KERNEL_WARMER = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 _EXIT_STATUS: int | None = None  # pytest's status, once the session has finished
@@ -57,6 +79,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    if _KERNEL_WARMER is not None and _KERNEL_WARMER.poll() is None:
+        _KERNEL_WARMER.kill()  # a short session ends before the warm-up does
+        _KERNEL_WARMER.wait()
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
     if _EXIT_STATUS is not None and "PySide6" in sys.modules:
