@@ -1,4 +1,4 @@
-"""Drive the real window (run_gui's setup) and grab the README's screenshots.
+"""Drive the real window (run_gui's setup) and grab the screenshots of the README and docs/.
 
     xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python -m tools.screenshot
     xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python -m tools.screenshot --grid
