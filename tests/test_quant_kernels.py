@@ -341,5 +341,11 @@ def test_old_kernel_cache_folders_are_deleted_when_unused_for_two_weeks(tmp_path
         "somebody-else",
     ]
     assert folders["kernels-mine"].stat().st_mtime == now
+    # Mixdesk's own folder (no NUMBA_CACHE_DIR set): numba's per-module folders that
+    # versions before the digest layout wrote straight into it go too, when as old
+    os.utime(folders["kernels-mine"], (old_age, old_age))
+    gone = kernel_base.prune_caches(tmp_path, "kernels-mine", now=now, legacy=True)
+    assert gone == [folders["somebody-else"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels-mine", "kernels-recent"]
     # a root that cannot be read or written is left as it is, and the load goes on
     assert kernel_base.prune_caches(tmp_path / "missing" / "file.txt" / "x", "k") == []

@@ -39,19 +39,23 @@ def sources_digest() -> str:
 STALE_CACHE_DAYS = 14
 
 
-def prune_caches(root: Path, keep: str, now: float | None = None) -> list[Path]:
+def prune_caches(
+    root: Path, keep: str, now: float | None = None, legacy: bool = False
+) -> list[Path]:
     """Mark ``root/keep`` used now and delete the other kernel cache folders of ``root``
     (``kernels-*``, what :func:`sources_digest` names) unused for STALE_CACHE_DAYS:
     an update leaves its predecessor's folder behind, and a checkout and an installed
-    copy that take turns keep theirs. Returns the folders deleted. Never raises: a
-    cache that cannot be tidied costs disk space, not a model load."""
+    copy that take turns keep theirs. ``legacy`` (``root`` is Mixdesk's own folder, not
+    one the user named): any other folder in it too, numba's per-module folders that
+    versions before the digest layout wrote straight into ``root``. Returns the folders
+    deleted. Never raises: a cache that cannot be tidied costs disk space, not a load."""
     now = time.time() if now is None else now
     gone = []
     try:
         mine = root / keep
         mine.mkdir(parents=True, exist_ok=True)
         os.utime(mine, (now, now))  # loading from the cache writes nothing: say "used"
-        for d in root.glob("kernels-*"):
+        for d in root.glob("*" if legacy else "kernels-*"):
             if d.name != keep and d.is_dir() and now - d.stat().st_mtime > STALE_CACHE_DAYS * 86400:
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d)
@@ -73,11 +77,12 @@ def _configure() -> None:
       1.2-1.3x faster (one thread, Emerald Rapids, 2026-12-06). numba keys its disk
       cache on the features, so a cached kernel never runs on a CPU it was not
       built for."""
+    ours = not os.environ.get("NUMBA_CACHE_DIR")  # not a folder the user (or a parent) named
     root = Path(os.environ.get("NUMBA_CACHE_DIR") or cache_dir() / "numba")
     digest = sources_digest()
     # a child process inherits the folder already named
     os.environ["NUMBA_CACHE_DIR"] = str(root if root.name == digest else root / digest)
-    prune_caches(root.parent if root.name == digest else root, digest)
+    prune_caches(root.parent if root.name == digest else root, digest, legacy=ours)
     if not os.environ.get("NUMBA_CPU_FEATURES") and not os.environ.get("NUMBA_CPU_NAME"):
         import llvmlite.binding as llvm
 
