@@ -60,7 +60,7 @@ def _compile_kernels_alongside() -> None:
     warm it only loads (a second or two). numba writes its cache files whole (a temporary
     file, then a rename), so a test compiling the same type meanwhile is safe."""
     global _KERNEL_WARMER
-    code = "from core.model import quant; quant.warm_up(quant.SUPPORTED)"
+    code = "from core.model import quant; quant.warm_up(quant.SUPPORTED, helpers=False)"
     _KERNEL_WARMER = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=Path(__file__).resolve().parents[1],

@@ -10,6 +10,7 @@ Q6_K, Q5_0, Q8_0) tensors.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -349,3 +350,32 @@ def test_old_kernel_cache_folders_are_deleted_when_unused_for_two_weeks(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels-mine", "kernels-recent"]
     # a root that cannot be read or written is left as it is, and the load goes on
     assert kernel_base.prune_caches(tmp_path / "missing" / "file.txt" / "x", "k") == []
+
+
+def test_a_first_compile_shares_the_types_with_a_helper_process(tmp_path):
+    """With an empty kernel cache and several types, every other type is compiled by a
+    second process into the shared disk cache, and this process loads it from there
+    (numba's own hit and miss counts); a type already cached spawns nothing."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os, json
+os.cpu_count = lambda: 2  # a 2-core machine, whatever this one is
+from core.model import kernels, quant
+quant.warm_up(["Q4_0", "Q5_0", "Q8_0"])
+stats = {n: getattr(kernels, "small_" + n).stats for n in ("q4_0", "q5_0", "q8_0")}
+print(json.dumps({n: [sum(s.cache_hits.values()), sum(s.cache_misses.values())]
+                  for n, s in stats.items()}))
+print(json.dumps([t for t in ("Q4_0", "Q5_0", "Q8_0") if not quant._cached(quant.T[t])]))
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr
+    counts, again = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    assert counts["q5_0"] == [1, 0]  # the helper's: loaded from the cache
+    assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
+    assert again == []  # all cached now: a next load starts no helper

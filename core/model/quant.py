@@ -28,9 +28,13 @@ must never be entered twice at once (it aborts the process).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -399,20 +403,79 @@ class FusedMatrix:
 def warm_up(
     qtypes: Iterable[int | str | GGMLQuantizationType],
     progress: Callable[[float], None] | None = None,
+    helpers: bool = True,
 ) -> float:
     """Compile the kernels of these types, or load them from the on-disk cache, by
     running each once on a tiny matrix; return the seconds it took. A first-ever
     compile takes seconds per type (a model load can show it as such), a cached
-    one a few milliseconds. ``progress(fraction_done)`` after each type."""
+    one a few milliseconds. ``progress(fraction_done)`` after each type, and while
+    waiting for a helper; it may raise to cancel.
+
+    Types not in the cache yet are shared out, when there are several and ``helpers``:
+    every other one is compiled by a second process on another core (more for more
+    cores) into the same disk cache, and this process then loads it from there. numba
+    compiles under Python's lock, so threads would not run side by side. A helper that
+    fails costs nothing but time: this process compiles what it did not cache."""
     t0 = time.perf_counter()
     todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
-    for i, qt in enumerate(todo):
-        block, type_size = GGML_QUANT_SIZES[qt]
-        n_in = 256 if block < 256 else block
-        data = np.zeros(n_in // block * type_size, dtype=np.uint8)  # one row of zeros
-        m = QuantMatrix(qt, data, (1, n_in), name=f"warm-up {qt.name}")
-        m.take([0])
-        m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
-        if progress is not None:
-            progress((i + 1) / len(todo))
+    spawned = _compile_elsewhere([qt for qt in todo if not _cached(qt)]) if helpers else {}
+    try:
+        for i, qt in enumerate(todo):
+            proc = spawned.get(qt)
+            while proc is not None and proc.poll() is None:  # its helper compiles it
+                if progress is not None:
+                    progress(i / len(todo))
+                time.sleep(0.05)
+            block, type_size = GGML_QUANT_SIZES[qt]
+            n_in = 256 if block < 256 else block
+            data = np.zeros(n_in // block * type_size, dtype=np.uint8)  # one row of zeros
+            m = QuantMatrix(qt, data, (1, n_in), name=f"warm-up {qt.name}")
+            m.take([0])
+            m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
+            if progress is not None:
+                progress((i + 1) / len(todo))
+    finally:
+        for proc in set(spawned.values()):
+            if proc.poll() is None:  # cancelled: a helper must not outlive the load
+                proc.kill()
+            proc.wait()
     return time.perf_counter() - t0
+
+
+def _cached(qt: GGMLQuantizationType) -> bool:
+    """Whether both entry points of this type's kernels are in numba's disk cache."""
+    folder = Path(_kernels().numba.config.CACHE_DIR)
+    name = qt.name.lower()
+    return all(any(folder.rglob(f"kernels.{k}_{name}-*.nbi")) for k in ("rows", "small"))
+
+
+def _compile_elsewhere(cold: list[GGMLQuantizationType]) -> dict:
+    """Start helper processes that compile all but every (helpers + 1)-th of ``cold`` into
+    the disk cache: {type: its helper's Popen}. None in a frozen app (its executable
+    is the app, not Python) or on one core."""
+    n = min(len(cold) - 1, (os.cpu_count() or 1) - 1)
+    if n < 1 or getattr(sys, "frozen", False):
+        return {}
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding core/
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    out = {}
+    for k in range(1, n + 1):
+        share = cold[k :: n + 1]
+        code = (
+            "from core.model import quant; "
+            f"quant.warm_up({[qt.name for qt in share]!r}, helpers=False)"
+        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError:  # no process to be had: this one compiles them
+            continue
+        out.update(dict.fromkeys(share, proc))
+    return out
