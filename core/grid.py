@@ -227,22 +227,19 @@ def check_axis(axis: Axis, what: str, adapters: Mapping[int, str]) -> Axis:
     """The axis with its values checked (and scales as floats); GridError otherwise."""
     if not axis.values:
         raise GridError(f"{what} has no values: give at least one")
-    if axis.kind == "scale":
-        if axis.adapter not in adapters:
+    if axis.kind in ("scale", "vector"):
+        if axis.kind == "scale" and axis.adapter not in adapters:
             raise GridError(f"{what}: no adapter with id {axis.adapter}")
+        noun, bound = (
+            ("scale", LORA_SCALE_MAX)
+            if axis.kind == "scale"
+            else ("vector scale", VECTOR_SCALE_MAX)
+        )
         for v in axis.values:
-            if not is_finite_number(v, LORA_SCALE_MAX):
+            if not is_finite_number(v, bound):
                 raise GridError(
-                    f"{what}: a scale must be a finite number in "
-                    f"[-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}], got {v!r}"
-                )
-        return replace(axis, values=tuple(float(v) for v in axis.values))
-    if axis.kind == "vector":
-        for v in axis.values:
-            if not is_finite_number(v, VECTOR_SCALE_MAX):
-                raise GridError(
-                    f"{what}: a vector scale must be a finite number in "
-                    f"[-{VECTOR_SCALE_MAX:g}, {VECTOR_SCALE_MAX:g}], got {v!r}"
+                    f"{what}: a {noun} must be a finite number in "
+                    f"[-{bound:g}, {bound:g}], got {v!r}"
                 )
         return replace(axis, values=tuple(float(v) for v in axis.values))
     if axis.kind == "seed":

@@ -275,16 +275,22 @@ class Strip:
         eff = effective_scale(engine_scale, a, r)
         # the number only: with "α16/r8" beside it the column pushed the desk past a
         # 1280 px window's left pane; the ratio is in the tooltip (and the adapter list)
-        self.eff.setText(f"{eff:+.3f}")
-        self.eff.setProperty("active", engine_scale != 0.0)
-        self.eff.style().unpolish(self.eff)
-        self.eff.style().polish(self.eff)
-        self.eff.setToolTip(
+        self._show_eff(
+            f"{eff:+.3f}",
+            engine_scale != 0.0,
             f"effective scale = scale × α / r = {engine_scale:+.3f} × α{a:g}/r{r}\n"
             f"α/r = {a:g}/{r} = {a / r:g}"
             if a
-            else f"no alpha in the adapter (rank {r}): effective scale = scale"
+            else f"no alpha in the adapter (rank {r}): effective scale = scale",
         )
+
+    def _show_eff(self, text: str, active: bool, tip: str) -> None:
+        """The Effective column: its text, its "active" style, its tooltip."""
+        self.eff.setText(text)
+        self.eff.setProperty("active", active)
+        self.eff.style().unpolish(self.eff)
+        self.eff.style().polish(self.eff)
+        self.eff.setToolTip(tip)
 
 
 class TaggedLabel(ElidedLabel):
@@ -387,11 +393,9 @@ class VectorStrip(Strip):
     def show_effective(self, engine_scale: float) -> None:
         # the tag alone: "vec 1–29" was wider than "+2.000" and took the width from the
         # names at 1024 px ("pirate" touched its fader); the layers are in the tooltip
-        self.eff.setText("vec")
-        self.eff.setProperty("active", engine_scale != 0.0)
-        self.eff.style().unpolish(self.eff)
-        self.eff.style().polish(self.eff)
-        self.eff.setToolTip(
+        self._show_eff(
+            "vec",
+            engine_scale != 0.0,
             f"{self.about()} (no α / r: the scale is what is applied)\n"
-            f"scale now {engine_scale:+.3f}"
+            f"scale now {engine_scale:+.3f}",
         )
