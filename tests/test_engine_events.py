@@ -51,3 +51,31 @@ def test_a_load_and_a_request_reach_a_listener_as_typed_events(tmp_path):
     assert loaded.info["path"] == str(path)
     (done,) = [e for e in seen if isinstance(e, E.RequestFinished)]
     assert done.predicted_n == 2 and done.error is None and done.stop_type == "limit"
+
+
+def test_listeners_hear_a_request_finish_before_its_caller_hears_it_done(tmp_path):
+    """The window's strips go dark on RequestFinished and the chat pane ends its reply on
+    the caller's DoneEvent: in that order, no strip is still lit after a reply ends."""
+    import threading
+
+    from core.serve.scheduler import DoneEvent
+
+    ended = threading.Event()
+
+    def on_event(ev):
+        if isinstance(ev, DoneEvent):
+            order.append("done")
+            ended.set()
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
+    order: list[str] = []
+    eng.subscribe(lambda e: isinstance(e, E.RequestFinished) and order.append("finished"))
+    eng.load_model(path)
+    eng.start()
+    try:
+        eng.submit([1, 2, 3], SamplingParams(temperature=0.0, n_predict=2), on_event)
+        assert ended.wait(30)
+    finally:
+        eng.stop()
+    assert order == ["finished", "done"]

@@ -641,8 +641,9 @@ class Engine:
                 if progress:
                     on_event(ev)
                 return
-            on_event(ev)
             if isinstance(ev, DoneEvent):
+                # listeners first: whoever hears the reply end (the chat pane) then finds
+                # the window already told, so no strip is still lit after the reply
                 self._notify(
                     RequestFinished(
                         id=ids[0] if ids else -1,
@@ -653,6 +654,7 @@ class Engine:
                         error=ev.error,
                     )
                 )
+            on_event(ev)
 
         req = Request(list(prompt), params, key, weights, relay, cache_prompt, source)
         req.base_until, req.base_mix, req.base_weights = base_until, base_key, base_weights
