@@ -73,6 +73,14 @@ def get_model(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    kernel_types = os.environ.get("MIXDESK_COMPILE_KERNELS")  # core.model.quant.COMPILE_ENV
+    if kernel_types:  # a kernel-compiling helper of the packaged app's first load
+        from core.model import quant
+
+        quant.warm_up(kernel_types.split(","), helpers=False)
+        return 0
     from core.cli import parse_args
     from core.errors import UserError
 

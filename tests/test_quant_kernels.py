@@ -379,3 +379,48 @@ print(json.dumps([t for t in ("Q4_0", "Q5_0", "Q8_0") if not quant._cached(quant
     assert counts["q5_0"] == [1, 0]  # the helper's: loaded from the cache
     assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
     assert again == []  # all cached now: a next load starts no helper
+
+
+def test_the_packaged_apps_helper_is_the_app_itself_started_to_compile(tmp_path):
+    """In the packaged app sys.executable is the app: its helper is the app started with
+    quant.COMPILE_ENV naming the types, which main.py compiles before parsing any flag
+    (and without importing Qt). Here the "app" is a script running main.py as a frozen
+    app (sys.frozen, sys.executable), and the helper's type is then a numba cache hit in
+    the loading process."""
+    import os
+    import stat
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    app = tmp_path / "mixdesk"
+    app.write_text(
+        f"#!/bin/sh\n"
+        f'echo "$MIXDESK_COMPILE_KERNELS" >> {tmp_path / "asked"}\n'
+        f'exec {sys.executable} -c \'import sys; sys.frozen, sys.executable = True, "{app}"; '
+        f'import main; r = main.main(); sys.exit(99 if "PySide6" in sys.modules else r)\'\n'
+    )  # frozen as the app is: numba then stamps its cache with the executable's file
+    app.chmod(app.stat().st_mode | stat.S_IEXEC)
+    code = f"""
+import os, sys, json
+os.cpu_count = lambda: 2
+sys.frozen, sys.executable = True, {str(app)!r}
+from core.model import kernels, quant
+spawned = quant._compile_elsewhere([quant.T.Q4_0, quant.T.Q5_0])
+(proc,) = set(spawned.values())
+print(json.dumps([sorted(t.name for t in spawned), proc.wait()]))
+quant.warm_up(["Q5_0"], helpers=False)  # Q4_0 was left to this process: not needed here
+s = kernels.small_q5_0.stats
+print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    helper, counts = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    assert helper == [["Q5_0"], 0]  # the app compiled Q5_0 and exited cleanly, Qt-free
+    assert (tmp_path / "asked").read_text().split() == ["Q5_0"]
+    assert counts == [1, 0]  # the app's compile is what this process loaded

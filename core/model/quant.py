@@ -449,13 +449,20 @@ def _cached(qt: GGMLQuantizationType) -> bool:
     return all(any(folder.rglob(f"kernels.{k}_{name}-*.nbi")) for k in ("rows", "small"))
 
 
+# A packaged app started with this in its environment compiles the kernels of the
+# types it names (comma-separated) into the disk cache and exits (main.py).
+COMPILE_ENV = "MIXDESK_COMPILE_KERNELS"
+
+
 def _compile_elsewhere(cold: list[GGMLQuantizationType]) -> dict:
     """Start helper processes that compile all but every (helpers + 1)-th of ``cold`` into
-    the disk cache: {type: its helper's Popen}. None in a frozen app (its executable
-    is the app, not Python) or on one core."""
+    the disk cache: {type: its helper's Popen}. None on one core. In the packaged app
+    the executable is the app, not Python: a helper is the app started with
+    COMPILE_ENV naming its types, which main.py runs before anything else."""
     n = min(len(cold) - 1, (os.cpu_count() or 1) - 1)
-    if n < 1 or getattr(sys, "frozen", False):
+    if n < 1:
         return {}
+    frozen = getattr(sys, "frozen", False)
     root = str(Path(__file__).resolve().parents[2])  # the folder holding core/
     env = {
         **os.environ,
@@ -464,14 +471,16 @@ def _compile_elsewhere(cold: list[GGMLQuantizationType]) -> dict:
     out = {}
     for k in range(1, n + 1):
         share = cold[k :: n + 1]
-        code = (
-            "from core.model import quant; "
-            f"quant.warm_up({[qt.name for qt in share]!r}, helpers=False)"
-        )
+        names = [qt.name for qt in share]
+        if frozen:
+            cmd, helper_env = [sys.executable], {**env, COMPILE_ENV: ",".join(names)}
+        else:
+            code = f"from core.model import quant; quant.warm_up({names!r}, helpers=False)"
+            cmd, helper_env = [sys.executable, "-c", code], env
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", code],
-                env=env,
+                cmd,
+                env=helper_env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
