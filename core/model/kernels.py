@@ -75,9 +75,7 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
 from .kernel_dots import DOT_TYPES, SUMS_TYPES, _dot_rows, _sums
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
-# elements of x per K-chunk and activation row: T rows x K floats of x stay in L1
-# (32 KB) while a chunk of output rows passes over them
-X_CHUNK_FLOATS = 8192
+# (the K-chunk a SMALL product runs in is the caller's choice: core/model/quant.py)
 
 
 # ---- dequantizers: elements [e0, e1) of one row's bytes w into out[: e1 - e0] ----
