@@ -25,8 +25,9 @@ from tests.tiny_gguf import random_matrix
 
 TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# 1..16: small-batch kernels (8 and more: two rows of W at a time); more: BLAS tiles
-ROW_COUNTS = (1, 2, 3, 8, 11, 16, 17, 33, 100)
+# 1..16: small-batch kernels (2-4 rows of the 32-element types and Q8_0: the pair dots;
+# 8 and more: two rows of W at a time); more: BLAS tiles
+ROW_COUNTS = (1, 2, 3, 4, 5, 8, 11, 16, 17, 33, 100)
 # |y - y64| <= TOL * (|x| @ |W|.T): float32 sums of ~1000 products, any order
 TOL = 2e-6
 

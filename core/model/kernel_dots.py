@@ -304,6 +304,122 @@ def _dot_32(code, w, x, xs, acc):
     return _acc_sum(acc, 16) + mins
 
 
+# ---- pair dots: one row of weights against two rows of x (A/B compare, two streams) ----
+#
+# Each weight is unpacked and scaled once and feeds both rows' sums: for the 32-element
+# types (whose block head is a scale and a min, nothing to unpack per sub-block) two
+# rows of x cost 1.33x one row against 1.96x for two dots (SmolLM2's 576- and
+# 1536-wide Q4_1 rows, one thread, 2026-12-06). ``acc`` holds both rows' lanes.
+# The K-quants keep the dequantize-then-dot kernel: their per-block scale unpacking
+# made a pair dot no faster than it (1.6-1.8x one row, Q4_K 8192x2048).
+
+PAIR_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_q8_0x2(w, x, y, acc):
+    for i in range(64):
+        acc[i] = 0.0
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 2 <= nb:
+        o = b * 34
+        d0, d1 = _f16t(w, o), _f16t(w, o + 34)
+        q = w[o : o + 68]  # (68,) two blocks
+        xb = x[b * 32 : b * 32 + 64]  # (64,)
+        yb = y[b * 32 : b * 32 + 64]  # (64,)
+        for i in range(32):
+            a0 = d0 * np.float32(np.int8(q[2 + i]))
+            a1 = d1 * np.float32(np.int8(q[36 + i]))
+            acc[i] += a0 * xb[i] + a1 * xb[32 + i]
+            acc[32 + i] += a0 * yb[i] + a1 * yb[32 + i]
+        b += 2
+    while b < nb:
+        o = b * 34
+        d0 = _f16t(w, o)
+        for i in range(32):
+            a0 = d0 * np.float32(np.int8(w[o + 2 + i]))
+            acc[i] += a0 * x[b * 32 + i]
+            acc[32 + i] += a0 * y[b * 32 + i]
+        b += 1
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    for i in range(32):
+        s0 += acc[i]
+        s1 += acc[32 + i]
+    return s0, s1
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_32x2(code, w, x, y, xs, ys, acc):
+    """_dot_32 for two rows of x at once (``xs``, ``ys``: their sums per block)."""
+    bs = 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+    for i in range(32):
+        acc[i] = 0.0
+    mins = np.float32(0.0)
+    mins2 = np.float32(0.0)
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        d1, m1, h1 = _head32(code, w, o + bs)
+        d2, m2, h2 = _head32(code, w, o + 2 * bs)
+        d3, m3, h3 = _head32(code, w, o + 3 * bs)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b] + m1 * xs[b + 1] + m2 * xs[b + 2] + m3 * xs[b + 3]
+            mins2 += m0 * ys[b] + m1 * ys[b + 1] + m2 * ys[b + 2] + m3 * ys[b + 3]
+        xb = x[b * 32 : b * 32 + 128]  # (128,)
+        yb = y[b * 32 : b * 32 + 128]  # (128,)
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            a1, c1 = _lo_hi(code, w, o + bs, h1, i)
+            a2, c2 = _lo_hi(code, w, o + 2 * bs, h2, i)
+            a3, c3 = _lo_hi(code, w, o + 3 * bs, h3, i)
+            a0, c0, a1, c1 = d0 * a0, d0 * c0, d1 * a1, d1 * c1
+            a2, c2, a3, c3 = d2 * a2, d2 * c2, d3 * a3, d3 * c3
+            acc[i] += (
+                a0 * xb[i] + c0 * xb[16 + i] + a1 * xb[32 + i] + c1 * xb[48 + i]
+                + a2 * xb[64 + i] + c2 * xb[80 + i] + a3 * xb[96 + i] + c3 * xb[112 + i]
+            )  # fmt: skip
+            acc[16 + i] += (
+                a0 * yb[i] + c0 * yb[16 + i] + a1 * yb[32 + i] + c1 * yb[48 + i]
+                + a2 * yb[64 + i] + c2 * yb[80 + i] + a3 * yb[96 + i] + c3 * yb[112 + i]
+            )  # fmt: skip
+        b += 4
+    while b < nb:
+        o = b * bs
+        d0, m0, h0 = _head32(code, w, o)
+        if code == Q4_1 or code == Q5_1:
+            mins += m0 * xs[b]
+            mins2 += m0 * ys[b]
+        for i in range(16):
+            a0, c0 = _lo_hi(code, w, o, h0, i)
+            a0, c0 = d0 * a0, d0 * c0
+            acc[i] += a0 * x[b * 32 + i] + c0 * x[b * 32 + 16 + i]
+            acc[16 + i] += a0 * y[b * 32 + i] + c0 * y[b * 32 + 16 + i]
+        b += 1
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    for i in range(16):
+        s0 += acc[i]
+        s1 += acc[16 + i]
+    return s0 + mins, s1 + mins2
+
+
+@_jit()
+def _dot_rows2(code, w, x, y, xs, ys, out_x, out_y, r0, r1):
+    """out_x[r], out_y[r] = w[r] . x, w[r] . y for the rows [r0, r1) of a matrix of a
+    type in PAIR_TYPES (``code`` literal), the pair dot inlined into the row loop."""
+    literally(code)
+    acc = np.empty(64, dtype=np.float32)  # both rows' partial sums
+    for r in range(r0, r1):
+        if code == Q8_0:
+            out_x[r], out_y[r] = _dot_q8_0x2(w[r], x, y, acc)
+        else:
+            out_x[r], out_y[r] = _dot_32x2(code, w[r], x, y, xs, ys, acc)
+
+
 @_jit(inline="always")
 def _dot(code, w, x, xs, acc):
     """Row w of type ``code`` (one of DOT_TYPES) dotted with x. Inlined into

@@ -25,7 +25,9 @@ its type's code, does three things:
   output row, the block's integers multiplied by x as they are unpacked, with the
   scales folded in and the K-quants' mins applied through sums of x
   (core/model/kernel_dots.py). 1.7-2.4x the dequantize-then-dot kernel for one row on the 1B's
-  matrices (step products 190 -> 100 ms on two threads, 2026-12-06).
+  matrices (step products 190 -> 100 ms on two threads, 2026-12-06). Two to four
+  rows of the 32-element types and Q8_0 (A/B compare, a few streams) take the same
+  route with pair dots, each weight unpacked once for two rows of x (``_gemv_rows``).
 
 What the kernels share (numba's configuration, type codes, block-field readers) is in
 core/model/kernel_base.py.
@@ -72,9 +74,10 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
     _qh32,
     numba,
 )
-from .kernel_dots import DOT_TYPES, SUMS_TYPES, _dot_rows, _sums
+from .kernel_dots import DOT_TYPES, PAIR_TYPES, SUMS_TYPES, _dot_rows, _dot_rows2, _sums
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
+PAIR_ROWS = 4  # rows of x the pair dots take (see _gemv_rows)
 # (the K-chunk a SMALL product runs in is the caller's choice: core/model/quant.py)
 
 
@@ -374,6 +377,22 @@ def _run(code, w, e0, e1, out):
 ROWS, SMALL = 0, 1  # _launch's operations
 
 
+@_jit(inline="always")
+def _gemv_rows(code):
+    """Up to how many rows of x the fused dots run rather than the dequantize-then-dot
+    kernel, each chunk of W rows against every row of x while the chunk is in cache.
+    The 32-element types and Q8_0 take the rows of x two at a time (PAIR_TYPES):
+    on SmolLM2's 576- and 1536-wide Q4_1 rows and its Q8_0 output, rows of x cost
+    (one row = 1) 1.2-1.4 for two, 1.8-2.3 for three and 1.9-2.8 for four, against
+    2.3-2.6, 2.2-2.5 and 2.2-2.9 on the dequantize-then-dot kernel (2 threads, best
+    of 15, 2026-12-06). The K-quants (2048-8192-wide rows) keep that kernel for two
+    rows and more: it costs 1.3-1.9x one row for two there, and their pair dot was
+    no faster (core/model/kernel_dots.py)."""
+    if code in PAIR_TYPES:
+        return PAIR_ROWS
+    return 1
+
+
 @_jit(parallel=True)
 def _launch(code, op, w, ids, x, out, kc):
     """One parallel kernel per type for both operations (numba's parallel lowering
@@ -387,17 +406,31 @@ def _launch(code, op, w, ids, x, out, kc):
     n_out = w.shape[0]
     n_in = out.shape[1] if op == ROWS else x.shape[1]
     n_units = ids.shape[0] if op == ROWS else (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    # one activation row of a type with a fused dot: the decode step's gemv
-    gemv = op == SMALL and x.shape[0] == 1 and code in DOT_TYPES
-    xs = np.empty(0, dtype=np.float32)  # x's sums per 32: the mins of these types
+    # a type with a fused dot and at most GEMV_ROWS rows of x (one: the decode step's
+    # gemv): the fused dot per row of x, over each chunk of W rows while it is in cache
+    n_x = x.shape[0] if op == SMALL else 0
+    gemv = op == SMALL and code in DOT_TYPES and n_x <= _gemv_rows(code)
+    xs = np.empty((n_x, 0), dtype=np.float32)  # x's sums per 32: the mins of these types
     if gemv and code in SUMS_TYPES:
-        xs = _sums(x[0], 32)
+        xs = np.empty((n_x, n_in // 32), dtype=np.float32)
+        for t in range(n_x):
+            xs[t] = _sums(x[t], 32)
     for u in prange(n_units):
         if op == ROWS:
             _run(code, w[ids[u]], 0, n_in, out[u])
         elif gemv:
             r0 = u * ROWS_PER_CHUNK
-            _dot_rows(code, w, x[0], xs, out[0], r0, min(n_out, r0 + ROWS_PER_CHUNK))
+            r1 = min(n_out, r0 + ROWS_PER_CHUNK)
+            t = 0
+            if code in PAIR_TYPES:  # rows of x two at a time: each weight unpacked once
+                while t + 2 <= n_x:
+                    _dot_rows2(
+                        code, w, x[t], x[t + 1], xs[t], xs[t + 1], out[t], out[t + 1], r0, r1
+                    )
+                    t += 2
+            while t < n_x:
+                _dot_rows(code, w, x[t], xs[t], out[t], r0, r1)
+                t += 1
         else:
             buf = np.empty((2, min(kc, n_in)), dtype=np.float32)  # a K-chunk of two rows
             r0 = u * ROWS_PER_CHUNK
