@@ -406,8 +406,8 @@ def _launch(code, op, w, ids, x, out, kc):
     n_out = w.shape[0]
     n_in = out.shape[1] if op == ROWS else x.shape[1]
     n_units = ids.shape[0] if op == ROWS else (n_out + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    # a type with a fused dot and at most GEMV_ROWS rows of x (one: the decode step's
-    # gemv): the fused dot per row of x, over each chunk of W rows while it is in cache
+    # a type with a fused dot and at most _gemv_rows(code) rows of x (one: the decode
+    # step's gemv): the fused dots over each chunk of W rows while it is in cache
     n_x = x.shape[0] if op == SMALL else 0
     gemv = op == SMALL and code in DOT_TYPES and n_x <= _gemv_rows(code)
     xs = np.empty((n_x, 0), dtype=np.float32)  # x's sums per 32: the mins of these types
