@@ -259,12 +259,35 @@ def _head32(code, w, o):
     return d, _f16t(w, o + 2), _qh32(w, o + 4)
 
 
+@_jit(inline="always")
+def _size32(code):
+    """Bytes per block of the 32-element types Q4_0, Q4_1, Q5_0, Q5_1."""
+    return 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+
+
+@_jit(fastmath=True, inline="always")
+def _heads4(code, w, o, bs):
+    """The heads (_head32) of the four blocks from w[o], and their mins' weights as
+    (d0, d1, d2, d3), (m0, m1, m2, m3), (h0, h1, h2, h3)."""
+    d0, m0, h0 = _head32(code, w, o)
+    d1, m1, h1 = _head32(code, w, o + bs)
+    d2, m2, h2 = _head32(code, w, o + 2 * bs)
+    d3, m3, h3 = _head32(code, w, o + 3 * bs)
+    return (d0, d1, d2, d3), (m0, m1, m2, m3), (h0, h1, h2, h3)
+
+
+@_jit(fastmath=True, inline="always")
+def _mins4(m, s, b):
+    """The four blocks' mins (m) against x's sums over them (s[b : b + 4])."""
+    return m[0] * s[b] + m[1] * s[b + 1] + m[2] * s[b + 2] + m[3] * s[b + 3]
+
+
 @_jit(fastmath=True, inline="always")
 def _dot_32(code, w, x, xs, acc):
     """The dot for the 32-element block types Q4_0, Q4_1, Q5_0, Q5_1: lane i takes
     elements i and 16 + i of four blocks a pass (as _dot_q8_0), then the rest a block
     at a time; Q4_1's and Q5_1's mins through the sums of x per block (``xs``)."""
-    bs = 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+    bs = _size32(code)
     for i in range(16):
         acc[i] = 0.0
     mins = np.float32(0.0)
@@ -272,12 +295,9 @@ def _dot_32(code, w, x, xs, acc):
     b = 0
     while b + 4 <= nb:
         o = b * bs
-        d0, m0, h0 = _head32(code, w, o)
-        d1, m1, h1 = _head32(code, w, o + bs)
-        d2, m2, h2 = _head32(code, w, o + 2 * bs)
-        d3, m3, h3 = _head32(code, w, o + 3 * bs)
+        (d0, d1, d2, d3), m, (h0, h1, h2, h3) = _heads4(code, w, o, bs)
         if code == Q4_1 or code == Q5_1:
-            mins += m0 * xs[b] + m1 * xs[b + 1] + m2 * xs[b + 2] + m3 * xs[b + 3]
+            mins += _mins4(m, xs, b)
         xb = x[b * 32 : b * 32 + 128]  # (128,)
         for i in range(16):
             a0, c0 = _lo_hi(code, w, o, h0, i)
@@ -353,7 +373,7 @@ def _dot_q8_0x2(w, x, y, acc):
 @_jit(fastmath=True, inline="always")
 def _dot_32x2(code, w, x, y, xs, ys, acc):
     """_dot_32 for two rows of x at once (``xs``, ``ys``: their sums per block)."""
-    bs = 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+    bs = _size32(code)
     for i in range(32):
         acc[i] = 0.0
     mins = np.float32(0.0)
@@ -362,13 +382,10 @@ def _dot_32x2(code, w, x, y, xs, ys, acc):
     b = 0
     while b + 4 <= nb:
         o = b * bs
-        d0, m0, h0 = _head32(code, w, o)
-        d1, m1, h1 = _head32(code, w, o + bs)
-        d2, m2, h2 = _head32(code, w, o + 2 * bs)
-        d3, m3, h3 = _head32(code, w, o + 3 * bs)
+        (d0, d1, d2, d3), m, (h0, h1, h2, h3) = _heads4(code, w, o, bs)
         if code == Q4_1 or code == Q5_1:
-            mins += m0 * xs[b] + m1 * xs[b + 1] + m2 * xs[b + 2] + m3 * xs[b + 3]
-            mins2 += m0 * ys[b] + m1 * ys[b + 1] + m2 * ys[b + 2] + m3 * ys[b + 3]
+            mins += _mins4(m, xs, b)
+            mins2 += _mins4(m, ys, b)
         xb = x[b * 32 : b * 32 + 128]  # (128,)
         yb = y[b * 32 : b * 32 + 128]  # (128,)
         for i in range(16):
