@@ -362,12 +362,7 @@ def _dot_q8_0x2(w, x, y, acc):
             acc[i] += a0 * x[b * 32 + i]
             acc[32 + i] += a0 * y[b * 32 + i]
         b += 1
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    for i in range(32):
-        s0 += acc[i]
-        s1 += acc[32 + i]
-    return s0, s1
+    return _acc_sum(acc, 32), _acc_sum(acc[32:], 32)
 
 
 @_jit(fastmath=True, inline="always")
@@ -416,12 +411,7 @@ def _dot_32x2(code, w, x, y, xs, ys, acc):
             acc[i] += a0 * x[b * 32 + i] + c0 * x[b * 32 + 16 + i]
             acc[16 + i] += a0 * y[b * 32 + i] + c0 * y[b * 32 + 16 + i]
         b += 1
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    for i in range(16):
-        s0 += acc[i]
-        s1 += acc[16 + i]
-    return s0 + mins, s1 + mins2
+    return _acc_sum(acc, 16) + mins, _acc_sum(acc[16:], 16) + mins2
 
 
 @_jit()
