@@ -362,6 +362,41 @@ def test_errors_from_the_pool_thread_reach_the_handler():
     assert asyncio.run(go()) == "ok"
 
 
+@pytest.mark.parametrize("leaves_by", ["cancel", "timeout"])
+def test_a_call_that_fails_after_its_handler_left_logs_no_unretrieved_error(caplog, leaves_by):
+    """A handler that stops waiting (its client hung up, or the pool's timeout) leaves
+    the call running; when that call then fails, nobody is there to hear it. Its error
+    must not be left on a future nobody reads: asyncio logs such a future as "exception
+    was never retrieved" when it is collected, at a random later moment, from whatever
+    the process is doing then (in 3.11 that log formats a traceback with ``ast``, which
+    broke an unrelated ``ast.parse`` it interrupted)."""
+    import gc
+
+    def fail_when(gate):
+        gate.wait(5)
+        raise RuntimeError("failed after the handler left")
+
+    async def go():
+        gate = threading.Event()
+        pool = BlockingPool(
+            "test", workers=1, queue=1, timeout=0.2 if leaves_by == "timeout" else 30.0
+        )
+        call = asyncio.ensure_future(pool.run(fail_when, gate))
+        await asyncio.sleep(0.05)
+        if leaves_by == "cancel":
+            call.cancel()
+        with pytest.raises(asyncio.CancelledError if leaves_by == "cancel" else HttpError):
+            await call
+        gate.set()
+        # waits for the place, which is free once the failure has settled on this loop
+        assert await pool.run(lambda: "after") == "after"
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(go())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 # ---- item 11: logs, keys, slow clients -----------------------------------------------------
 
 

@@ -96,7 +96,19 @@ class BlockingPool:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
         except TimeoutError:
+            fut.add_done_callback(self._unheard)
             raise self._busy(f"{self.kind} took longer than {self.timeout:g} s") from None
+        except asyncio.CancelledError:  # the handler's client went away
+            fut.add_done_callback(self._unheard)
+            raise
+
+    def _unheard(self, fut: asyncio.Future) -> None:
+        """The outcome of a call its handler stopped waiting for. Read here, or asyncio
+        logs "exception was never retrieved" whenever the future happens to be
+        collected, from inside whatever runs then (in 3.11 that log parses source with
+        ``ast``, and broke an ``ast.parse`` it interrupted)."""
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("%s call failed after its handler left: %r", self.kind, fut.exception())
 
 
 class EngineBox:
