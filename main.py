@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernel_types:  # a kernel-compiling helper of the packaged app's first load
         from core.model import quant
 
-        quant.warm_up(kernel_types.split(","), helpers=False)
+        quant.compile_for_helper(kernel_types)
         return 0
     from core.cli import parse_args
     from core.errors import UserError

@@ -1,10 +1,11 @@
 """Quantized weights against the float32 path and against llama-server, in one run.
 
-    .venv/bin/python -m bench.weights [-m MODEL] [--vs-llama-server] [--no-f32] [--quick]
+    .venv/bin/python -m bench.weights [-m MODEL] [--vs-llama-server] [--no-f32] [--no-q8] [--quick]
 
 Each side runs in its own fresh process, one after the other on the same file, so
 that its peak RSS and its start are its own: Mixdesk with ``--weights quantized``
-(the GGUF's blocks in memory, compiled kernels), Mixdesk with ``--weights f32``
+(the GGUF's blocks in memory, compiled kernels), the same with ``--activations q8``
+(the opt-in speed mode; skipped on a CPU without VNNI), Mixdesk with ``--weights f32``
 (today's dequantized path; its float32 cache is written first, untimed), and with
 ``--vs-llama-server`` llama-server itself, built from the pinned llama-cpp-python
 sdist as tools/compat.py builds it, run ``-t THREADS -c CTX``. Every figure is
@@ -76,11 +77,21 @@ def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
     from core.serve.engine import Engine
     from core.serve.sampling import SamplingParams
 
-    opts = EngineOptions(weights=storage, ctx_size=ctx, n_parallel=8, draft_max=0, threads=THREADS)
+    # "q8": quantized weights times activations rounded to int8 (--activations q8)
+    weights, activations = ("quantized", "q8") if storage == "q8" else (storage, "f32")
+    opts = EngineOptions(
+        weights=weights,
+        activations=activations,
+        ctx_size=ctx,
+        n_parallel=8,
+        draft_max=0,
+        threads=THREADS,
+    )
     eng = Engine(opts)
     eng.load_model(model)
     eng.start()
     out: dict = {"ready_s": time.time() - t0, "memory_mb": eng.model.w.nbytes / 1e6}
+    out["activations"] = eng.model_info()["activations"]
     if quick is None:  # only load (the float32 cache is written so, untimed)
         return out
     vocab = eng.config.vocab_size
@@ -212,18 +223,24 @@ def report(model: Path, sides: dict[str, dict]) -> None:
         ("ready after start", "ready_s", "s", False),
         ("peak RSS, one stream", "peak_rss_mb", "MB", False),
     ]
-    for label, key, unit, _ in rows:
-        line = f"{label:<24} quantized {q[key]:8.1f} {unit}"
-        for other in ("f32", "llama-server"):
-            if other in sides:
-                v = sides[other][key]
-                line += f" | {other} {v:8.1f} {unit} (quantized = {q[key] / v:.2f}x)"
+    for mine in ("quantized", "q8"):  # q8: --activations q8, the opt-in speed mode
+        if mine not in sides:
+            continue
+        if mine == "q8":
+            print("with --activations q8 (activations rounded to int8, VNNI products):")
+        m = sides[mine]
+        for label, key, unit, _ in rows:
+            line = f"{label:<24} {mine} {m[key]:8.1f} {unit}"
+            for other in ("f32", "llama-server") + (("quantized",) if mine == "q8" else ()):
+                if other in sides:
+                    v = sides[other][key]
+                    line += f" | {other} {v:8.1f} {unit} ({mine} = {m[key] / v:.2f}x)"
+            print(line)
+        line = f"{'8 streams x 8 mixes':<24} {mine} {m['streams8_tok_s']:8.1f} tok/s = "
+        line += f"{m['streams8_ratio']:.2f}x one stream"
+        if "f32" in sides and mine == "quantized":
+            line += f" | f32 {sides['f32']['streams8_ratio']:.2f}x one stream"
         print(line)
-    line = f"{'8 streams x 8 mixes':<24} quantized {q['streams8_tok_s']:8.1f} tok/s = "
-    line += f"{q['streams8_ratio']:.2f}x one stream"
-    if "f32" in sides:
-        line += f" | f32 {sides['f32']['streams8_ratio']:.2f}x one stream"
-    print(line)
 
 
 def main() -> None:
@@ -232,6 +249,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="16 decode tokens, for a smoke run")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 path")
+    ap.add_argument("--no-q8", action="store_true", help="skip --activations q8")
     ap.add_argument("--vs-llama-server", action="store_true")
     ap.add_argument("--llama-server", help="a llama-server binary (default: build the pinned one)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -248,6 +266,12 @@ def main() -> None:
     blas = [f"{i['internal_api']} {i.get('architecture')}" for i in threadpool_info()]
     print(f"BLAS {'; '.join(blas)}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
     sides = {"quantized": run_child("quantized", model, a.ctx, a.quick)}
+    if not a.no_q8:
+        q8 = run_child("q8", model, a.ctx, a.quick)
+        if q8["activations"] == "q8":
+            sides["q8"] = q8
+        else:
+            print("--activations q8: this CPU has no VNNI; not measured")
     if not a.no_f32:
         run_child("f32", model, 256, None)  # writes the float32 cache, untimed
         sides["f32"] = run_child("f32", model, a.ctx, a.quick)

@@ -240,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
         "to float32 (4 bytes per weight, cached on disk) as Mixdesk did before",
     )
     m.add_argument(
+        "--activations",
+        choices=("f32", "q8"),
+        default="f32",
+        help="what quantized weights are multiplied by in decoding: 'f32' (default) "
+        "float32 activations, the numbers of float32 math; 'q8' rounds each 32 "
+        "activations to 8-bit integers first, as llama.cpp does, and multiplies integers "
+        "on the CPU's VNNI instructions: faster, not exact (a CPU without VNNI stays f32)",
+    )
+    m.add_argument(
         "--draft-max",
         "--draft",
         type=int,

@@ -31,6 +31,8 @@ DEFAULT_BATCH = 2048  # -b/--batch-size: llama-server's; the physical batch is a
 # the prefix cache: bytes of finished prompts' KV kept for reuse (core/serve/prefix_cache.py)
 DEFAULT_PREFIX_CACHE_BYTES = 512 << 20
 WEIGHT_STORAGES = ("quantized", "f32")  # how a model's matrices are held (core/model/weights.py)
+# --activations: what quantized weights are multiplied by (core/model/quant.py's ACTIVATIONS)
+ACTIVATION_MODES = ("f32", "q8")
 
 
 class OptionsError(UserError):
@@ -72,6 +74,9 @@ class EngineOptions:
     # --weights: "quantized" keeps the GGUF's blocks in memory (compiled kernels), "f32"
     # dequantizes every matrix to float32 (core/model/weights.py)
     weights: str = "quantized"
+    # --activations: "f32" (exact) or "q8", activations rounded to int8 per 32 for the
+    # decode-sized products of quantized weights, on VNNI (core/model/kernel_q8.py)
+    activations: str = "f32"
     # --control-vector / --control-vector-scaled: (file, scale) loaded with the first
     # model, in order; --control-vector-layer-range START END (<= 0: llama.cpp's
     # default, layers 1 .. the last), for every vector
@@ -82,6 +87,11 @@ class EngineOptions:
         if self.weights not in WEIGHT_STORAGES:
             raise OptionsError(
                 f"--weights must be one of {', '.join(WEIGHT_STORAGES)}, not {self.weights!r}"
+            )
+        if self.activations not in ACTIVATION_MODES:
+            raise OptionsError(
+                f"--activations must be one of {', '.join(ACTIVATION_MODES)}, "
+                f"not {self.activations!r}"
             )
 
     @classmethod
@@ -121,6 +131,7 @@ class EngineOptions:
             ),
             context_shift=bool(flag(args, "context_shift", False)),
             weights=flag(args, "weights", "quantized"),
+            activations=flag(args, "activations", "f32"),
             control_vectors=tuple(flag(args, "control_vectors", None) or ()),
             control_vector_layer_range=tuple(
                 flag(args, "control_vector_layer_range", None) or (-1, -1)

@@ -159,6 +159,8 @@ class ModelBar(FileDropMixin, QWidget):
         # context go first; the quant, RAM and load time stay
         self.info.set_parts(parts, drop_order=[0, 1, 3])
         storage = "quantized blocks" if info.get("weights") == "quantized" else "float32"
+        if info.get("activations") == "q8":
+            storage += ", 8-bit activations"
         self.info.setToolTip(
             f"{self.info.full_text}\nRAM (as Get a model counts it): weights ({storage}) "
             f"{human_bytes(info.get('memory_bytes', 0))} + KV cache of one sequence at "

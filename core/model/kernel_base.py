@@ -16,7 +16,7 @@ import numpy as np
 
 from ..paths import cache_dir
 
-KERNEL_SOURCES = ("kernel_base.py", "kernel_dots.py", "kernels.py")
+KERNEL_SOURCES = ("kernel_base.py", "kernel_dots.py", "kernels.py", "kernel_q8.py")
 
 
 def sources_digest() -> str:

@@ -82,6 +82,12 @@ X_CHUNK_MAX = 2048
 # written and read once per product, so it need not fit a cache: BLAS packs it anyway.
 TILE_FLOATS = 4 << 20
 
+# --activations: "f32" multiplies the weights by float32 activations (the default:
+# the numbers are those of dequantize-then-matmul); "q8" rounds each run of 32
+# activations of a decode-sized product to int8 first and multiplies integers, as
+# llama.cpp does (core/model/kernel_q8.py): faster, not exact
+ACTIVATIONS = ("f32", "q8")
+
 _lock = threading.Lock()  # one kernel launch at a time (see the module docstring)
 _threads = 0  # numba threads per kernel; 0 until set_threads (numba's default)
 _local = threading.local()  # per-thread prefill scratch
@@ -92,6 +98,7 @@ class QuantLayoutError(GGUFError):
 
 
 _KERNELS = None  # the kernels module, once imported
+_Q8 = None  # the 8-bit-activation kernels module, once imported
 
 
 def _kernels():
@@ -104,6 +111,30 @@ def _kernels():
 
         _KERNELS = kernels
     return _KERNELS
+
+
+def _q8():
+    """core/model/kernel_q8.py, imported on first use (as _kernels)."""
+    global _Q8
+    if _Q8 is None:
+        _kernels()  # numba configured first
+        from . import kernel_q8
+
+        _Q8 = kernel_q8
+    return _Q8
+
+
+def q8_available() -> bool:
+    """Whether this CPU runs the 8-bit-activation kernels (it needs VNNI)."""
+    return _q8().available()
+
+
+def activations_in_force(mode: str) -> str:
+    """The activations a matrix asked for ``mode`` ("f32" or "q8") is multiplied by:
+    "q8" needs a CPU with VNNI (q8_available); without one, "f32" (the caller says so)."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+    return "q8" if mode == "q8" and q8_available() else "f32"
 
 
 def set_threads(n: int) -> None:
@@ -165,7 +196,10 @@ class QuantMatrix:
         data: np.ndarray,
         shape: Sequence[int],
         name: str = "tensor",
+        activations: str = "f32",
     ):
+        """``activations``: what decode-sized products multiply by, "f32" or "q8" (a
+        mode activations_in_force gave: "q8" runs only on a CPU with VNNI)."""
         self.qtype = qtype_of(qtype)
         if self.qtype not in SUPPORTED:
             raise QuantLayoutError(f"{name}: {self.qtype.name} has no compiled kernels")
@@ -181,6 +215,9 @@ class QuantMatrix:
             data = data.view()
             data.flags.writeable = False
         self.data = data
+        self.activations = activations
+        # this matrix's small products round x to int8 (a type with a q8 product)
+        self._q8 = activations == "q8" and int(self.qtype) in _q8().PRODUCTS
 
     # -- numpy-like attributes --
     @property
@@ -214,6 +251,7 @@ class QuantMatrix:
         m.qtype, m.name = self.qtype, self.name
         m.shape = (b - a, self.shape[1])
         m.data = self.data[a:b]
+        m.activations, m._q8 = self.activations, self._q8
         return m
 
     def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
@@ -268,7 +306,10 @@ class QuantMatrix:
         elif self.qtype == T.F32:
             np.matmul(x, self.data.view(np.float32).T, out=y)  # (T, out)
         elif n_t <= SMALL:
-            self._small(x, y)
+            if self._q8:
+                self._small_q8(x, y)
+            else:
+                self._small(x, y)
         else:
             self._prefill(x, y)
         return y[0] if vec else y
@@ -280,6 +321,21 @@ class QuantMatrix:
         with _lock:
             _use_threads()
             k.KERNELS[int(self.qtype)][1](self.data, x, dst, kc)
+        if dst is not y:
+            y[:] = dst
+
+    def _small_q8(self, x: np.ndarray, y: np.ndarray) -> None:
+        """The small-batch product with x rounded to int8 per 32 (--activations q8)."""
+        k = _q8()
+        n_t, n_in = x.shape
+        x8 = np.empty((n_t, n_in), dtype=np.int8)  # (T, in)
+        xd = np.empty((n_t, n_in // 32), dtype=np.float32)  # (T, in/32) scales
+        xs = np.empty((n_t, n_in // 32), dtype=np.float32)  # (T, in/32) sums, scaled
+        dst = y if y.flags.c_contiguous else np.empty(y.shape, dtype=np.float32)  # (T, out)
+        with _lock:
+            _use_threads()
+            k.quantize_x(x, x8, xd, xs)
+            k.PRODUCTS[int(self.qtype)](self.data, x8, xd, xs, dst)
         if dst is not y:
             y[:] = dst
 
@@ -413,6 +469,7 @@ def warm_up(
     qtypes: Iterable[int | str | GGMLQuantizationType],
     progress: Callable[[float], None] | None = None,
     helpers: bool = True,
+    activations: str = "f32",
 ) -> float:
     """Compile the kernels of these types, or load them from the on-disk cache, by
     running each once on a tiny matrix; return the seconds it took. A first-ever
@@ -424,10 +481,12 @@ def warm_up(
     every other one is compiled by a second process on another core (more for more
     cores) into the same disk cache, and this process then loads it from there. numba
     compiles under Python's lock, so threads would not run side by side. A helper that
-    fails costs nothing but time: this process compiles what it did not cache."""
+    fails costs nothing but time: this process compiles what it did not cache.
+    ``activations`` ("f32", or "q8" in force): the products a model so loaded runs."""
     t0 = time.perf_counter()
     todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
-    spawned = _compile_elsewhere([qt for qt in todo if not _cached(qt)]) if helpers else {}
+    cold = [qt for qt in todo if not _cached(qt, activations)]
+    spawned = _compile_elsewhere(cold, activations) if helpers else {}
     try:
         for i, qt in enumerate(todo):
             proc = spawned.get(qt)
@@ -438,7 +497,7 @@ def warm_up(
             block, type_size = GGML_QUANT_SIZES[qt]
             n_in = 256 if block < 256 else block
             data = np.zeros(n_in // block * type_size, dtype=np.uint8)  # one row of zeros
-            m = QuantMatrix(qt, data, (1, n_in), name=f"warm-up {qt.name}")
+            m = QuantMatrix(qt, data, (1, n_in), name=f"warm-up {qt.name}", activations=activations)
             m.take([0])
             m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
             if progress is not None:
@@ -451,19 +510,29 @@ def warm_up(
     return time.perf_counter() - t0
 
 
-def _cached(qt: GGMLQuantizationType) -> bool:
-    """Whether both entry points of this type's kernels are in numba's disk cache."""
+def _cached(qt: GGMLQuantizationType, activations: str = "f32") -> bool:
+    """Whether the entry points this type's products use (warm_up) are in numba's disk
+    cache: rows and small, or rows and the 8-bit-activation product under "q8"."""
     folder = Path(_kernels().numba.config.CACHE_DIR)
     name = qt.name.lower()
-    return all(any(folder.rglob(f"kernels.{k}_{name}-*.nbi")) for k in ("rows", "small"))
+    q8 = activations == "q8" and int(qt) in _q8().PRODUCTS
+    small = f"kernel_q8.q8_{name}" if q8 else f"kernels.small_{name}"
+    return all(any(folder.rglob(f"{k}-*.nbi")) for k in (f"kernels.rows_{name}", small))
 
 
 # A packaged app started with this in its environment compiles the kernels of the
-# types it names (comma-separated) into the disk cache and exits (main.py).
+# types it names into the disk cache and exits (main.py calls compile_for_helper):
+# "ACTIVATIONS:TYPE,TYPE" ("q8:Q4_K,Q6_K"), or the types alone for "f32".
 COMPILE_ENV = "MIXDESK_COMPILE_KERNELS"
 
 
-def _compile_elsewhere(cold: list[GGMLQuantizationType]) -> dict:
+def compile_for_helper(spec: str) -> None:
+    """What a packaged app's compile helper does with COMPILE_ENV's value."""
+    mode, _, names = spec.rpartition(":")
+    warm_up(names.split(","), helpers=False, activations=mode or "f32")
+
+
+def _compile_elsewhere(cold: list[GGMLQuantizationType], activations: str = "f32") -> dict:
     """Start helper processes that compile all but every (helpers + 1)-th of ``cold`` into
     the disk cache: {type: its helper's Popen}. None on one core. In the packaged app
     the executable is the app, not Python: a helper is the app started with
@@ -482,9 +551,13 @@ def _compile_elsewhere(cold: list[GGMLQuantizationType]) -> dict:
         share = cold[k :: n + 1]
         names = [qt.name for qt in share]
         if frozen:
-            cmd, helper_env = [sys.executable], {**env, COMPILE_ENV: ",".join(names)}
+            spec = ",".join(names) if activations == "f32" else f"q8:{','.join(names)}"
+            cmd, helper_env = [sys.executable], {**env, COMPILE_ENV: spec}
         else:
-            code = f"from core.model import quant; quant.warm_up({names!r}, helpers=False)"
+            code = (
+                "from core.model import quant; "
+                f"quant.warm_up({names!r}, helpers=False, activations={activations!r})"
+            )
             cmd, helper_env = [sys.executable, "-c", code], env
         try:
             proc = subprocess.Popen(

@@ -110,6 +110,9 @@ class Weights:
     # quantized storage: tensors of a type without kernels, held as float32 instead
     # ({tensor name: type name}); the load log and the model bar name them
     f32_tensors: dict[str, str] | None = None
+    # what the quantized matrices' decode-sized products multiply by: "f32", or "q8"
+    # (core/model/quant.py's ACTIVATIONS; map_weights's, in force)
+    activations: str = "f32"
 
     @property
     def quantized(self) -> bool:
@@ -201,13 +204,15 @@ def map_weights(
     cfg: ModelConfig,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
+    activations: str = "f32",
 ) -> Weights:
     """The model's weights served from the GGUF's own memory map: matrices in their
     block formats (QuantMatrix; FusedMatrix where the model fuses parts), norms,
     biases and rope factors (small) as float32 copies. Every matrix's bytes are
     checked against its shape and type before any kernel can index them (a truncated
     or corrupt file is a ModelLoadError). A type without kernels is dequantized to
-    float32, that tensor alone, and named in ``f32_tensors``."""
+    float32, that tensor alone, and named in ``f32_tensors``. ``activations``: what
+    the matrices' decode-sized products multiply by (quant.activations_in_force)."""
     progress = progress or (lambda f, m: None)
     check_tensors(cfg, gf)
     plan = layout.fused_plan(cfg, gf.tensors)
@@ -220,7 +225,7 @@ def map_weights(
             if len(shape) == 1:  # norms, biases (Q|K|V's, stacked), rope factors
                 arrays[name] = np.concatenate([gf.dequantize(s).reshape(-1) for s in sources])
             else:
-                parts = [_matrix(gf, s, f32) for s in sources]
+                parts = [_matrix(gf, s, f32, activations) for s in sources]
                 if len(parts) == 1:
                     arrays[name] = parts[0]
                 elif all(isinstance(m, np.ndarray) for m in parts):
@@ -243,7 +248,7 @@ def map_weights(
     note = note_f32_caches()
     if note:
         log.info("%s", note)
-    return _assemble(cfg, arrays, storage="quantized", f32_tensors=f32)
+    return _assemble(cfg, arrays, storage="quantized", f32_tensors=f32, activations=activations)
 
 
 def f32_caches() -> list[Path]:
@@ -279,14 +284,15 @@ def clear_f32_caches() -> tuple[int, int]:
     return n, freed
 
 
-def _matrix(gf: GGUFFile, src: str, f32: dict[str, str]) -> Matrix:
+def _matrix(gf: GGUFFile, src: str, f32: dict[str, str], activations: str = "f32") -> Matrix:
     """One GGUF matrix as the model holds it: F32 as a read-only view of the file, a
     type with kernels as a QuantMatrix (its bytes checked), any other dequantized."""
     info = gf.tensors[src]
     if info.qtype == GGMLQuantizationType.F32:
         return gf.raw(src).view(np.float32).reshape(info.shape)  # (out, in), no copy
     if info.qtype in SUPPORTED:
-        return QuantMatrix(info.qtype, gf.raw(src), info.shape, name=f"{gf.path.name}: {src}")
+        name = f"{gf.path.name}: {src}"
+        return QuantMatrix(info.qtype, gf.raw(src), info.shape, name, activations)
     f32[src] = info.qtype.name
     return gf.dequantize(src)  # (out, in) float32 in RAM
 

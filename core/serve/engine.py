@@ -81,6 +81,7 @@ class Engine:
         ``chat_template`` source replaces every loaded model's own template."""
         o = self.options = options or EngineOptions()
         self.weights = o.weights  # "quantized": GGUF blocks in memory; "f32": dequantized
+        self.activations = o.activations  # --activations, asked for ("q8" needs VNNI)
         self.embeddings = o.embeddings  # --embedding, --pooling, -ub
         self.requested_ctx = o.ctx_size  # 0: the model's training context
         self.context_shift = o.context_shift  # a full context drops old tokens
@@ -176,6 +177,7 @@ class Engine:
                 check,
                 cancel,
                 weights=self.weights,
+                activations=self.activations,
                 threads=self.threads,
                 template_source=self.template_source,
             )
@@ -288,6 +290,8 @@ class Engine:
             # "quantized" (GGUF blocks, compiled kernels) or "f32"; tensors of a type
             # without kernels that a quantized load holds as float32 {name: type}
             "weights": self.model.w.storage,
+            # what quantized weights are multiplied by, in force: "f32" or "q8"
+            "activations": self.model.w.activations,
             "f32_tensors": dict(self.model.w.f32_tensors or {}),
             "load_ms": self.load_ms,
             "chat_template": self.chat_template.source if self.chat_template else "",

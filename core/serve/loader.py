@@ -66,6 +66,7 @@ def load_model(
     check: Callable[[], None],
     cancel: threading.Event | None = None,
     weights: str = "quantized",
+    activations: str = "f32",
     threads: int | None = None,
     template_source: str | None = None,
 ) -> LoadedModel:
@@ -96,8 +97,18 @@ def load_model(
     if template_source is not None:
         template = template.with_source(template_source)
     check()
-    read = map_weights if weights == "quantized" else load_weights
-    w = read(gf, cfg, progress=weights_progress, cancel=cancel)
+    if weights == "quantized":
+        mode = quant.activations_in_force(activations)
+        if mode != activations:
+            log.warning(
+                "--activations %s needs a CPU with VNNI (AVX-512 VNNI or AVX-VNNI): "
+                "this one has none, so activations stay %s",
+                activations,
+                mode,
+            )
+        w = map_weights(gf, cfg, progress=weights_progress, cancel=cancel, activations=mode)
+    else:  # float32 matrices: numpy's products, float32 activations
+        w = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
     check()
     if w.quantized:
         lo = at[0]
@@ -107,7 +118,7 @@ def load_model(
             msg = "preparing the matrix kernels (compiled on first use, then cached)"
             say(lo + (LOAD_KERNELS - lo) * frac, msg)
 
-        took = quant.warm_up(w.qtypes(), compiling)
+        took = quant.warm_up(w.qtypes(), compiling, activations=w.activations)
         log.info("matrix kernels for %s ready in %.2f s", ", ".join(sorted(w.qtypes())), took)
     lo = at[0]
 
