@@ -31,14 +31,16 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16)  # fours, pairs and singles of rows of x
 TOL = 2e-6  # relative to the sum of |terms|, as tests/test_quant_kernels.py
 
 
-def rounded(x: np.ndarray) -> np.ndarray:
-    """x as the q8 products see it: each run of 32 rounded to int8 times its scale."""
+def rounded(x: np.ndarray, qt: Q) -> np.ndarray:
+    """x as the q8 products of type ``qt`` see it: each run (256 values for the
+    K-quants, 32 for the others) rounded to int8 times its scale."""
     t, n = x.shape
+    run = kernel_q8.RUN[int(qt)]
     x8 = np.empty((t, n), np.int8)
-    xd = np.empty((t, n // 32), np.float32)
+    xd = np.empty((t, n // run), np.float32)
     xs = np.empty((t, n // 32), np.float32)
     kernel_q8.quantize_x(x, x8, xd, xs)
-    return (x8.astype(np.float64).reshape(t, -1, 32) * xd[..., None]).reshape(t, n)
+    return (x8.astype(np.float64).reshape(t, -1, run) * xd[..., None]).reshape(t, n)
 
 
 # row widths: whole 256-blocks, and 576 (SmolLM2's: 18 blocks of 32, a tail of 2)
@@ -56,7 +58,7 @@ def test_products_equal_float_math_on_the_rounded_activations(qt, n_in):
     for t in ROW_COUNTS:
         x = rng.standard_normal((t, n_in)).astype(np.float32)
         y = m.matmul(x)  # (T, 37)
-        xr = rounded(x)
+        xr = rounded(x, qt)
         exact = xr @ w64.T
         scale = np.abs(xr) @ np.abs(w64).T
         err = np.max(np.abs(y - exact) / scale)
@@ -78,21 +80,25 @@ def test_a_row_of_x_gives_the_same_bits_batched_or_alone():
             assert np.array_equal(m.matmul(x[t]), whole[t]), (qt.name, t)
 
 
-def test_quantize_x_rounds_each_run_of_32():
+@pytest.mark.parametrize("run", [32, 256])
+def test_quantize_x_rounds_each_run_to_int8(run):
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal((2, 96)) * [[1.0], [40.0]]).astype(np.float32)
-    x[0, 32:64] = 0.0  # a run of zeros: scale 0, quants 0
+    n = 3 * run
+    x = (rng.standard_normal((2, n)) * [[1.0], [40.0]]).astype(np.float32)
+    x[0, run : 2 * run] = 0.0  # a run of zeros: scale 0, quants 0
     x[1, 5] = -1000.0  # the run's largest |x| becomes -127
     x8 = np.empty(x.shape, np.int8)
     xd = np.empty((2, 3), np.float32)
-    xs = np.empty((2, 3), np.float32)
+    xs = np.empty((2, n // 32), np.float32)
     kernel_q8.quantize_x(x, x8, xd, xs)
-    assert xd[0, 1] == 0 and not x8[0, 32:64].any() and xs[0, 1] == 0
+    assert xd[0, 1] == 0 and not x8[0, run : 2 * run].any()
     assert x8[1, 5] == -127 and xd[1, 0] == pytest.approx(1000.0 / 127)
     assert np.abs(x8.astype(int)).max() <= 127
-    runs = x8.astype(np.float64).reshape(2, 3, 32) * xd[..., None]  # (2, 3, 32)
-    assert np.all(np.abs(runs.reshape(2, 96) - x) <= xd.repeat(32, axis=1) * 0.5 * (1 + 1e-6))
-    assert np.allclose(xs, xd * x8.astype(np.float64).reshape(2, 3, 32).sum(-1), rtol=1e-6)
+    back = (x8.astype(np.float64).reshape(2, 3, run) * xd[..., None]).reshape(2, n)
+    assert np.all(np.abs(back - x) <= xd.repeat(run, axis=1) * 0.5 * (1 + 1e-6))
+    # xs: per 32, the run's scale times the sum of the 32 quants (the mins' share)
+    sums = x8.astype(np.float64).reshape(2, n // 32, 32).sum(-1)
+    assert np.allclose(xs, xd.repeat(run // 32, axis=1) * sums, rtol=1e-6)
 
 
 def test_without_vnni_q8_falls_back_to_float32(monkeypatch):

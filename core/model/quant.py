@@ -329,7 +329,8 @@ class QuantMatrix:
         k = _q8()
         n_t, n_in = x.shape
         x8 = np.empty((n_t, n_in), dtype=np.int8)  # (T, in)
-        xd = np.empty((n_t, n_in // 32), dtype=np.float32)  # (T, in/32) scales
+        run = k.RUN[int(self.qtype)]  # activations per scale: 256 (K-quants) or 32
+        xd = np.empty((n_t, n_in // run), dtype=np.float32)  # (T, in/run) scales
         xs = np.empty((n_t, n_in // 32), dtype=np.float32)  # (T, in/32) sums, scaled
         dst = y if y.flags.c_contiguous else np.empty(y.shape, dtype=np.float32)  # (T, out)
         with _lock:
