@@ -356,7 +356,12 @@ def test_old_kernel_cache_folders_are_deleted_when_unused_for_two_weeks(tmp_path
 def test_a_first_compile_shares_the_types_with_a_helper_process(tmp_path):
     """With an empty kernel cache and several types, every other type is compiled by a
     second process into the shared disk cache, and this process loads it from there
-    (numba's own hit and miss counts); a type already cached spawns nothing."""
+    (numba's own hit and miss counts); a type already cached spawns nothing.
+
+    The two processes write the cache at once, so only per-type entry points may go
+    there (kernel_base._jit): a shared helper's index written by both once gave a type
+    another type's code, and every later load segfaulted. So the cache holds entry
+    points only, and a third process serves every type from it correctly."""
     import os
     import subprocess
     import sys
@@ -380,6 +385,36 @@ print(json.dumps([t for t in ("Q4_0", "Q5_0", "Q8_0") if not quant._cached(quant
     assert counts["q5_0"] == [1, 0]  # the helper's: loaded from the cache
     assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
     assert again == []  # all cached now: a next load starts no helper
+    cached = sorted({p.name.split("-")[0] for p in (tmp_path / "numba").rglob("*.nbi")})
+    assert cached == [
+        f"kernels.{k}_{n}" for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0")
+    ]
+    check = """
+import json, numpy as np
+from gguf import quants, GGMLQuantizationType as Q
+from core.model import kernels, quant
+from tests.tiny_gguf import random_matrix
+rng, worst = np.random.default_rng(0), 0.0
+for qt in (Q.Q4_0, Q.Q5_0, Q.Q8_0):
+    data = random_matrix(qt, 40, 512, rng)
+    w = quants.dequantize(data, qt).reshape(40, 512).astype(np.float64)
+    m = quant.QuantMatrix(qt, data, (40, 512))
+    for t in (1, 3):
+        x = rng.standard_normal((t, 512)).astype(np.float32)
+        err = np.abs(m.matmul(x) - x @ w.T) / (np.abs(x) @ np.abs(w).T)
+        worst = max(worst, float(err.max()))
+    assert np.array_equal(m.take([3]), w[3:4].astype(np.float32))
+misses = sum(sum(getattr(kernels, k + "_" + n).stats.cache_misses.values())
+             for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0"))
+print(json.dumps([worst, misses]))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr  # (a segfault is -11)
+    worst, misses = json.loads(run.stdout.strip().splitlines()[-1])
+    assert misses == 0 and worst < TOL  # every type from the cache, each its own code
 
 
 def test_the_packaged_apps_helper_is_the_app_itself_started_to_compile(tmp_path):

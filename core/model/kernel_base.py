@@ -125,11 +125,24 @@ BLOCK = {
 _CACHE = True  # compiled kernels go to NUMBA_CACHE_DIR (core/model/quant.py sets it)
 
 
-def _jit(**kw):
-    """njit with the on-disk cache; without a place to cache (a frozen app whose
-    sources are not files), compile in memory instead of failing at import."""
+def _jit(entry: bool = False, **kw):
+    """njit; an ``entry`` point (what Python calls: a type's rows and small products,
+    quantize_x) with the on-disk cache, without a place to cache (a frozen app whose
+    sources are not files) in memory instead of failing at import.
+
+    Only entry points are cached: an entry's cached code holds the functions it calls,
+    so a warm start compiles nothing either way, and each type's entry points are
+    written by the one process compiling that type. A cached helper used by several
+    types (``_launch``, specialised per type) was written by every process compiling
+    at once (quant.warm_up's helpers): numba's index is read, extended and rewritten
+    without a lock, two processes took the same data file for different types, and a
+    later load ran one type's code on another's blocks: a segfault at every start
+    (2026-12-06, a first compile of Q4_K and Q6_K with a helper; tests/test_quant_kernels.py
+    checks that only entry points reach the cache)."""
 
     def deco(fn):
+        if not entry:
+            return njit(**kw)(fn)
         try:
             return njit(cache=_CACHE, **kw)(fn)
         except RuntimeError:  # numba: "cannot cache function ...: no locator available"

@@ -316,7 +316,7 @@ def _block(typingctx, code, n_ops, n_rows, w, o, d, sc, xo, x8, xd, t, acc):
 # ---- the activations, and one row ---------------------------------------------------
 
 
-@_jit(fastmath=True)
+@_jit(entry=True, fastmath=True)
 def quantize_x(x, x8, xd, xs):
     """x (T, in) float32 -> x8 (T, in) int8 with one scale per run of ``run`` values
     in xd (T, in // run), run = in // xd.shape[1]: 32 for the 32-element types, 256
@@ -418,27 +418,27 @@ def _products(code, w, x8, xd, xs, y):
 
 
 # one entry point per type, as core/model/kernels.py's (the code a constant in each)
-@_jit()
+@_jit(entry=True)
 def q8_q4_k(w, x8, xd, xs, y):
     _products(Q4_K, w, x8, xd, xs, y)
 
 
-@_jit()
+@_jit(entry=True)
 def q8_q6_k(w, x8, xd, xs, y):
     _products(Q6_K, w, x8, xd, xs, y)
 
 
-@_jit()
+@_jit(entry=True)
 def q8_q8_0(w, x8, xd, xs, y):
     _products(Q8_0, w, x8, xd, xs, y)
 
 
-@_jit()
+@_jit(entry=True)
 def q8_q4_0(w, x8, xd, xs, y):
     _products(Q4_0, w, x8, xd, xs, y)
 
 
-@_jit()
+@_jit(entry=True)
 def q8_q4_1(w, x8, xd, xs, y):
     _products(Q4_1, w, x8, xd, xs, y)
 

@@ -569,122 +569,122 @@ def _plain(v):
 # ---- per-type entry points: the type code as a constant, so each caches on disk ----
 
 
-@_jit()
+@_jit(entry=True)
 def rows_f16(w, ids, out):
     _launch(F16, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_f16(w, x, y, kc):
     _launch(F16, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_bf16(w, ids, out):
     _launch(BF16, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_bf16(w, x, y, kc):
     _launch(BF16, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q8_0(w, ids, out):
     _launch(Q8_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q8_0(w, x, y, kc):
     _launch(Q8_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q4_0(w, ids, out):
     _launch(Q4_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q4_0(w, x, y, kc):
     _launch(Q4_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q4_1(w, ids, out):
     _launch(Q4_1, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q4_1(w, x, y, kc):
     _launch(Q4_1, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q5_0(w, ids, out):
     _launch(Q5_0, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q5_0(w, x, y, kc):
     _launch(Q5_0, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q5_1(w, ids, out):
     _launch(Q5_1, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q5_1(w, x, y, kc):
     _launch(Q5_1, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q2_k(w, ids, out):
     _launch(Q2_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q2_k(w, x, y, kc):
     _launch(Q2_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q3_k(w, ids, out):
     _launch(Q3_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q3_k(w, x, y, kc):
     _launch(Q3_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q4_k(w, ids, out):
     _launch(Q4_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q4_k(w, x, y, kc):
     _launch(Q4_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q5_k(w, ids, out):
     _launch(Q5_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q5_k(w, x, y, kc):
     _launch(Q5_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
 
-@_jit()
+@_jit(entry=True)
 def rows_q6_k(w, ids, out):
     _launch(Q6_K, _plain(ROWS), w, ids, np.empty((0, 0), np.float32), out, _plain(0))
 
 
-@_jit()
+@_jit(entry=True)
 def small_q6_k(w, x, y, kc):
     _launch(Q6_K, _plain(SMALL), w, np.empty(0, np.int64), x, y, kc)
 
