@@ -31,6 +31,15 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16)  # fours, pairs and singles of rows of x
 TOL = 2e-6  # relative to the sum of |terms|, as tests/test_quant_kernels.py
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """The q8 products of every type, compiled once (or loaded from the cache), shared
+    out to a helper process as a model load does: ~12 s per type on an empty cache."""
+    quant.set_threads(2)
+    if VNNI:
+        quant.warm_up(Q8_TYPES, activations="q8")
+
+
 def rounded(x: np.ndarray, qt: Q) -> np.ndarray:
     """x as the q8 products of type ``qt`` see it: each run (256 values for the
     K-quants, 32 for the others) rounded to int8 times its scale."""
