@@ -3,20 +3,23 @@ dot instruction.
 
 The default products keep activations float32 and multiply every weight in float32:
 7-8 G weights/s per thread on Q4_K, compute-bound (docs/performance.md). llama.cpp
-instead rounds each run of 32 activations to int8 with one float scale and multiplies
-the integer quants by the integer activations, four byte products summed per 32-bit
-lane per instruction (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI). This module does the
-same for the types a Q4_K_M / Q8_0 / Q4_0 / Q4_1 model is made of. Results differ from
-the float32 products by the activations' rounding (about 0.4% of a row's scale), as
-llama.cpp's do: so it is an opt-in speed mode, never the default.
+instead rounds each run of activations to int8 with one float scale and multiplies the
+integer quants by the integer activations, four byte products summed per 32-bit lane
+per instruction (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI). This module does the same for
+the types a Q4_K_M / Q8_0 / Q4_0 / Q4_1 model is made of: one activation scale per 32
+for the 32-element types, per 256 for the K-quants (RUN; their sub-block scales are
+integers, folded in with ``vpdpwssd``). Results differ from the float32 products by the
+activations' rounding, as llama.cpp's do: so it is an opt-in speed mode, never the
+default.
 
 numba does not emit ``vpdpbusd`` from a loop (LLVM 22 gives neither it nor
 ``pmaddwd`` from an int8 x uint8 reduction), so the inner step is written as LLVM IR
-through ``numba.extending.intrinsic``: per block, the weights' quants are unpacked in
-registers (never stored), multiplied with the activations' bytes, and the per-32 sums
-are scaled into eight float32 lanes kept in ``acc`` (one (8,) array per row: a load and
-a store per 256 weights). Only a CPU with VNNI runs these kernels (:func:`available`);
-numba keys its cache on the CPU's features, so a cached kernel never runs elsewhere.
+through ``numba.extending.intrinsic`` (``_block``): per block, the weights' quants are
+unpacked in registers (never stored) once for up to four rows of activations, and each
+row's sums are scaled into eight float32 lanes of its ``acc`` (a load and a store per
+block); the weights PREFETCH bytes ahead are asked for meanwhile. Only a CPU with VNNI
+runs these kernels (:func:`available`); numba keys its cache on the CPU's features, so
+a cached kernel never runs elsewhere.
 """
 
 from __future__ import annotations
@@ -64,10 +67,6 @@ def _at(context, builder, aty, arr, off, vty):
     return builder.bitcast(builder.gep(data, [off]), vty.as_pointer())
 
 
-def _add(builder, off, n: int):
-    return builder.add(off, ir.Constant(off.type, n))
-
-
 def _load32(builder, ptr, at: int):
     """The 32 bytes at byte ``at`` past ``ptr`` (an i8* cast to <32 x i8>*)."""
     p = builder.gep(builder.bitcast(ptr, _i8.as_pointer()), [ir.Constant(_i32, at)])
@@ -110,10 +109,11 @@ def _sums8(builder, vs):
 # ---- one block of each type, as intrinsics ----------------------------------------
 #
 # A block's weights are unpacked once into eight 32-byte operands, then multiplied
-# with each row of activations given (one, or two: the pair form, as kernel_dots.py's
-# pair dots, so two rows of x cost less than twice one). Per row, the eight vpdpbusd
-# results are summed per run of 32 (_sums8), scaled by the weights' and the
-# activations' scales and added to that row's acc.
+# with each row of activations given (one, two or four, as kernel_dots.py's pair dots:
+# so n rows of x cost less than n times one). Per row, the 32-element types' eight
+# vpdpbusd results are summed per run of 32 (_sums8) and scaled by the weights' and the
+# activations' scales; a K-quant's go through its integer sub-block scales into one
+# int32 vector (_k_rows) and take one float scale per block.
 
 
 def _weights_q4_k(context, builder, bp, d, sc, sct):
