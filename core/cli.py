@@ -16,7 +16,14 @@ from pathlib import Path
 # Flags that only matter on a GPU build of llama.cpp: accepted, with a notice.
 # name(s) -> takes a value?
 from .errors import UserError
-from .options import DEFAULT_CTX, DEFAULT_DRAFT_MAX, DEFAULT_HOST, DEFAULT_PARALLEL, DEFAULT_PORT
+from .options import (
+    ACTIVATION_MODES,
+    DEFAULT_CTX,
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_HOST,
+    DEFAULT_PARALLEL,
+    DEFAULT_PORT,
+)
 from .version import version
 
 GPU_ONLY_FLAGS = {
@@ -241,12 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--activations",
-        choices=("f32", "q8"),
+        choices=ACTIVATION_MODES,
         default="f32",
         help="what quantized weights are multiplied by in decoding: 'f32' (default) "
-        "float32 activations, the numbers of float32 math; 'q8' rounds each 32 "
-        "activations to 8-bit integers first, as llama.cpp does, and multiplies integers "
-        "on the CPU's VNNI instructions: faster, not exact (a CPU without VNNI stays f32)",
+        "float32 activations, the numbers of float32 math; 'q8' rounds the activations "
+        "to 8-bit integers first (per 256, or per 32 for Q8_0/Q4_0/Q4_1), as llama.cpp "
+        "does, and multiplies integers on the CPU's VNNI instructions: faster, not exact "
+        "(a CPU without VNNI stays f32)",
     )
     m.add_argument(
         "--draft-max",

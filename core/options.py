@@ -31,7 +31,10 @@ DEFAULT_BATCH = 2048  # -b/--batch-size: llama-server's; the physical batch is a
 # the prefix cache: bytes of finished prompts' KV kept for reuse (core/serve/prefix_cache.py)
 DEFAULT_PREFIX_CACHE_BYTES = 512 << 20
 WEIGHT_STORAGES = ("quantized", "f32")  # how a model's matrices are held (core/model/weights.py)
-# --activations: what quantized weights are multiplied by (core/model/quant.py's ACTIVATIONS)
+# --activations: what quantized weights' decode-sized products multiply by: "f32",
+# float32 activations (the default: the numbers of dequantize-then-matmul), or "q8",
+# activations rounded to int8 (per 256 for the K-quants, per 32 for Q8_0/Q4_0/Q4_1)
+# times the integer quants on VNNI, as llama.cpp does (core/model/kernel_q8.py)
 ACTIVATION_MODES = ("f32", "q8")
 
 
@@ -74,9 +77,7 @@ class EngineOptions:
     # --weights: "quantized" keeps the GGUF's blocks in memory (compiled kernels), "f32"
     # dequantizes every matrix to float32 (core/model/weights.py)
     weights: str = "quantized"
-    # --activations: "f32" (exact) or "q8", activations rounded to int8 per 32 for the
-    # decode-sized products of quantized weights, on VNNI (core/model/kernel_q8.py)
-    activations: str = "f32"
+    activations: str = "f32"  # --activations: one of ACTIVATION_MODES
     # --control-vector / --control-vector-scaled: (file, scale) loaded with the first
     # model, in order; --control-vector-layer-range START END (<= 0: llama.cpp's
     # default, layers 1 .. the last), for every vector

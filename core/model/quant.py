@@ -40,6 +40,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..gguf.reader import GGUFError
+from ..options import ACTIVATION_MODES
 
 T = GGMLQuantizationType
 
@@ -81,12 +82,6 @@ X_CHUNK_MAX = 2048
 # the dequantized matrix (busy 2-core VM, /tmp bench of the same run). The tile is
 # written and read once per product, so it need not fit a cache: BLAS packs it anyway.
 TILE_FLOATS = 4 << 20
-
-# --activations: "f32" multiplies the weights by float32 activations (the default:
-# the numbers are those of dequantize-then-matmul); "q8" rounds each run of 32
-# activations of a decode-sized product to int8 first and multiplies integers, as
-# llama.cpp does (core/model/kernel_q8.py): faster, not exact
-ACTIVATIONS = ("f32", "q8")
 
 _lock = threading.Lock()  # one kernel launch at a time (see the module docstring)
 _threads = 0  # numba threads per kernel; 0 until set_threads (numba's default)
@@ -132,8 +127,8 @@ def q8_available() -> bool:
 def activations_in_force(mode: str) -> str:
     """The activations a matrix asked for ``mode`` ("f32" or "q8") is multiplied by:
     "q8" needs a CPU with VNNI (q8_available); without one, "f32" (the caller says so)."""
-    if mode not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {mode!r}")
     return "q8" if mode == "q8" and q8_available() else "f32"
 
 
@@ -325,7 +320,8 @@ class QuantMatrix:
             y[:] = dst
 
     def _small_q8(self, x: np.ndarray, y: np.ndarray) -> None:
-        """The small-batch product with x rounded to int8 per 32 (--activations q8)."""
+        """The small-batch product with x rounded to int8 (--activations q8), one scale
+        per kernel_q8.RUN[type] values."""
         k = _q8()
         n_t, n_in = x.shape
         x8 = np.empty((n_t, n_in), dtype=np.int8)  # (T, in)

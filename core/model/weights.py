@@ -111,7 +111,7 @@ class Weights:
     # ({tensor name: type name}); the load log and the model bar name them
     f32_tensors: dict[str, str] | None = None
     # what the quantized matrices' decode-sized products multiply by: "f32", or "q8"
-    # (core/model/quant.py's ACTIVATIONS; map_weights's, in force)
+    # (core/options.py's ACTIVATION_MODES; map_weights's, in force)
     activations: str = "f32"
 
     @property
