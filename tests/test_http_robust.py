@@ -372,8 +372,12 @@ def test_a_call_that_fails_after_its_handler_left_logs_no_unretrieved_error(capl
     broke an unrelated ``ast.parse`` it interrupted)."""
     import gc
 
+    started, failed = threading.Event(), threading.Event()
+
     def fail_when(gate):
-        gate.wait(5)
+        started.set()
+        assert gate.wait(60)
+        failed.set()
         raise RuntimeError("failed after the handler left")
 
     async def go():
@@ -382,7 +386,7 @@ def test_a_call_that_fails_after_its_handler_left_logs_no_unretrieved_error(capl
             "test", workers=1, queue=1, timeout=0.2 if leaves_by == "timeout" else 30.0
         )
         call = asyncio.ensure_future(pool.run(fail_when, gate))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(started.wait, 60)  # the call runs on its thread
         if leaves_by == "cancel":
             call.cancel()
         with pytest.raises(asyncio.CancelledError if leaves_by == "cancel" else HttpError):
@@ -394,6 +398,7 @@ def test_a_call_that_fails_after_its_handler_left_logs_no_unretrieved_error(capl
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(go())
         gc.collect()
+    assert failed.is_set()  # the call did fail, after its handler had gone
     assert "never retrieved" not in caplog.text
 
 
