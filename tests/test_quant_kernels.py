@@ -287,6 +287,67 @@ def test_fused_gemv_against_the_batched_kernel(qt):
     assert np.max(np.abs(one - two[:1]) / scale) < TOL
 
 
+_PORTABLE_DOTS = """
+import json, sys
+import numpy as np
+from gguf import quants
+from gguf import GGMLQuantizationType as Q
+from core.model import kernel_dots as kd
+from tests.tiny_gguf import random_matrix
+
+errs = {}
+for qt in (Q.Q4_K, Q.Q6_K):
+    rng = np.random.default_rng(int(qt))
+    data = random_matrix(qt, 9, 3 * 256, rng)  # (9, row bytes)
+    ref = quants.dequantize(data, qt).reshape(9, 768).astype(np.float64)
+    x = rng.standard_normal(768).astype(np.float32)
+    y = np.empty(9, dtype=np.float32)
+    kd._dot_rows(int(qt), data, x, kd._sums(x, 32), y, 0, 9)
+    scale = np.abs(ref) @ np.abs(x.astype(np.float64))
+    errs[qt.name] = float(np.max(np.abs(y - ref @ x) / scale))
+print(json.dumps({"wide": kd.WIDE, "errs": errs}))
+"""
+
+
+def test_k_quant_dots_without_avx512_are_the_portable_ones(tmp_path):
+    """The Q4_K and Q6_K dots are written for AVX-512 (kernel_dots.WIDE); a target
+    without it (here: the features a user may give numba) compiles the portable numba
+    dots instead, and they are as exact."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    env["NUMBA_CPU_FEATURES"] = "+avx2,+fma,+f16c"
+    run = subprocess.run(
+        [sys.executable, "-c", _PORTABLE_DOTS],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["wide"] is False
+    assert set(got["errs"]) == {"Q4_K", "Q6_K"}
+    assert all(e < TOL for e in got["errs"].values()), got
+
+
+def test_the_k_quant_dots_take_avx512_where_the_cpu_has_it():
+    """On a CPU with AVX-512 (kernel_base passes the host's features to numba), the
+    K-quants' decode dots are the 512-bit ones, which the product tests above then
+    check; a CPU without it never compiles them."""
+    import llvmlite.binding as llvm
+
+    from core.model import kernel_base, kernel_dots
+
+    host = bool(llvm.get_host_cpu_features().get("avx512f"))
+    assert kernel_dots.WIDE is host
+    assert kernel_base.target_has("avx512f") is host
+
+
 def test_wide_vectors_on_avx512_unless_the_user_chose(tmp_path):
     """kernels.py asks LLVM for 512-bit vectors on a CPU with AVX-512 (the dots ran
     faster so); a NUMBA_CPU_FEATURES the user set is kept as it is."""

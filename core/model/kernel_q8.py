@@ -30,24 +30,28 @@ from numba import literally, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from .kernel_base import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, _f16t, _jit
+from .kernel_base import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    _f16t,
+    _jit,
+    ir_at,
+    ir_fn,
+    ir_prefetch,
+    target_has,
+)
 from .kernel_dots import _k_scales
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit (as core/model/kernels.py's)
-# With integer products a decode step streams the weights faster than the hardware
-# prefetcher brings them: every product of a 1B-shaped Q4_K_M token, each matrix
-# read once from RAM, took 81 ms without a software prefetch, 67 ms with one 2 KB
-# ahead, 58 ms at 4 KB and 56-58 ms at 8 KB (2 threads, 2026-12-06)
-PREFETCH = 4096
 
 
 def available() -> bool:
-    """Whether this CPU has a 256-bit ``vpdpbusd``: AVX-512 VNNI with AVX-512 VL, or
-    AVX-VNNI (LLVM lowers the same intrinsic to either)."""
-    import llvmlite.binding as llvm
-
-    f = llvm.get_host_cpu_features()
-    return bool((f.get("avx512vnni") and f.get("avx512vl")) or f.get("avxvnni"))
+    """Whether the CPU numba compiles for has a 256-bit ``vpdpbusd``: AVX-512 VNNI with
+    AVX-512 VL, or AVX-VNNI (LLVM lowers the same intrinsic to either)."""
+    return (target_has("avx512vnni") and target_has("avx512vl")) or target_has("avxvnni")
 
 
 # ---- the IR building blocks -------------------------------------------------------
@@ -55,16 +59,6 @@ def available() -> bool:
 _i8, _i16, _i32, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8, _V8I32, _V8F32 = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8), ir.VectorType(_f32, 8)
 _V16I16, _V16I32 = ir.VectorType(_i16, 16), ir.VectorType(_i32, 16)
-
-
-def _fn(builder, name: str, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _at(context, builder, aty, arr, off, vty):
-    """A pointer to ``vty`` at element ``off`` of the 1-D array ``arr``."""
-    data = context.make_array(aty)(context, builder, arr).data
-    return builder.bitcast(builder.gep(data, [off]), vty.as_pointer())
 
 
 def _load32(builder, ptr, at: int):
@@ -81,7 +75,7 @@ def _splat8(builder, v, vty):
 def _dpbusd(builder, u, s):
     """<8 x i32>: lane k = the sum of the four byte products u[4k+i] * s[4k+i], u's bytes
     unsigned and s's signed (vpdpbusd on a zero accumulator)."""
-    fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
+    fn = ir_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
     zero = ir.Constant(_V8I32, None)
     return builder.call(fn, [zero, builder.bitcast(u, _V8I32), builder.bitcast(s, _V8I32)])
 
@@ -123,7 +117,7 @@ def _weights_q4_k(context, builder, bp, d, sc, sct):
     for p in range(4):  # 32 bytes: sub-block 2p in the low nibbles, 2p+1 in the high
         q = _load32(builder, bp, 16 + 32 * p)
         ops += [builder.and_(q, mask), builder.lshr(q, four)]
-    scp = _at(context, builder, sct, sc, ir.Constant(_i32, 0), _i32)
+    scp = ir_at(context, builder, sct, sc, ir.Constant(_i32, 0), _i32)
     muls = []
     for j in range(8):  # sub-block j's scale in every 16-bit lane
         s = builder.trunc(builder.load(builder.gep(scp, [ir.Constant(_i32, j)])), _i16)
@@ -212,8 +206,8 @@ def _k_rows(context, builder, sig, args, nr, ops, us, signed, muls, psign):
     then once per block, d * the row's activation scale for these 256 (xd[t + i, b])."""
     _, _, _, wt, _, _, _, _, xt, xdt, tt, acct = sig.args
     _, _, _, w_, o_, d_, sc_, xo_, x_, xd_, t_, acc_ = args
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
-    dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.256", _V8I32, [_V8I32] * 3)
+    maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
+    dpwssd = ir_fn(builder, "llvm.x86.avx512.vpdpwssd.256", _V8I32, [_V8I32] * 3)
     xa = context.make_array(xt)(context, builder, x_)
     xda = context.make_array(xdt)(context, builder, xd_)
     acca = context.make_array(acct)(context, builder, acc_)
@@ -259,16 +253,11 @@ def _block(typingctx, code, n_ops, n_rows, w, o, d, sc, xo, x8, xd, t, acc):
     def codegen(context, builder, sig, args):
         wt, _, _, sct, _, xt, xdt, tt, acct = sig.args[3:]
         w_, o_, d_, sc_, xo_, x_, xd_, t_, acc_ = args[3:]
-        bp = _at(context, builder, wt, w_, o_, _i8)
-        # the weights PREFETCH bytes on asked for now (a hint: never a fault, past
-        # the end of the matrix too)
-        pf = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [_i8.as_pointer()] + [_i32] * 3)
-        ahead = builder.gep(builder.bitcast(bp, _i8.as_pointer()), [ir.Constant(_i32, PREFETCH)])
-        read, keep, data = ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)
-        builder.call(pf, [ahead, read, keep, data])
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        ir_prefetch(builder, bp)  # the weights kernel_base.PREFETCH bytes on
         ops, signed, muls, ws = weights(context, builder, bp, d_, sc_, sct)
-        absb = _fn(builder, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
-        psign = _fn(builder, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
+        absb = ir_fn(builder, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
+        psign = ir_fn(builder, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
         # |q| once per block, for every row (|-128| = 128 read unsigned)
         us = [
             builder.call(absb, [q, ir.Constant(ir.IntType(1), 0)]) if sg else q
