@@ -240,6 +240,16 @@ def ir_at(context, builder, aty, arr, off, vty):
     return builder.bitcast(builder.gep(data, [off]), vty.as_pointer())
 
 
+def ir_literal(ty) -> int:
+    """The value of an intrinsic's constant argument (numba's literal type), or ask
+    numba to compile the call again with the argument as a literal."""
+    from numba.core import errors
+
+    if not isinstance(ty, (numba.types.IntegerLiteral, numba.types.BooleanLiteral)):
+        raise errors.RequireLiteralValue(ty)
+    return int(ty.literal_value)
+
+
 def ir_prefetch(builder, ptr, ahead: int = PREFETCH) -> None:
     """Ask for the cache line ``ahead`` bytes past ``ptr`` to be read soon (a hint: it
     never faults, past the end of an array too)."""

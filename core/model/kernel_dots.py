@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import literally, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kernel_base import (
@@ -23,6 +24,7 @@ from .kernel_base import (
     _qh32,
     ir_at,
     ir_fn,
+    ir_literal,
     ir_prefetch,
     target_has,
 )
@@ -150,6 +152,79 @@ def _splat(builder, vec, lane, vty):
     return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, n), [lane] * n))
 
 
+def _half(builder, v, k, ext):
+    """Bytes 16k .. 16k + 16 of the <32 x i8> v as 16 int32 lanes (``ext``: zext/sext)."""
+    lanes = ir.Constant(_V16I, list(range(16 * k, 16 * k + 16)))
+    return ext(builder.shuffle_vector(v, v, lanes), _V16I)
+
+
+def _q4_k_head(builder, bp):
+    """A Q4_K block's head at bp: (16,) float lanes 0-7 d * scale_j, and (8,) dmin * min_j."""
+    hp = builder.bitcast(bp, ir.HalfType().as_pointer())
+    d = builder.fpext(builder.load(hp, align=1), _f32)
+    dmin = builder.fpext(builder.load(builder.gep(hp, [_c(1)]), align=1), _f32)
+    # the 12 scale bytes as three words: 6-bit scales and mins of sub-blocks 0-3, and
+    # the low four bits of 4-7, whose top two bits are 0-3's spare ones
+    up = builder.bitcast(builder.gep(bp, [_c(4)]), _i32.as_pointer())
+    u0, u1, u2 = (builder.load(builder.gep(up, [_c(k)]), align=1) for k in range(3))
+    k1, k2, k3 = _c(0x3F3F3F3F), _c(0x0F0F0F0F), _c(0x03030303)
+
+    def top2(u):  # the top two bits of u's four bytes, as bits 4-5
+        return builder.shl(builder.and_(builder.lshr(u, _c(6)), k3), _c(4))
+
+    words = [
+        builder.and_(u0, k1),  # scales 0-3
+        builder.or_(builder.and_(u2, k2), top2(u0)),  # scales 4-7
+        builder.and_(u1, k1),  # mins 0-3
+        builder.or_(builder.and_(builder.lshr(u2, _c(4)), k2), top2(u1)),  # mins 4-7
+    ]
+    v4 = ir.Constant(ir.VectorType(_i32, 4), None)
+    for k, wd in enumerate(words):
+        v4 = builder.insert_element(v4, wd, _c(k))
+    sm = builder.uitofp(builder.zext(builder.bitcast(v4, _V16B), _V16I), _V16F)  # (16,)
+    dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+    f = builder.fmul(sm, _splat(builder, dv, 0, _V16F))
+    mins = builder.shuffle_vector(sm, sm, ir.Constant(_V8I, list(range(8, 16))))
+    dm = builder.insert_element(ir.Constant(_V8F, None), dmin, _c(0))
+    return f, builder.fmul(mins, _splat(builder, dm, 0, _V8F))
+
+
+def _q6_k_head(builder, bp):
+    """A Q6_K block's head at bp: (16,) d * the scale of each run of 16."""
+    hp = builder.bitcast(builder.gep(bp, [_c(208)]), ir.HalfType().as_pointer())
+    d = builder.fpext(builder.load(hp, align=1), _f32)
+    sp = builder.bitcast(builder.gep(bp, [_c(192)]), _V16B.as_pointer())
+    sc = builder.sitofp(builder.sext(builder.load(sp, align=1), _V16I), _V16F)  # (16,)
+    dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+    return builder.fmul(sc, _splat(builder, dv, 0, _V16F))
+
+
+def _q6_k_runs(builder, bp):
+    """A Q6_K block's 8 runs of 32 values (-32..31) as <32 x i8>, run 4j + r at x
+    offset 128j + 32r, its scales 8j + 2r (first 16) and 8j + 2r + 1."""
+
+    def load32(at):
+        p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
+        return builder.load(p, align=1)
+
+    def bytes_(n):
+        return ir.Constant(_V32B, [n] * 32)
+
+    runs = []
+    for j in range(2):  # halves of 128: ql 64 bytes, qh 32
+        ql0, ql1, qh = load32(64 * j), load32(64 * j + 32), load32(128 + 32 * j)
+        lows = (
+            builder.and_(ql0, bytes_(15)),
+            builder.and_(ql1, bytes_(15)),
+            builder.lshr(ql0, bytes_(4)),
+            builder.lshr(ql1, bytes_(4)),
+        )
+        for r in range(4):  # run r of 32: its two high bits at bit 2r of qh
+            hi = builder.and_(builder.lshr(qh, bytes_(2 * r)) if r else qh, bytes_(3))
+            runs.append(builder.sub(builder.or_(lows[r], builder.shl(hi, bytes_(4))), bytes_(32)))
+    return runs
+
+
 @intrinsic
 def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
     """The Q4_K block at byte o of row w times x[xo : xo + 256]: the products added to
@@ -157,38 +232,13 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
     acc[128:136]."""
 
     def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
         wt, _, xt, _, xst, acct = sig.args
         w_, o_, x_, xo_, xs_, acc_ = args
         bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
         ir_prefetch(builder, bp)
-        hp = builder.bitcast(bp, ir.HalfType().as_pointer())
-        d = builder.fpext(builder.load(hp, align=1), _f32)
-        dmin = builder.fpext(builder.load(builder.gep(hp, [_c(1)]), align=1), _f32)
-        # the 12 scale bytes as three words: 6-bit scales and mins of sub-blocks 0-3,
-        # and the low four bits of 4-7, whose top two bits are 0-3's spare ones
-        up = builder.bitcast(builder.gep(bp, [_c(4)]), _i32.as_pointer())
-        u0, u1, u2 = (builder.load(builder.gep(up, [_c(k)]), align=1) for k in range(3))
-        k1, k2, k3 = _c(0x3F3F3F3F), _c(0x0F0F0F0F), _c(0x03030303)
-
-        def top2(u):  # the top two bits of u's four bytes, as bits 4-5
-            return builder.shl(builder.and_(builder.lshr(u, _c(6)), k3), _c(4))
-
-        words = [
-            builder.and_(u0, k1),  # scales 0-3
-            builder.or_(builder.and_(u2, k2), top2(u0)),  # scales 4-7
-            builder.and_(u1, k1),  # mins 0-3
-            builder.or_(builder.and_(builder.lshr(u2, _c(4)), k2), top2(u1)),  # mins 4-7
-        ]
-        v4 = ir.Constant(ir.VectorType(_i32, 4), None)
-        for k, wd in enumerate(words):
-            v4 = builder.insert_element(v4, wd, _c(k))
-        sm = builder.uitofp(builder.zext(builder.bitcast(v4, _V16B), _V16I), _V16F)  # (16,)
-        dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
-        f = builder.fmul(sm, _splat(builder, dv, 0, _V16F))  # lanes 0-7: d * scale_j
-        # the mins' share, lane j: dmin * m_j * (the sum of x over sub-block j)
-        mins = builder.shuffle_vector(sm, sm, ir.Constant(_V8I, list(range(8, 16))))
-        dm = builder.insert_element(ir.Constant(_V8F, None), dmin, _c(0))
-        mins = builder.fmul(mins, _splat(builder, dm, 0, _V8F))
+        f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
         xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
         fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
@@ -210,10 +260,6 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
             p = builder.bitcast(builder.gep(xp, [_c(at)]), _V16F.as_pointer())
             return builder.load(p, align=4)
 
-        def half(v, k):  # bytes 16k .. 16k + 16 of v, as 16 int32 lanes
-            lanes = ir.Constant(_V16I, list(range(16 * k, 16 * k + 16)))
-            return builder.zext(builder.shuffle_vector(v, v, lanes), _V16I)
-
         for p in range(4):
             qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
             q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
@@ -223,7 +269,7 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
             table = builder.fmul(_splat(builder, f, lo, _V16F), iota)  # (16,) d*sc*(0..15)
             t = None
             for k in range(2):
-                vals = builder.call(permvar, [table, half(q, k)])  # (16,)
+                vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])  # (16,)
                 xv = x16(64 * p + 16 * k)
                 t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
             accs[lo] = builder.fadd(accs[lo], t)
@@ -234,7 +280,7 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
             hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
             t = None
             for k in range(2):
-                vals = builder.sitofp(half(hi, k), _V16F)  # (16,) q
+                vals = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)  # (16,) q
                 xv = x16(64 * p + 32 + 16 * k)
                 t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
             sc = _splat(builder, f, lo + 1, _V16F)
@@ -268,16 +314,13 @@ def _q6_k_wide(typingctx, w, o, x, xo, acc):
     (eight 16-lane sums)."""
 
     def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
         wt, _, xt, _, acct = sig.args
         w_, o_, x_, xo_, acc_ = args
         bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
         ir_prefetch(builder, bp)
-        hp = builder.bitcast(builder.gep(bp, [_c(208)]), ir.HalfType().as_pointer())
-        d = builder.fpext(builder.load(hp, align=1), _f32)
-        sp = builder.bitcast(builder.gep(bp, [_c(192)]), _V16B.as_pointer())
-        sc = builder.sitofp(builder.sext(builder.load(sp, align=1), _V16I), _V16F)  # (16,)
-        dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
-        s = builder.fmul(sc, _splat(builder, dv, 0, _V16F))  # (16,) d * scale of each 16
+        s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
         xp = ir_at(context, builder, xt, x_, xo_, _f32)
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
@@ -286,43 +329,17 @@ def _q6_k_wide(typingctx, w, o, x, xo, acc):
         ]
         accs = [builder.load(p, align=4) for p in ap]
 
-        def load32(at):
-            p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
-            return builder.load(p, align=1)
-
-        def bytes_(n):
-            return ir.Constant(_V32B, [n] * 32)
-
-        n = 0
-        for j in range(2):  # halves of 128: ql 64 bytes, qh 32
-            ql0, ql1, qh = load32(64 * j), load32(64 * j + 32), load32(128 + 32 * j)
-            lows = (
-                builder.and_(ql0, bytes_(15)),
-                builder.and_(ql1, bytes_(15)),
-                builder.lshr(ql0, bytes_(4)),
-                builder.lshr(ql1, bytes_(4)),
-            )
-            for r in range(4):  # run r of 32: its two high bits at bit 2r of qh
-                hi = (
-                    builder.and_(builder.lshr(qh, bytes_(2 * r)), bytes_(3))
-                    if r
-                    else builder.and_(qh, bytes_(3))
+        for n, v in enumerate(_q6_k_runs(builder, bp)):
+            j, r = divmod(n, 4)
+            for k in range(2):  # 16 weights, one scale
+                vals = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)  # (16,) q
+                xq = builder.gep(xp, [_c(128 * j + 32 * r + 16 * k)])
+                t = builder.fmul(
+                    vals, builder.load(builder.bitcast(xq, _V16F.as_pointer()), align=4)
                 )
-                v = builder.sub(
-                    builder.or_(lows[r], builder.shl(hi, bytes_(4))), bytes_(32)
-                )  # -32..31
-                for k in range(2):  # 16 weights, one scale
-                    lanes = ir.Constant(_V16I, list(range(16 * k, 16 * k + 16)))
-                    vals = builder.sitofp(
-                        builder.sext(builder.shuffle_vector(v, v, lanes), _V16I), _V16F
-                    )
-                    xq = builder.bitcast(
-                        builder.gep(xp, [_c(128 * j + 32 * r + 16 * k)]), _V16F.as_pointer()
-                    )
-                    t = builder.fmul(vals, builder.load(xq, align=4))
-                    sk = _splat(builder, s, 8 * j + 2 * r + k, _V16F)
-                    accs[n % 8] = builder.call(fma, [sk, t, accs[n % 8]])
-                    n += 1
+                sk = _splat(builder, s, 8 * j + 2 * r + k, _V16F)
+                i = (2 * n + k) % 8
+                accs[i] = builder.call(fma, [sk, t, accs[i]])
         for p, a in zip(ap, accs):
             builder.store(a, p, align=4)
         return context.get_dummy_value()
@@ -341,6 +358,110 @@ def _dot_q6_k_wide(w, x, xs, acc):
     for i in range(128):
         s += acc[i]
     return s
+
+
+ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8
+
+
+@intrinsic(prefer_literal=True)
+def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
+    """The Q4_K or Q6_K (``code``) block at byte o of row w times x[t + i, xo : xo + 256]
+    for i < n_rows (1, 2 or 4; ``code`` and ``n_rows`` constants). The block is
+    unpacked once and each weight's value d * scale * q made once, for every row; row
+    i's products go to acc[i, :32] (two 16-lane sums), Q4_K's mins
+    dmin * m_j * xs[t + i, xo/32 + j] to acc[i, 32:40]."""
+    kind, nr = ir_literal(code), ir_literal(n_rows)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in (Q4_K, Q6_K):  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[7], sig.args[8]
+        w_, o_, x_, t_, xo_, xs_, acc_ = args[2:]
+        tt = t_.type  # the LLVM integer type of row numbers
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+        ir_prefetch(builder, bp)
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        xa = context.make_array(xt)(context, builder, x_)
+        acca = context.make_array(acct)(context, builder, acc_)
+        zero = ir.Constant(tt, 0)
+        rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
+        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
+        aps = [
+            cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
+            for i in range(nr)
+        ]  # row i's lanes in acc
+
+        def vec(ptr, at, vty):  # vty at float ``at`` past ptr
+            return builder.bitcast(builder.gep(ptr, [_c(at)]), vty.as_pointer())
+
+        accs = [[builder.load(vec(a, 16 * k, _V16F), align=4) for k in range(2)] for a in aps]
+
+        def feed(vals, at, k):  # every row: sum k += vals * x[row, xo + at : + 16]
+            for i in range(nr):
+                xv = builder.load(vec(xps[i], at, _V16F), align=4)
+                accs[i][k] = builder.call(fma, [vals, xv, accs[i][k]])
+
+        if kind == Q4_K:
+            f, mins = _q4_k_head(builder, bp)
+            fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
+            xsa = context.make_array(xst)(context, builder, xs_)
+            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+            for i in range(nr):
+                xsp = cgutils.get_item_pointer(context, builder, xst, xsa, [rows[i], col])
+                xsv = builder.load(builder.bitcast(xsp, _V8F.as_pointer()), align=4)
+                mp = vec(aps[i], 32, _V8F)
+                builder.store(builder.call(fma8, [mins, xsv, builder.load(mp, align=4)]), mp)
+            permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
+            iota = ir.Constant(_V16F, [float(k) for k in range(16)])
+            for p in range(4):
+                qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
+                q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+                table = builder.fmul(_splat(builder, f, 2 * p, _V16F), iota)  # d*sc*(0..15)
+                for k in range(2):
+                    vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])
+                    feed(vals, 64 * p + 16 * k, k)
+                hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
+                sc = _splat(builder, f, 2 * p + 1, _V16F)
+                for k in range(2):
+                    q16 = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)
+                    feed(builder.fmul(q16, sc), 64 * p + 32 + 16 * k, k)
+        else:
+            s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+            for n, v in enumerate(_q6_k_runs(builder, bp)):
+                j, r = divmod(n, 4)
+                for k in range(2):  # 16 weights, one scale
+                    q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
+                    vals = builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F))
+                    feed(vals, 128 * j + 32 * r + 16 * k, k)
+        for i in range(nr):
+            for k in range(2):
+                builder.store(accs[i][k], vec(aps[i], 16 * k, _V16F), align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, n_rows, w, o, x, t, xo, xs, acc), codegen
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_block_rows(code, nr, w, x, xs, t, y, r, acc):
+    """y[t + i, r] = w . x[t + i] for i < nr (1, 2 or 4, a constant), w one row of a
+    Q4_K or Q6_K matrix, x (T, in); ``acc``: (4, ROW_LANES) float32 scratch. The
+    K-quants' route for 2 to 16 rows of x (a batch of mixes, A/B compare) where WIDE:
+    each block is unpacked once for up to four rows, where the dequantize-then-dot
+    kernel writes every weight to a buffer and reads it back per row."""
+    for i in range(nr):
+        for k in range(ROW_LANES):
+            acc[i, k] = 0.0
+    size = 144 if code == Q4_K else 210
+    for b in range(x.shape[1] // 256):
+        _k_block_rows(code, nr, w, b * size, x, t, b * 256, xs, acc)
+    for i in range(nr):
+        s = np.float32(0.0)
+        for k in range(32):
+            s += acc[i, k]
+        m = np.float32(0.0)
+        for k in range(32, ROW_LANES):
+            m += acc[i, k]
+        y[t + i, r] = s - m
 
 
 @_jit(fastmath=True, inline="always")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import literally, prange, types
-from numba.core import cgutils, errors
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kernel_base import (
@@ -40,6 +40,7 @@ from .kernel_base import (
     _jit,
     ir_at,
     ir_fn,
+    ir_literal,
     ir_prefetch,
     target_has,
 )
@@ -235,19 +236,13 @@ def _k_rows(context, builder, sig, args, nr, ops, us, signed, muls, psign):
         builder.store(builder.fadd(builder.load(accv, align=4), f), accv, align=4)
 
 
-def _lit(ty) -> int:
-    if not isinstance(ty, (types.IntegerLiteral, types.BooleanLiteral)):
-        raise errors.RequireLiteralValue(ty)
-    return int(ty.literal_value)
-
-
 @intrinsic(prefer_literal=True)
 def _block(typingctx, code, n_ops, n_rows, w, o, d, sc, xo, x8, xd, t, acc):
     """The block of type ``code`` at w[o] (n_ops: 8, or 1 trailing block of a 32-element
     type) times the activations x8[t + i, xo:] for i < n_rows (1, 2 or 4; the block
     unpacked once for all), each row's sums scaled by xd[t + i] and added to acc[i].
     ``code``, ``n_ops``, ``n_rows``: constants. d, sc: Q4_K's and Q6_K's scales."""
-    kind, n, nr = _lit(code), _lit(n_ops), _lit(n_rows)
+    kind, n, nr = ir_literal(code), ir_literal(n_ops), ir_literal(n_rows)
     weights = _WEIGHTS.get(kind) or _weights32(kind, n)
 
     def codegen(context, builder, sig, args):

@@ -77,10 +77,21 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
     _qh32,
     numba,
 )
-from .kernel_dots import DOT_TYPES, PAIR_TYPES, SUMS_TYPES, _dot_rows, _dot_rows2, _sums
+from .kernel_dots import (
+    DOT_TYPES,
+    PAIR_TYPES,
+    ROW_LANES,
+    SUMS_TYPES,
+    WIDE,
+    _dot_block_rows,
+    _dot_rows,
+    _dot_rows2,
+    _sums,
+)
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 PAIR_ROWS = 4  # rows of x the pair dots take (see _gemv_rows)
+WIDE_ROWS = 4  # rows of x the K-quants' 512-bit dots take (see _launch)
 # (the K-chunk a SMALL product runs in is the caller's choice: core/model/quant.py)
 
 
@@ -413,8 +424,14 @@ def _launch(code, op, w, ids, x, out, kc):
     # step's gemv): the fused dots over each chunk of W rows while it is in cache
     n_x = x.shape[0] if op == SMALL else 0
     gemv = op == SMALL and code in DOT_TYPES and n_x <= _gemv_rows(code)
+    # two to four rows of a K-quant with the 512-bit dots: each block unpacked once
+    # for all of them (kernel_dots._dot_block_rows). On the 1B's gate (Q4_K) and down
+    # (Q6_K) matrices, 2 threads: two rows 0.71-0.77 ms against 1.41-1.86 on the
+    # dequantize-then-dot kernel, four 1.08-1.17 against 1.45-1.52; eight (two passes
+    # of four, or one of eight) 2.3-3.3 against 2.1-2.2, so those keep that kernel
+    wide_rows = op == SMALL and WIDE and (code == Q4_K or code == Q6_K) and 1 < n_x <= WIDE_ROWS
     xs = np.empty((n_x, 0), dtype=np.float32)  # x's sums per 32: the mins of these types
-    if gemv and code in SUMS_TYPES:
+    if (gemv or wide_rows) and code in SUMS_TYPES:
         xs = np.empty((n_x, n_in // 32), dtype=np.float32)
         for t in range(n_x):
             xs[t] = _sums(x[t], 32)
@@ -434,6 +451,22 @@ def _launch(code, op, w, ids, x, out, kc):
             while t < n_x:
                 _dot_rows(code, w, x[t], xs[t], out[t], r0, r1)
                 t += 1
+        elif wide_rows:
+            acc = np.empty((4, ROW_LANES), dtype=np.float32)
+            r0 = u * ROWS_PER_CHUNK
+            r1 = min(n_out, r0 + ROWS_PER_CHUNK)
+            t = 0
+            if n_x == 4:
+                for r in range(r0, r1):
+                    _dot_block_rows(code, 4, w[r], x, xs, t, out, r, acc)
+                t += 4
+            if t + 2 <= n_x:
+                for r in range(r0, r1):
+                    _dot_block_rows(code, 2, w[r], x, xs, t, out, r, acc)
+                t += 2
+            if t < n_x:
+                for r in range(r0, r1):
+                    _dot_block_rows(code, 1, w[r], x, xs, t, out, r, acc)
         else:
             buf = np.empty((2, min(kc, n_in)), dtype=np.float32)  # a K-chunk of two rows
             r0 = u * ROWS_PER_CHUNK
