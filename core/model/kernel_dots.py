@@ -360,6 +360,40 @@ def _dot_q6_k_wide(w, x, xs, acc):
     return s
 
 
+@intrinsic
+def _q4_k_deq(typingctx, w, o, out, oo):
+    """The Q4_K block at byte o of row w dequantized into out[oo : oo + 256], the same
+    float32 operations as gguf.quants (so the same bits): (d * scale_j) * q - dmin * m_j,
+    per sub-block j a 16-entry table of those values indexed by the nibbles."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (kernels._run_q4_k branches on WIDE)
+            return context.get_dummy_value()
+        wt, _, outt, _ = sig.args
+        w_, o_, out_, oo_ = args
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
+        permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
+        iota = ir.Constant(_V16F, [float(k) for k in range(16)])
+        op = ir_at(context, builder, outt, out_, oo_, _f32)
+        for p in range(4):
+            qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
+            q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+            for h in range(2):  # low nibbles: sub-block 2p; high: 2p + 1
+                j = 2 * p + h
+                # no FMA: a product rounded, then the difference, as numpy does
+                a = builder.fmul(_splat(builder, f, j, _V16F), iota)
+                table = builder.fsub(a, _splat(builder, mins, j, _V16F))  # (16,)
+                nib = q if h == 0 else builder.lshr(q, ir.Constant(_V32B, [4] * 32))
+                for k in range(2):
+                    vals = builder.call(permvar, [table, _half(builder, nib, k, builder.zext)])
+                    dst = builder.gep(op, [_c(64 * p + 32 * h + 16 * k)])
+                    builder.store(vals, builder.bitcast(dst, _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, out, oo), codegen
+
+
 ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8
 
 

@@ -86,6 +86,7 @@ from .kernel_dots import (
     _dot_block_rows,
     _dot_rows,
     _dot_rows2,
+    _q4_k_deq,
     _sums,
 )
 
@@ -271,6 +272,10 @@ def _run_q3_k(w, e0, e1, out):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
+    if WIDE:  # the same operations, vectorized (kernel_dots._q4_k_deq)
+        for b in range((e1 - e0) // 256):
+            _q4_k_deq(w, (e0 // 256 + b) * 144, out, b * 256)
+        return
     w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 144
