@@ -394,6 +394,31 @@ def _q4_k_deq(typingctx, w, o, out, oo):
     return types.none(w, o, out, oo), codegen
 
 
+@intrinsic
+def _q6_k_deq(typingctx, w, o, out, oo):
+    """The Q6_K block at byte o of row w dequantized into out[oo : oo + 256], the same
+    float32 operations as gguf.quants (so the same bits): (d * scale) * q."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (kernels._run_q6_k branches on WIDE)
+            return context.get_dummy_value()
+        wt, _, outt, _ = sig.args
+        w_, o_, out_, oo_ = args
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+        op = ir_at(context, builder, outt, out_, oo_, _f32)
+        for n, v in enumerate(_q6_k_runs(builder, bp)):
+            j, r = divmod(n, 4)
+            for k in range(2):  # 16 values, one scale
+                q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
+                vals = builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F))
+                dst = builder.gep(op, [_c(128 * j + 32 * r + 16 * k)])
+                builder.store(vals, builder.bitcast(dst, _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, out, oo), codegen
+
+
 ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8
 
 
