@@ -588,7 +588,7 @@ def main() -> None:
     # the target is SmolLM2's 1536 MB: its float32 weights (0.5 GB) and 1 GB of the rest,
     # for one engine serving with three adapters: every section but the grid, which
     # loads a second engine (ten slots) beside this one
-    rss_target = eng.model.w.nbytes / 2**20 + 1024
+    rss_target = eng.model.w.float32_nbytes / 2**20 + 1024
     if all(v is not None for v in peaks.values()):
         serving = max(v for k, v in peaks.items() if k != "grid")
         print(

@@ -46,6 +46,8 @@ def test_quantized_load_maps_the_file_and_writes_no_float32_cache(both, smollm_p
     # the file's own blocks: less than the file itself, a fifth of the float32 copy
     assert info["memory_bytes"] < smollm_path.stat().st_size
     assert info["memory_bytes"] * 4 < f.model_info()["memory_bytes"]
+    # what the same weights take as float32 (bench.engine's RSS target), from either load
+    assert q.model.w.float32_nbytes == f.model.w.float32_nbytes == f.model.w.nbytes
     assert q.model.w.qtypes() == {"Q4_1", "Q8_0"}
     lw = q.model.w.layers[0]
     assert isinstance(lw.wqkv, FusedMatrix) and isinstance(lw.wo, QuantMatrix)

@@ -125,12 +125,22 @@ class Weights:
         parts = [p for m in mats for p in getattr(m, "parts", [m])]
         return {p.dtype for p in parts if not isinstance(p, np.ndarray)}
 
-    @property
-    def nbytes(self) -> int:
+    def _arrays(self) -> list:
+        """Every weight once (a tied output is the embedding)."""
         arrays = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
         for lw in self.layers:
             arrays += [a for a in vars(lw).values() if a is not None]
-        return sum(a.nbytes for a in arrays)
+        return arrays
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the weights take as held (quantized blocks, or float32)."""
+        return sum(a.nbytes for a in self._arrays())
+
+    @property
+    def float32_nbytes(self) -> int:
+        """The bytes the weights would take as float32 (``--weights f32``)."""
+        return 4 * sum(a.size for a in self._arrays())
 
 
 def check_tensors(cfg: ModelConfig, gf: GGUFFile) -> None:
