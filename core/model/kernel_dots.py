@@ -123,15 +123,17 @@ def _dot_q4_k(w, x, xs, acc):
 # The numba dots above spend more than half their instructions on each block's head:
 # a Q4_K block's 8 scales and 8 mins unpacked one byte at a time (~150 scalar
 # instructions per 256 weights, against ~85 vector ones for the products). Here the
-# head is four 32-bit words and one vector conversion (llama.cpp's kmask unpacking),
-# and a weight's float value comes from a table rather than a conversion: per
+# head is three 32-bit words and one vector conversion (llama.cpp's kmask unpacking);
+# Q6_K's, one int8 vector. A Q4_K low nibble's float value comes from a table: per
 # sub-block j, the 16 values d * scale_j * q (q = 0..15) in one register, indexed by
 # the nibbles with ``vpermps`` (which reads an index's low four bits only, so the low
-# nibbles need no mask). Per 32 weights that is one zero-extension, one shift, two
-# permutes and two FMAs. The values are the numba dot's: (d * scale_j) * q rounded
-# once, times x, summed in float32 (another order); the mins through x's sums per 32.
-# Written as IR because numba emits neither the permute nor the word-level unpacking
-# from a loop. Only where the target has AVX-512 (WIDE): elsewhere the numba dots run.
+# nibbles need no mask), on the shuffle port; a high nibble is converted, on the FMA
+# port, so the two halves' work runs side by side. The values are the numba dot's:
+# (d * scale_j) * q rounded once, times x, summed in float32 (another order); the
+# mins through x's sums per 32. Written as IR because numba emits neither the permute
+# nor the word-level unpacking from a loop. The dequantizers below build their values
+# with gguf.quants' own operations, so they give its bits. Only where the target has
+# AVX-512 (WIDE): elsewhere the numba code runs, and these emit nothing.
 
 WIDE = target_has("avx512f")
 ACC_LANES = 8 * 16 + 8  # eight 16-lane sums (independent FMA chains), then the mins' 8
