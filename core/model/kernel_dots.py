@@ -362,22 +362,38 @@ def _dot_q6_k_wide(w, x, xs, acc):
     return s
 
 
-@intrinsic
-def _q4_k_deq(typingctx, w, o, out, oo):
-    """The Q4_K block at byte o of row w dequantized into out[oo : oo + 256], the same
-    float32 operations as gguf.quants (so the same bits): (d * scale_j) * q - dmin * m_j,
-    per sub-block j a 16-entry table of those values indexed by the nibbles."""
+@intrinsic(prefer_literal=True)
+def _k_deq(typingctx, code, w, o, out, oo):
+    """The Q4_K or Q6_K (``code``, a constant) block at byte o of row w dequantized into
+    out[oo : oo + 256] with gguf.quants' own float32 operations, so its bits: Q4_K
+    (d * scale_j) * q - dmin * m_j, per sub-block j a 16-entry table of those values
+    indexed by the nibbles; Q6_K (d * scale) * q."""
+    kind = ir_literal(code)
 
     def codegen(context, builder, sig, args):
-        if not WIDE:  # never called there (kernels._run_q4_k branches on WIDE)
-            return context.get_dummy_value()
-        wt, _, outt, _ = sig.args
-        w_, o_, out_, oo_ = args
+        if not WIDE or kind not in (Q4_K, Q6_K):  # never called (kernels' _run_q4_k and
+            return context.get_dummy_value()  # _run_q6_k branch on WIDE): emit nothing
+        wt, _, outt, _ = sig.args[1:]
+        w_, o_, out_, oo_ = args[1:]
         bp = ir_at(context, builder, wt, w_, o_, _i8)
+        op = ir_at(context, builder, outt, out_, oo_, _f32)
+
+        def put(vals, at):  # out[oo + at : oo + at + 16] = vals
+            dst = builder.bitcast(builder.gep(op, [_c(at)]), _V16F.as_pointer())
+            builder.store(vals, dst, align=4)
+
+        if kind == Q6_K:
+            s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+            for n, v in enumerate(_q6_k_runs(builder, bp)):
+                j, r = divmod(n, 4)
+                for k in range(2):  # 16 values, one scale
+                    q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
+                    put(builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F)),
+                        128 * j + 32 * r + 16 * k)  # fmt: skip
+            return context.get_dummy_value()
         f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
         permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
         iota = ir.Constant(_V16F, [float(k) for k in range(16)])
-        op = ir_at(context, builder, outt, out_, oo_, _f32)
         for p in range(4):
             qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
             q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
@@ -389,36 +405,10 @@ def _q4_k_deq(typingctx, w, o, out, oo):
                 nib = q if h == 0 else builder.lshr(q, ir.Constant(_V32B, [4] * 32))
                 for k in range(2):
                     vals = builder.call(permvar, [table, _half(builder, nib, k, builder.zext)])
-                    dst = builder.gep(op, [_c(64 * p + 32 * h + 16 * k)])
-                    builder.store(vals, builder.bitcast(dst, _V16F.as_pointer()), align=4)
+                    put(vals, 64 * p + 32 * h + 16 * k)
         return context.get_dummy_value()
 
-    return types.none(w, o, out, oo), codegen
-
-
-@intrinsic
-def _q6_k_deq(typingctx, w, o, out, oo):
-    """The Q6_K block at byte o of row w dequantized into out[oo : oo + 256], the same
-    float32 operations as gguf.quants (so the same bits): (d * scale) * q."""
-
-    def codegen(context, builder, sig, args):
-        if not WIDE:  # never called there (kernels._run_q6_k branches on WIDE)
-            return context.get_dummy_value()
-        wt, _, outt, _ = sig.args
-        w_, o_, out_, oo_ = args
-        bp = ir_at(context, builder, wt, w_, o_, _i8)
-        s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
-        op = ir_at(context, builder, outt, out_, oo_, _f32)
-        for n, v in enumerate(_q6_k_runs(builder, bp)):
-            j, r = divmod(n, 4)
-            for k in range(2):  # 16 values, one scale
-                q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
-                vals = builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F))
-                dst = builder.gep(op, [_c(128 * j + 32 * r + 16 * k)])
-                builder.store(vals, builder.bitcast(dst, _V16F.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return types.none(w, o, out, oo), codegen
+    return types.none(code, w, o, out, oo), codegen
 
 
 ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8

@@ -86,8 +86,7 @@ from .kernel_dots import (
     _dot_block_rows,
     _dot_rows,
     _dot_rows2,
-    _q4_k_deq,
-    _q6_k_deq,
+    _k_deq,
     _sums,
 )
 
@@ -273,9 +272,9 @@ def _run_q3_k(w, e0, e1, out):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    if WIDE:  # the same operations, vectorized (kernel_dots._q4_k_deq)
+    if WIDE:  # the same operations, vectorized (kernel_dots._k_deq)
         for b in range((e1 - e0) // 256):
-            _q4_k_deq(w, (e0 // 256 + b) * 144, out, b * 256)
+            _k_deq(Q4_K, w, (e0 // 256 + b) * 144, out, b * 256)
         return
     w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
@@ -329,9 +328,9 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    if WIDE:  # the same operations, vectorized (kernel_dots._q6_k_deq)
+    if WIDE:  # the same operations, vectorized (kernel_dots._k_deq)
         for b in range((e1 - e0) // 256):
-            _q6_k_deq(w, (e0 // 256 + b) * 210, out, b * 256)
+            _k_deq(Q6_K, w, (e0 // 256 + b) * 210, out, b * 256)
         return
     w = w[e0 // 256 * 210 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
