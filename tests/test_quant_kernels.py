@@ -338,6 +338,61 @@ def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
     assert all(e < TOL for e in got["errs"].values()), got
 
 
+_SCRATCH_ANY_ALIGNMENT = """
+import json
+import numpy as np
+from numba import njit
+from gguf import quants
+from gguf import GGMLQuantizationType as Q
+from core.model import kernel_dots as D
+from tests.tiny_gguf import random_matrix
+
+@njit
+def four_rows(w, x, xs, y, acc):
+    for r in range(w.shape[0]):
+        D._dot_block_rows(12, 4, w[r], x, xs, 0, y, r, acc)
+
+rng = np.random.default_rng(5)
+data = random_matrix(Q.Q4_K, 5, 512, rng)  # (5, row bytes)
+ref = quants.dequantize(data, Q.Q4_K).reshape(5, 512).astype(np.float64)
+x = rng.standard_normal((4, 512)).astype(np.float32)
+xs = x.reshape(4, 16, 32).sum(axis=2, dtype=np.float32)  # (4, 16) sums per 32
+raw = np.zeros(4 * D.ROW_LANES + 16, dtype=np.float32)
+k = next(k for k in range(8) if (raw[k:].ctypes.data % 32) == 16)
+acc = raw[k : k + 4 * D.ROW_LANES].reshape(4, D.ROW_LANES)  # 16 bytes past a 32-byte line
+y = np.zeros((4, 5), dtype=np.float32)
+four_rows(data, x, xs, y, acc)
+err = np.abs(y - x.astype(np.float64) @ ref.T) / (np.abs(x.astype(np.float64)) @ np.abs(ref).T)
+print(json.dumps({"misaligned": acc.ctypes.data % 32, "err": float(err.max())}))
+"""
+
+
+def test_the_wide_many_row_dot_takes_scratch_at_any_alignment():
+    """Regression: _k_block_rows stored Q4_K's mins as an 8-float vector with LLVM's
+    default alignment for it (32 bytes), so a scratch row not on a 32-byte boundary
+    segfaulted. numba's own arrays are 32-byte aligned, so the engine never hit it; a
+    numpy array 16 bytes past one did, in a bench. Every vector access now states the
+    4-byte alignment a float has."""
+    import subprocess
+    import sys
+
+    from core.model import kernel_dots
+
+    if not kernel_dots.WIDE:
+        pytest.skip("the 512-bit dots are compiled only where numba targets AVX-512")
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRATCH_ANY_ALIGNMENT],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=600,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["misaligned"] == 16
+    assert got["err"] < TOL, got
+
+
 def test_the_k_quant_dots_take_avx512_where_the_cpu_has_it():
     """On a CPU with AVX-512 (kernel_base passes the host's features to numba), the
     K-quants' decode dots are the 512-bit ones, which the product tests above then

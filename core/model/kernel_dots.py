@@ -461,7 +461,8 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
                 xsp = cgutils.get_item_pointer(context, builder, xst, xsa, [rows[i], col])
                 xsv = builder.load(builder.bitcast(xsp, _V8F.as_pointer()), align=4)
                 mp = vec(aps[i], 32, _V8F)
-                builder.store(builder.call(fma8, [mins, xsv, builder.load(mp, align=4)]), mp)
+                m = builder.call(fma8, [mins, xsv, builder.load(mp, align=4)])
+                builder.store(m, mp, align=4)  # a float's alignment: acc may be anywhere
             permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
             iota = ir.Constant(_V16F, [float(k) for k in range(16)])
             for p in range(4):
