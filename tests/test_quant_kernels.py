@@ -297,12 +297,12 @@ from core.model.quant import QuantMatrix
 from tests.tiny_gguf import random_matrix
 
 errs = {}
-for qt in (Q.Q4_K, Q.Q6_K):
+for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0):
     rng = np.random.default_rng(int(qt))
     data = random_matrix(qt, 37, 3 * 256, rng)  # (37, row bytes)
     ref = quants.dequantize(data, qt).reshape(37, 768).astype(np.float64)
     m = QuantMatrix(qt, data, (37, 768))
-    for t in (1, 3):  # the decode dot; a few rows
+    for t in (1, 3) if qt in (Q.Q4_K, Q.Q6_K) else (1,):  # the decode dot; a few rows
         x = rng.standard_normal((t, 768)).astype(np.float32)
         scale = np.abs(x.astype(np.float64)) @ np.abs(ref).T
         err = np.abs(m.matmul(x) - x.astype(np.float64) @ ref.T) / scale
@@ -312,10 +312,11 @@ print(json.dumps({"wide": kernel_dots.WIDE, "errs": errs}))
 
 
 def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
-    """The Q4_K and Q6_K dots are written for AVX-512 (kernel_dots.WIDE). Compiled for
-    a CPU without it (numba's generic x86-64, as a portable build would be), where
-    LLVM could not lower one AVX-512 instruction, the products take the numba dots and
-    the dequantize-then-dot kernel instead, and are as exact."""
+    """The Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 dots are written for AVX-512
+    (kernel_dots.WIDE). Compiled for a CPU without it (numba's generic x86-64, as a
+    portable build would be), where LLVM could not lower one AVX-512 instruction, the
+    products take the numba dots and the dequantize-then-dot kernel instead, and are
+    as exact."""
     import os
     import subprocess
     import sys
@@ -334,7 +335,7 @@ def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["wide"] is False
-    assert len(got["errs"]) == 4
+    assert len(got["errs"]) == 6
     assert all(e < TOL for e in got["errs"].values()), got
 
 

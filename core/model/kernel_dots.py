@@ -730,6 +730,112 @@ def _dot_32(code, w, x, xs, acc):
     return _acc_sum(acc, 16) + mins
 
 
+# ---- the 32-element types and Q8_0 as IR (AVX-512) ----
+#
+# SmolLM2's Q4_1 rows are 576 and 1536 wide: 18 and 48 blocks of 20 bytes, and its
+# decode step is ~80% products (py-spy). The numba dots above took its rows at 7-8 and
+# 9.5-9.8 G weights/s, Q8_0 at 6-7 and 10 (one thread, cache-hot); these take them at
+# 8.7-10.6 and 11.5-13.2, Q8_0 at 10-14 and 14-18 (random blocks of SmolLM2's shapes,
+# the two interleaved by process, 2026-12-06). Here a block's 16 bytes of nibbles become two
+# 16-lane int32 vectors (zero-extended, masked or shifted) and are converted; their
+# products with x are summed in a vector, and that sum is scaled by d once per block.
+# Four blocks a call, into one 16-lane sum: a block's own work outlasts the FMA's
+# latency, and four sums cost a 64-lane horizontal sum a row, which LLVM did lane by
+# lane (1.6x slower on 576-wide rows than the numba dot, measured). Values:
+# d * (sum of q * x), which is the numba dot's (d * q) * x in another order; the
+# mins (Q4_1) through x's sums per block, as there.
+
+DOT32_LANES = 16 + 1  # a 16-lane sum, then Q4_1's mins (_dot_32_wide)
+
+
+@intrinsic(prefer_literal=True)
+def _b32_wide(typingctx, code, n_blocks, w, o, x, xo, xs, acc):
+    """The ``n_blocks`` (1 to 4, a constant) blocks of type ``code`` (Q4_0, Q4_1 or
+    Q8_0, a constant) from byte o of row w, times x[xo : xo + 32 * n_blocks]: block k's
+    d * (q . x) added to acc[:16]; Q4_1's m * xs[xo / 32 + k] to acc[16]."""
+    kind, nb = ir_literal(code), ir_literal(n_blocks)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in (Q4_0, Q4_1, Q8_0):  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[6], sig.args[7]
+        w_, o_, x_, xo_, xs_, acc_ = args[2:]
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the first block's first byte
+        ir_prefetch(builder, bp)
+        xp = ir_at(context, builder, xt, x_, xo_, _f32)
+        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        size, at = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}[kind]  # bytes; q's offset
+        hp = ir.HalfType().as_pointer()
+
+        def x16(at):  # x[xo + at : xo + at + 16]
+            p = builder.bitcast(builder.gep(xp, [_c(at)]), _V16F.as_pointer())
+            return builder.load(p, align=4)
+
+        def q16(off):  # 16 bytes of the block at off
+            p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
+            return builder.load(p, align=1)
+
+        mins, xsp = None, []
+        if kind == Q4_1:  # x's sums over these blocks
+            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+            p0 = ir_at(context, builder, xst, xs_, col, _f32)
+            xsp = [builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)]
+        for k in range(nb):
+            b0 = k * size
+            d = builder.fpext(
+                builder.load(builder.bitcast(builder.gep(bp, [_c(b0)]), hp), align=1), _f32
+            )
+            if kind == Q8_0:  # 32 int8
+                halves = [builder.sext(q16(b0 + at + 16 * h), _V16I) for h in range(2)]
+            else:  # 16 bytes: elements i in the low nibbles, 16 + i in the high
+                q = q16(b0 + at)
+                lo = builder.and_(q, ir.Constant(_V16B, [15] * 16))
+                hi = builder.lshr(q, ir.Constant(_V16B, [4] * 16))
+                if kind == Q4_0:  # -8..7
+                    eight = ir.Constant(_V16B, [8] * 16)
+                    halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
+                else:
+                    halves = [builder.zext(v, _V16I) for v in (lo, hi)]
+            t = builder.fmul(builder.sitofp(halves[0], _V16F), x16(32 * k))
+            t = builder.call(fma, [builder.sitofp(halves[1], _V16F), x16(32 * k + 16), t])
+            ap = builder.bitcast(accp, _V16F.as_pointer())
+            dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+            a = builder.call(fma, [_splat(builder, dv, 0, _V16F), t, builder.load(ap, align=4)])
+            builder.store(a, ap, align=4)
+            if kind == Q4_1:  # m * (the sum of x over the block)
+                mh = builder.bitcast(builder.gep(bp, [_c(b0 + 2)]), hp)
+                mx = builder.fmul(builder.fpext(builder.load(mh, align=1), _f32), xsp[k])
+                mins = mx if mins is None else builder.fadd(mins, mx)
+        if kind == Q4_1:  # one add to acc[16] a call: a chain through memory a block
+            mp = builder.gep(accp, [_c(16)])  # was the Q4_1 dot's bound
+            builder.store(builder.fadd(builder.load(mp, align=4), mins), mp, align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, n_blocks, w, o, x, xo, xs, acc), codegen
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_32_wide(code, w, x, xs, acc):
+    """_dot_32 and _dot_q8_0 (``code`` Q4_0, Q4_1 or Q8_0) through _b32_wide, four
+    blocks a call; ``acc``: DOT32_LANES floats of scratch at least."""
+    for i in range(DOT32_LANES):
+        acc[i] = 0.0
+    bs = 34 if code == Q8_0 else _size32(code)
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        _b32_wide(code, 4, w, b * bs, x, b * 32, xs, acc)
+        b += 4
+    while b < nb:
+        _b32_wide(code, 1, w, b * bs, x, b * 32, xs, acc)
+        b += 1
+    s = np.float32(0.0)
+    for i in range(16):
+        s += acc[i]
+    return s + acc[16]
+
+
 # ---- pair dots: one row of weights against two rows of x (A/B compare, two streams) ----
 #
 # Each weight is unpacked and scaled once and feeds both rows' sums: for the 32-element
@@ -848,8 +954,14 @@ def _dot(code, w, x, xs, acc):
             return _dot_q6_k_wide(w, x, xs, acc)
         return _dot_q6_k(w, x, xs, acc)
     elif code == Q8_0:
+        if WIDE:
+            return _dot_32_wide(code, w, x, xs, acc)
         return _dot_q8_0(w, x, xs, acc)
-    elif code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1:
+    elif code == Q4_0 or code == Q4_1:
+        if WIDE:
+            return _dot_32_wide(code, w, x, xs, acc)
+        return _dot_32(code, w, x, xs, acc)
+    elif code == Q5_0 or code == Q5_1:
         return _dot_32(code, w, x, xs, acc)
     return np.float32(0.0)
 
