@@ -297,7 +297,7 @@ from core.model.quant import QuantMatrix
 from tests.tiny_gguf import random_matrix
 
 errs = {}
-for qt in (Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0):
+for qt in (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_1, Q.Q8_0):
     rng = np.random.default_rng(int(qt))
     data = random_matrix(qt, 37, 3 * 256, rng)  # (37, row bytes)
     ref = quants.dequantize(data, qt).reshape(37, 768).astype(np.float64)
@@ -312,7 +312,7 @@ print(json.dumps({"wide": kernel_dots.WIDE, "errs": errs}))
 
 
 def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
-    """The Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 dots are written for AVX-512
+    """The Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 dots are written for AVX-512
     (kernel_dots.WIDE). Compiled for a CPU without it (numba's generic x86-64, as a
     portable build would be), where LLVM could not lower one AVX-512 instruction, the
     products take the numba dots and the dequantize-then-dot kernel instead, and are
@@ -335,7 +335,7 @@ def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["wide"] is False
-    assert len(got["errs"]) == 6
+    assert len(got["errs"]) == 7
     assert all(e < TOL for e in got["errs"].values()), got
 
 

@@ -550,6 +550,80 @@ def _dot_q5_k(w, x, xs, acc):
     return _acc_sum(acc, 32) - mins
 
 
+@intrinsic
+def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
+    """The Q5_K block at byte o of row w times x[xo : xo + 256]: acc as _q4_k_wide's
+    (eight 16-lane sums, one per sub-block; dmin * m_j * xs[xo/32 + j] in acc[128:136]).
+    Q5_K is Q4_K with a fifth bit per weight: sub-block j's in bit j of the 32 bytes
+    qh. Its values (0..31) are converted, summed against x, and scaled once per
+    sub-block (a 16-entry table, as Q4_K's low nibbles take, would need 32 here)."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
+        wt, _, xt, _, xst, acct = sig.args
+        w_, o_, x_, xo_, xs_, acc_ = args
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+        ir_prefetch(builder, bp)
+        f, mins = _q4_k_head(builder, bp)  # the same head as Q4_K's
+        xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
+        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+        fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
+        mp = builder.bitcast(builder.gep(accp, [_c(128)]), _V8F.as_pointer())
+        m = builder.call(fma8, [mins, builder.load(xsp, align=4), builder.load(mp, align=4)])
+        builder.store(m, mp, align=4)
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        xp = ir_at(context, builder, xt, x_, xo_, _f32)
+        ap = [
+            builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)
+        ]
+        accs = [builder.load(p, align=4) for p in ap]
+
+        def load32(at):
+            p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
+            return builder.load(p, align=1)
+
+        def bytes_(n):
+            return ir.Constant(_V32B, [n] * 32)
+
+        qh = load32(16)  # (32,) bit j of byte i: element i of sub-block j's fifth bit
+        for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
+            q = load32(48 + 32 * p)
+            for h in range(2):
+                j = 2 * p + h
+                nib = builder.and_(q, bytes_(15)) if h == 0 else builder.lshr(q, bytes_(4))
+                bit = builder.and_(builder.lshr(qh, bytes_(j)) if j else qh, bytes_(1))
+                v = builder.or_(nib, builder.shl(bit, bytes_(4)))  # (32,) 0..31
+                t = None
+                for k in range(2):
+                    vals = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)  # (16,) q
+                    pk = builder.bitcast(builder.gep(xp, [_c(32 * j + 16 * k)]), _V16F.as_pointer())
+                    xv = builder.load(pk, align=4)
+                    t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
+                accs[j] = builder.call(fma, [_splat(builder, f, j, _V16F), t, accs[j]])
+        for p, a in zip(ap, accs):
+            builder.store(a, p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, x, xo, xs, acc), codegen
+
+
+@_jit(fastmath=True)
+def _dot_q5_k_wide(w, x, xs, acc):
+    """_dot_q5_k through _q5_k_wide; ``acc``: ACC_LANES floats of scratch."""
+    for i in range(ACC_LANES):
+        acc[i] = 0.0
+    for b in range(x.shape[0] // 256):
+        _q5_k_wide(w, b * 176, x, b * 256, xs, acc)
+    s = np.float32(0.0)
+    for i in range(128):
+        s += acc[i]
+    m = np.float32(0.0)
+    for i in range(128, ACC_LANES):
+        m += acc[i]
+    return s - m
+
+
 @_jit(fastmath=True, inline="always")
 def _q6(lo, h, shift):
     """A Q6_K value: the nibble ``lo`` and two bits of ``h`` at ``shift``, minus 32."""
@@ -948,6 +1022,8 @@ def _dot(code, w, x, xs, acc):
             return _dot_q4_k_wide(w, x, xs, acc)
         return _dot_q4_k(w, x, xs, acc)
     elif code == Q5_K:
+        if WIDE:
+            return _dot_q5_k_wide(w, x, xs, acc)
         return _dot_q5_k(w, x, xs, acc)
     elif code == Q6_K:
         if WIDE:

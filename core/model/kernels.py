@@ -28,11 +28,12 @@ its type's code, does three things:
   matrices (step products 190 -> 100 ms on two threads, 2026-12-06). On a CPU with
   AVX-512 the Q4_K and Q6_K dots are written as LLVM IR, with a software prefetch
   (kernel_dots.WIDE): 1.2-1.5x the numba dots on one thread, cache-hot, and one 1B
-  token's products, each matrix read once from RAM, 113 -> 62-70 ms; so are Q4_0,
-  Q4_1 and Q8_0's (SmolLM2's Q4_1 rows 1.2-1.4x, its Q8_0 output 1.7-2.1x; its
-  decode 57-62 -> 74-82 tok/s, 2026-12-06). Two to four
-  rows of the 32-element types and Q8_0 (A/B compare, a few streams) take the same
-  route with pair dots, each weight unpacked once for two rows of x (``_gemv_rows``).
+  token's products, each matrix read once from RAM, 113 -> 62-70 ms. So are Q5_K's
+  (1.5-1.7x, one thread, cache-hot) and Q4_0, Q4_1 and Q8_0's (SmolLM2's Q4_1 rows
+  1.2-1.4x, its Q8_0 output 1.7-2.1x; its decode 57-62 -> 74-82 tok/s, 2026-12-06).
+  Two to four rows of the 32-element types and Q8_0 (A/B compare, a few streams)
+  take the same route with pair dots, each weight unpacked once for two rows of x
+  (``_gemv_rows``).
 
 What the kernels share (numba's configuration, type codes, block-field readers) is in
 core/model/kernel_base.py.
