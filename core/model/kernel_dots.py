@@ -819,42 +819,45 @@ def _dot_32(code, w, x, xs, acc):
 # d * (sum of q * x), which is the numba dot's (d * q) * x in another order; the
 # mins (Q4_1) through x's sums per block, as there.
 
-DOT32_LANES = 16 + 1  # a 16-lane sum, then Q4_1's mins (_dot_32_wide)
+DOT32_LANES = 16 + 1  # per row of x: a 16-lane sum, then Q4_1's mins (_dot_32_wide)
 
 
 @intrinsic(prefer_literal=True)
-def _b32_wide(typingctx, code, n_blocks, w, o, x, xo, xs, acc):
-    """The ``n_blocks`` (1 to 4, a constant) blocks of type ``code`` (Q4_0, Q4_1 or
-    Q8_0, a constant) from byte o of row w, times x[xo : xo + 32 * n_blocks]: block k's
-    d * (q . x) added to acc[:16]; Q4_1's m * xs[xo / 32 + k] to acc[16]."""
-    kind, nb = ir_literal(code), ir_literal(n_blocks)
+def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
+    """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1 or Q8_0) from byte o
+    of row w, times x[xo : xo + 32 * n_blocks] and, for ``n_rows`` 2, y's too (all three
+    constants): block k's d * (q . x) added to acc[:16], Q4_1's m * xs[xo / 32 + k] to
+    acc[16]; y's to acc[17:33] and acc[33]. Each block is unpacked once for both rows."""
+    kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
 
     def codegen(context, builder, sig, args):
         if not WIDE or kind not in (Q4_0, Q4_1, Q8_0):  # never called: emit nothing
             return context.get_dummy_value()
-        wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[6], sig.args[7]
-        w_, o_, x_, xo_, xs_, acc_ = args[2:]
+        wt, xt, yt, xst, yst, acct = (sig.args[k] for k in (3, 5, 6, 8, 9, 10))
+        w_, o_, x_, y_, xo_, xs_, ys_, acc_ = args[3:]
         bp = ir_at(context, builder, wt, w_, o_, _i8)  # the first block's first byte
         ir_prefetch(builder, bp)
-        xp = ir_at(context, builder, xt, x_, xo_, _f32)
+        xps = [ir_at(context, builder, t, a, xo_, _f32) for t, a in ((xt, x_), (yt, y_))][:nr]
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+        aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
         size, at = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}[kind]  # bytes; q's offset
         hp = ir.HalfType().as_pointer()
 
-        def x16(at):  # x[xo + at : xo + at + 16]
-            p = builder.bitcast(builder.gep(xp, [_c(at)]), _V16F.as_pointer())
+        def x16(i, at):  # row i's x[xo + at : xo + at + 16]
+            p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
             return builder.load(p, align=4)
 
         def q16(off):  # 16 bytes of the block at off
             p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
             return builder.load(p, align=1)
 
-        mins, xsp = None, []
-        if kind == Q4_1:  # x's sums over these blocks
+        mins, sums = [None] * nr, []
+        if kind == Q4_1:  # each row's sums over these blocks
             col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
-            p0 = ir_at(context, builder, xst, xs_, col, _f32)
-            xsp = [builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)]
+            for t, a in ((xst, xs_), (yst, ys_))[:nr]:
+                p0 = ir_at(context, builder, t, a, col, _f32)
+                sums.append([builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)])
         for k in range(nb):
             b0 = k * size
             d = builder.fpext(
@@ -871,43 +874,53 @@ def _b32_wide(typingctx, code, n_blocks, w, o, x, xo, xs, acc):
                     halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
                 else:
                     halves = [builder.zext(v, _V16I) for v in (lo, hi)]
-            t = builder.fmul(builder.sitofp(halves[0], _V16F), x16(32 * k))
-            t = builder.call(fma, [builder.sitofp(halves[1], _V16F), x16(32 * k + 16), t])
-            ap = builder.bitcast(accp, _V16F.as_pointer())
+            vals = [builder.sitofp(h, _V16F) for h in halves]  # (16,) q, twice
             dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
-            a = builder.call(fma, [_splat(builder, dv, 0, _V16F), t, builder.load(ap, align=4)])
-            builder.store(a, ap, align=4)
+            ds = _splat(builder, dv, 0, _V16F)
+            for i in range(nr):
+                t = builder.fmul(vals[0], x16(i, 32 * k))
+                t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
+                ap = builder.bitcast(aps[i], _V16F.as_pointer())
+                builder.store(builder.call(fma, [ds, t, builder.load(ap, align=4)]), ap, align=4)
             if kind == Q4_1:  # m * (the sum of x over the block)
                 mh = builder.bitcast(builder.gep(bp, [_c(b0 + 2)]), hp)
-                mx = builder.fmul(builder.fpext(builder.load(mh, align=1), _f32), xsp[k])
-                mins = mx if mins is None else builder.fadd(mins, mx)
-        if kind == Q4_1:  # one add to acc[16] a call: a chain through memory a block
-            mp = builder.gep(accp, [_c(16)])  # was the Q4_1 dot's bound
-            builder.store(builder.fadd(builder.load(mp, align=4), mins), mp, align=4)
+                m = builder.fpext(builder.load(mh, align=1), _f32)
+                for i in range(nr):
+                    mx = builder.fmul(m, sums[i][k])
+                    mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
+        for i in range(nr if kind == Q4_1 else 0):  # one add a call: a chain through
+            mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
+            builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
         return context.get_dummy_value()
 
-    return types.none(code, n_blocks, w, o, x, xo, xs, acc), codegen
+    return types.none(code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc), codegen
 
 
 @_jit(fastmath=True, inline="always")
-def _dot_32_wide(code, w, x, xs, acc):
+def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
     """_dot_32 and _dot_q8_0 (``code`` Q4_0, Q4_1 or Q8_0) through _b32_wide, four
-    blocks a call; ``acc``: DOT32_LANES floats of scratch at least."""
-    for i in range(DOT32_LANES):
+    blocks a call, for x alone (``nr`` 1: y is not read) or x and y (2); returns the
+    two dots (the second 0 for one row). ``acc``: nr * DOT32_LANES floats of scratch."""
+    for i in range(nr * DOT32_LANES):
         acc[i] = 0.0
     bs = 34 if code == Q8_0 else _size32(code)
     nb = x.shape[0] // 32
     b = 0
     while b + 4 <= nb:
-        _b32_wide(code, 4, w, b * bs, x, b * 32, xs, acc)
+        _b32_wide(code, 4, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
         b += 4
     while b < nb:
-        _b32_wide(code, 1, w, b * bs, x, b * 32, xs, acc)
+        _b32_wide(code, 1, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
         b += 1
     s = np.float32(0.0)
     for i in range(16):
         s += acc[i]
-    return s + acc[16]
+    s2 = np.float32(0.0)
+    if nr == 2:
+        for i in range(DOT32_LANES, DOT32_LANES + 16):
+            s2 += acc[i]
+        s2 += acc[DOT32_LANES + 16]
+    return s + acc[16], s2
 
 
 # ---- pair dots: one row of weights against two rows of x (A/B compare, two streams) ----
@@ -1007,7 +1020,9 @@ def _dot_rows2(code, w, x, y, xs, ys, out_x, out_y, r0, r1):
     literally(code)
     acc = np.empty(64, dtype=np.float32)  # both rows' partial sums
     for r in range(r0, r1):
-        if code == Q8_0:
+        if WIDE and code != Q5_0 and code != Q5_1:
+            out_x[r], out_y[r] = _dot_32_wide(code, 2, w[r], x, y, xs, ys, acc)
+        elif code == Q8_0:
             out_x[r], out_y[r] = _dot_q8_0x2(w[r], x, y, acc)
         else:
             out_x[r], out_y[r] = _dot_32x2(code, w[r], x, y, xs, ys, acc)
@@ -1031,11 +1046,11 @@ def _dot(code, w, x, xs, acc):
         return _dot_q6_k(w, x, xs, acc)
     elif code == Q8_0:
         if WIDE:
-            return _dot_32_wide(code, w, x, xs, acc)
+            return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]
         return _dot_q8_0(w, x, xs, acc)
     elif code == Q4_0 or code == Q4_1:
         if WIDE:
-            return _dot_32_wide(code, w, x, xs, acc)
+            return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]
         return _dot_32(code, w, x, xs, acc)
     elif code == Q5_0 or code == Q5_1:
         return _dot_32(code, w, x, xs, acc)
