@@ -227,6 +227,27 @@ def _q6_k_runs(builder, bp):
     return runs
 
 
+def _k_open(context, builder, sig, args):
+    """What the one-row Q4_K and Q5_K dots (_q4_k_wide, _q5_k_wide: the same head) do
+    first: the block's pointer (prefetched ahead); its head's scales f (lanes 0-7
+    d * scale_j); dmin * m_j * xs[xo/32 + j] added to acc[128:136]; x's pointer at xo;
+    and the pointers of the eight 16-lane sums in acc."""
+    wt, _, xt, _, xst, acct = sig.args
+    w_, o_, x_, xo_, xs_, acc_ = args
+    bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+    ir_prefetch(builder, bp)
+    f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
+    xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
+    accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+    fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
+    mp = builder.bitcast(builder.gep(accp, [_c(128)]), _V8F.as_pointer())
+    m = builder.call(fma8, [mins, builder.load(xsp, align=4), builder.load(mp, align=4)])
+    builder.store(m, mp, align=4)
+    xp = ir_at(context, builder, xt, x_, xo_, _f32)
+    ap = [builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)]
+    return bp, f, xp, ap
+
+
 @intrinsic
 def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
     """The Q4_K block at byte o of row w times x[xo : xo + 256]: the products added to
@@ -236,26 +257,12 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
     def codegen(context, builder, sig, args):
         if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
             return context.get_dummy_value()
-        wt, _, xt, _, xst, acct = sig.args
-        w_, o_, x_, xo_, xs_, acc_ = args
-        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
-        ir_prefetch(builder, bp)
-        f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
-        xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
-        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
-        fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
-        mp = builder.bitcast(builder.gep(accp, [_c(128)]), _V8F.as_pointer())
-        m = builder.call(fma8, [mins, builder.load(xsp, align=4), builder.load(mp, align=4)])
-        builder.store(m, mp, align=4)
+        bp, f, xp, ap = _k_open(context, builder, sig, args)
         # the products: sub-block 2p in the low nibbles of bytes 16 + 32p .. + 32, 2p + 1
         # in the high ones; their x at xo + 64p and xo + 64p + 32
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
         permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
         iota = ir.Constant(_V16F, [float(k) for k in range(16)])
-        xp = ir_at(context, builder, xt, x_, xo_, _f32)
-        ap = [
-            builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)
-        ]
         accs = [builder.load(p, align=4) for p in ap]
 
         def x16(at):  # x[xo + at : xo + at + 16]
@@ -295,12 +302,17 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
 
 
 @_jit(fastmath=True)
-def _dot_q4_k_wide(w, x, xs, acc):
-    """_dot_q4_k through _q4_k_wide; ``acc``: ACC_LANES floats of scratch."""
+def _dot_k_wide(code, w, x, xs, acc):
+    """_dot_q4_k or _dot_q5_k (``code``) through _q4_k_wide or _q5_k_wide; ``acc``:
+    ACC_LANES floats of scratch."""
+    literally(code)
     for i in range(ACC_LANES):
         acc[i] = 0.0
     for b in range(x.shape[0] // 256):
-        _q4_k_wide(w, b * 144, x, b * 256, xs, acc)
+        if code == Q4_K:
+            _q4_k_wide(w, b * 144, x, b * 256, xs, acc)
+        else:
+            _q5_k_wide(w, b * 176, x, b * 256, xs, acc)
     s = np.float32(0.0)
     for i in range(128):
         s += acc[i]
@@ -561,22 +573,8 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
     def codegen(context, builder, sig, args):
         if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
             return context.get_dummy_value()
-        wt, _, xt, _, xst, acct = sig.args
-        w_, o_, x_, xo_, xs_, acc_ = args
-        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
-        ir_prefetch(builder, bp)
-        f, mins = _q4_k_head(builder, bp)  # the same head as Q4_K's
-        xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
-        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
-        fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
-        mp = builder.bitcast(builder.gep(accp, [_c(128)]), _V8F.as_pointer())
-        m = builder.call(fma8, [mins, builder.load(xsp, align=4), builder.load(mp, align=4)])
-        builder.store(m, mp, align=4)
+        bp, f, xp, ap = _k_open(context, builder, sig, args)
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        xp = ir_at(context, builder, xt, x_, xo_, _f32)
-        ap = [
-            builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)
-        ]
         accs = [builder.load(p, align=4) for p in ap]
 
         def load32(at):
@@ -606,22 +604,6 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
         return context.get_dummy_value()
 
     return types.none(w, o, x, xo, xs, acc), codegen
-
-
-@_jit(fastmath=True)
-def _dot_q5_k_wide(w, x, xs, acc):
-    """_dot_q5_k through _q5_k_wide; ``acc``: ACC_LANES floats of scratch."""
-    for i in range(ACC_LANES):
-        acc[i] = 0.0
-    for b in range(x.shape[0] // 256):
-        _q5_k_wide(w, b * 176, x, b * 256, xs, acc)
-    s = np.float32(0.0)
-    for i in range(128):
-        s += acc[i]
-    m = np.float32(0.0)
-    for i in range(128, ACC_LANES):
-        m += acc[i]
-    return s - m
 
 
 @_jit(fastmath=True, inline="always")
@@ -1034,11 +1016,11 @@ def _dot(code, w, x, xs, acc):
     _dot_rows, where ``code`` is a constant, so only its branch is left."""
     if code == Q4_K:
         if WIDE:
-            return _dot_q4_k_wide(w, x, xs, acc)
+            return _dot_k_wide(code, w, x, xs, acc)
         return _dot_q4_k(w, x, xs, acc)
     elif code == Q5_K:
         if WIDE:
-            return _dot_q5_k_wide(w, x, xs, acc)
+            return _dot_k_wide(code, w, x, xs, acc)
         return _dot_q5_k(w, x, xs, acc)
     elif code == Q6_K:
         if WIDE:
