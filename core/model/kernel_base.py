@@ -2,7 +2,7 @@
 cache dir, the vector width), the block types' codes and sizes, the ``_jit`` decorator
 with the on-disk cache, and the small readers of block fields (float16 scales, Q5 high
 bits, K-quant scales) that the dequantizers (core/model/kernels.py) and the fused dots
-(core/model/kernel_dots.py) both call."""
+(core/model/kernel_dots.py, core/model/kernel_wide.py) call."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ import numpy as np
 
 from ..paths import cache_dir
 
-KERNEL_SOURCES = ("kernel_base.py", "kernel_dots.py", "kernels.py", "kernel_q8.py")
+KERNEL_SOURCES = (
+    "kernel_base.py",
+    "kernel_dots.py",
+    "kernel_wide.py",
+    "kernels.py",
+    "kernel_q8.py",
+)
 
 
 def sources_digest() -> str:
@@ -182,6 +188,12 @@ _F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.floa
 def _f16t(w, o):
     """_f16 through _F16_TABLE (the same value)."""
     return _F16_TABLE[np.int32(w[o]) | (np.int32(w[o + 1]) << 8)]
+
+
+@_jit(inline="always")
+def _size32(code):
+    """Bytes per block of the 32-element types Q4_0, Q4_1, Q5_0, Q5_1."""
+    return 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
 
 
 @_jit()

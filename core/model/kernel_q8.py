@@ -3,7 +3,7 @@ dot instruction.
 
 The default products keep activations float32 and multiply every weight in float32
 (on AVX-512 about memory-bound since the K-quants' dots were written for it,
-kernel_dots.WIDE; 7-8 G weights/s per thread on Q4_K, compute-bound, before).
+kernel_wide.WIDE; 7-8 G weights/s per thread on Q4_K, compute-bound, before).
 llama.cpp
 instead rounds each run of activations to int8 with one float scale and multiplies the
 integer quants by the integer activations, four byte products summed per 32-bit lane

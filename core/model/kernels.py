@@ -27,7 +27,7 @@ its type's code, does three things:
   (core/model/kernel_dots.py). 1.7-2.4x the dequantize-then-dot kernel for one row on the 1B's
   matrices (step products 190 -> 100 ms on two threads, 2026-12-06). On a CPU with
   AVX-512 the Q4_K and Q6_K dots are written as LLVM IR, with a software prefetch
-  (kernel_dots.WIDE): 1.2-1.5x the numba dots on one thread, cache-hot, and one 1B
+  (kernel_wide.WIDE): 1.2-1.5x the numba dots on one thread, cache-hot, and one 1B
   token's products, each matrix read once from RAM, 113 -> 62-70 ms. So are Q5_K's
   (1.5-1.7x, one thread, cache-hot) and Q4_0, Q4_1 and Q8_0's (SmolLM2's Q4_1 rows
   1.2-1.4x, its Q8_0 output 1.7-2.1x; its decode 57-62 -> 74-82 tok/s, 2026-12-06).
@@ -84,15 +84,12 @@ from .kernel_base import (  # noqa: F401  (BLOCK and the type codes: this module
 from .kernel_dots import (
     DOT_TYPES,
     PAIR_TYPES,
-    ROW_LANES,
     SUMS_TYPES,
-    WIDE,
-    _dot_block_rows,
     _dot_rows,
     _dot_rows2,
-    _k_deq,
     _sums,
 )
+from .kernel_wide import ROW_LANES, WIDE, _dot_block_rows, _k_deq
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 PAIR_ROWS = 4  # rows of x the pair dots take (see _gemv_rows)
@@ -276,7 +273,7 @@ def _run_q3_k(w, e0, e1, out):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    if WIDE:  # the same operations, vectorized (kernel_dots._k_deq)
+    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
         for b in range((e1 - e0) // 256):
             _k_deq(Q4_K, w, (e0 // 256 + b) * 144, out, b * 256)
         return
@@ -332,7 +329,7 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    if WIDE:  # the same operations, vectorized (kernel_dots._k_deq)
+    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
         for b in range((e1 - e0) // 256):
             _k_deq(Q6_K, w, (e0 // 256 + b) * 210, out, b * 256)
         return
@@ -438,7 +435,7 @@ def _launch(code, op, w, ids, x, out, kc):
     n_x = x.shape[0] if op == SMALL else 0
     gemv = op == SMALL and code in DOT_TYPES and n_x <= _gemv_rows(code)
     # two to four rows of a K-quant with the 512-bit dots: each block unpacked once
-    # for all of them (kernel_dots._dot_block_rows). On the 1B's gate (Q4_K) and down
+    # for all of them (kernel_wide._dot_block_rows). On the 1B's gate (Q4_K) and down
     # (Q6_K) matrices, 2 threads: two rows 0.71-0.77 ms against 1.41-1.86 on the
     # dequantize-then-dot kernel, four 1.08-1.17 against 1.45-1.52; eight (two passes
     # of four, or one of eight) 2.3-3.3 against 2.1-2.2, so those keep that kernel

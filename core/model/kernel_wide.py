@@ -1,0 +1,600 @@
+"""The 512-bit dots (AVX-512): GGUF blocks times float32 activations written as LLVM IR
+through ``numba.extending.intrinsic``, for the types most models are made of (Q4_K, Q5_K,
+Q6_K; Q4_0, Q4_1, Q8_0). core/model/kernel_dots.py's ``_dot`` and core/model/kernels.py's
+launcher call them where numba compiles for AVX-512 (``WIDE``); elsewhere the numba
+loops of kernel_dots.py run, and every codegen here emits nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import literally, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .kernel_base import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    _jit,
+    _size32,
+    ir_at,
+    ir_fn,
+    ir_literal,
+    ir_prefetch,
+    target_has,
+)
+
+# ---- the 512-bit dots (AVX-512): the K-quants' blocks as LLVM IR ----
+#
+# The numba dots (kernel_dots.py) spend more than half their instructions on each block's head:
+# a Q4_K block's 8 scales and 8 mins unpacked one byte at a time (~150 scalar
+# instructions per 256 weights, against ~85 vector ones for the products). Here the
+# head is three 32-bit words and one vector conversion (llama.cpp's kmask unpacking);
+# Q6_K's, one int8 vector. A Q4_K low nibble's float value comes from a table: per
+# sub-block j, the 16 values d * scale_j * q (q = 0..15) in one register, indexed by
+# the nibbles with ``vpermps`` (which reads an index's low four bits only, so the low
+# nibbles need no mask), on the shuffle port; a high nibble is converted, on the FMA
+# port, so the two halves' work runs side by side. The values are the numba dot's:
+# (d * scale_j) * q rounded once, times x, summed in float32 (another order); the
+# mins through x's sums per 32. Written as IR because numba emits neither the permute
+# nor the word-level unpacking from a loop. The dequantizers below build their values
+# with gguf.quants' own operations, so they give its bits. Only where the target has
+# AVX-512 (WIDE): elsewhere the numba code runs, and these emit nothing.
+
+WIDE = target_has("avx512f")
+ACC_LANES = 8 * 16 + 8  # eight 16-lane sums (independent FMA chains), then the mins' 8
+
+_i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_V16F, _V16I, _V8F = ir.VectorType(_f32, 16), ir.VectorType(_i32, 16), ir.VectorType(_f32, 8)
+_V16B, _V32B = ir.VectorType(_i8, 16), ir.VectorType(_i8, 32)
+_V8I = ir.VectorType(_i32, 8)
+
+
+def _c(n):
+    return ir.Constant(_i32, n)
+
+
+def _splat(builder, vec, lane, vty):
+    """``vty`` with every lane = lane ``lane`` of ``vec``."""
+    n = vty.count
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, n), [lane] * n))
+
+
+def _half(builder, v, k, ext):
+    """Bytes 16k .. 16k + 16 of the <32 x i8> v as 16 int32 lanes (``ext``: zext/sext)."""
+    lanes = ir.Constant(_V16I, list(range(16 * k, 16 * k + 16)))
+    return ext(builder.shuffle_vector(v, v, lanes), _V16I)
+
+
+def _q4_k_head(builder, bp):
+    """A Q4_K block's head at bp: (16,) float lanes 0-7 d * scale_j, and (8,) dmin * min_j."""
+    hp = builder.bitcast(bp, ir.HalfType().as_pointer())
+    d = builder.fpext(builder.load(hp, align=1), _f32)
+    dmin = builder.fpext(builder.load(builder.gep(hp, [_c(1)]), align=1), _f32)
+    # the 12 scale bytes as three words: 6-bit scales and mins of sub-blocks 0-3, and
+    # the low four bits of 4-7, whose top two bits are 0-3's spare ones
+    up = builder.bitcast(builder.gep(bp, [_c(4)]), _i32.as_pointer())
+    u0, u1, u2 = (builder.load(builder.gep(up, [_c(k)]), align=1) for k in range(3))
+    k1, k2, k3 = _c(0x3F3F3F3F), _c(0x0F0F0F0F), _c(0x03030303)
+
+    def top2(u):  # the top two bits of u's four bytes, as bits 4-5
+        return builder.shl(builder.and_(builder.lshr(u, _c(6)), k3), _c(4))
+
+    words = [
+        builder.and_(u0, k1),  # scales 0-3
+        builder.or_(builder.and_(u2, k2), top2(u0)),  # scales 4-7
+        builder.and_(u1, k1),  # mins 0-3
+        builder.or_(builder.and_(builder.lshr(u2, _c(4)), k2), top2(u1)),  # mins 4-7
+    ]
+    v4 = ir.Constant(ir.VectorType(_i32, 4), None)
+    for k, wd in enumerate(words):
+        v4 = builder.insert_element(v4, wd, _c(k))
+    sm = builder.uitofp(builder.zext(builder.bitcast(v4, _V16B), _V16I), _V16F)  # (16,)
+    dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+    f = builder.fmul(sm, _splat(builder, dv, 0, _V16F))
+    mins = builder.shuffle_vector(sm, sm, ir.Constant(_V8I, list(range(8, 16))))
+    dm = builder.insert_element(ir.Constant(_V8F, None), dmin, _c(0))
+    return f, builder.fmul(mins, _splat(builder, dm, 0, _V8F))
+
+
+def _q6_k_head(builder, bp):
+    """A Q6_K block's head at bp: (16,) d * the scale of each run of 16."""
+    hp = builder.bitcast(builder.gep(bp, [_c(208)]), ir.HalfType().as_pointer())
+    d = builder.fpext(builder.load(hp, align=1), _f32)
+    sp = builder.bitcast(builder.gep(bp, [_c(192)]), _V16B.as_pointer())
+    sc = builder.sitofp(builder.sext(builder.load(sp, align=1), _V16I), _V16F)  # (16,)
+    dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+    return builder.fmul(sc, _splat(builder, dv, 0, _V16F))
+
+
+def _q6_k_runs(builder, bp):
+    """A Q6_K block's 8 runs of 32 values (-32..31) as <32 x i8>, run 4j + r at x
+    offset 128j + 32r, its scales 8j + 2r (first 16) and 8j + 2r + 1."""
+
+    def load32(at):
+        p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
+        return builder.load(p, align=1)
+
+    def bytes_(n):
+        return ir.Constant(_V32B, [n] * 32)
+
+    runs = []
+    for j in range(2):  # halves of 128: ql 64 bytes, qh 32
+        ql0, ql1, qh = load32(64 * j), load32(64 * j + 32), load32(128 + 32 * j)
+        lows = (
+            builder.and_(ql0, bytes_(15)),
+            builder.and_(ql1, bytes_(15)),
+            builder.lshr(ql0, bytes_(4)),
+            builder.lshr(ql1, bytes_(4)),
+        )
+        for r in range(4):  # run r of 32: its two high bits at bit 2r of qh
+            hi = builder.and_(builder.lshr(qh, bytes_(2 * r)) if r else qh, bytes_(3))
+            runs.append(builder.sub(builder.or_(lows[r], builder.shl(hi, bytes_(4))), bytes_(32)))
+    return runs
+
+
+def _k_open(context, builder, sig, args):
+    """What the one-row Q4_K and Q5_K dots (_q4_k_wide, _q5_k_wide: the same head) do
+    first: the block's pointer (prefetched ahead); its head's scales f (lanes 0-7
+    d * scale_j); dmin * m_j * xs[xo/32 + j] added to acc[128:136]; x's pointer at xo;
+    and the pointers of the eight 16-lane sums in acc."""
+    wt, _, xt, _, xst, acct = sig.args
+    w_, o_, x_, xo_, xs_, acc_ = args
+    bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+    ir_prefetch(builder, bp)
+    f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
+    xsp = ir_at(context, builder, xst, xs_, builder.udiv(xo_, ir.Constant(xo_.type, 32)), _V8F)
+    accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+    fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
+    mp = builder.bitcast(builder.gep(accp, [_c(128)]), _V8F.as_pointer())
+    m = builder.call(fma8, [mins, builder.load(xsp, align=4), builder.load(mp, align=4)])
+    builder.store(m, mp, align=4)
+    xp = ir_at(context, builder, xt, x_, xo_, _f32)
+    ap = [builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)]
+    return bp, f, xp, ap
+
+
+@intrinsic
+def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
+    """The Q4_K block at byte o of row w times x[xo : xo + 256]: the products added to
+    acc[:128] (eight 16-lane sums, one per sub-block), dmin * m_j * xs[xo/32 + j] to
+    acc[128:136]."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
+        bp, f, xp, ap = _k_open(context, builder, sig, args)
+        # the products: sub-block 2p in the low nibbles of bytes 16 + 32p .. + 32, 2p + 1
+        # in the high ones; their x at xo + 64p and xo + 64p + 32
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
+        iota = ir.Constant(_V16F, [float(k) for k in range(16)])
+        accs = [builder.load(p, align=4) for p in ap]
+
+        def x16(at):  # x[xo + at : xo + at + 16]
+            p = builder.bitcast(builder.gep(xp, [_c(at)]), _V16F.as_pointer())
+            return builder.load(p, align=4)
+
+        for p in range(4):
+            qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
+            q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+            # the low nibbles: d * scale * q from a table (vpermps reads an index's low
+            # four bits: no mask), on the shuffle port
+            lo = 2 * p
+            table = builder.fmul(_splat(builder, f, lo, _V16F), iota)  # (16,) d*sc*(0..15)
+            t = None
+            for k in range(2):
+                vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])  # (16,)
+                xv = x16(64 * p + 16 * k)
+                t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
+            accs[lo] = builder.fadd(accs[lo], t)
+            # the high nibbles: converted (vcvtdq2ps, on the FMA port), summed, then
+            # scaled once. Splitting the work between the two ports measured 1.5x the
+            # numba dot, against 1.35x with tables or conversions alone (one thread,
+            # 1024 rows of the 1B's gate matrix in cache, 2026-12-06)
+            hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
+            t = None
+            for k in range(2):
+                vals = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)  # (16,) q
+                xv = x16(64 * p + 32 + 16 * k)
+                t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
+            sc = _splat(builder, f, lo + 1, _V16F)
+            accs[lo + 1] = builder.call(fma, [sc, t, accs[lo + 1]])
+        for p, a in zip(ap, accs):
+            builder.store(a, p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, x, xo, xs, acc), codegen
+
+
+@_jit(fastmath=True)
+def _dot_k_wide(code, w, x, xs, acc):
+    """_dot_q4_k or _dot_q5_k (``code``) through _q4_k_wide or _q5_k_wide; ``acc``:
+    ACC_LANES floats of scratch."""
+    literally(code)
+    for i in range(ACC_LANES):
+        acc[i] = 0.0
+    for b in range(x.shape[0] // 256):
+        if code == Q4_K:
+            _q4_k_wide(w, b * 144, x, b * 256, xs, acc)
+        else:
+            _q5_k_wide(w, b * 176, x, b * 256, xs, acc)
+    s = np.float32(0.0)
+    for i in range(128):
+        s += acc[i]
+    m = np.float32(0.0)
+    for i in range(128, ACC_LANES):
+        m += acc[i]
+    return s - m
+
+
+@intrinsic
+def _q6_k_wide(typingctx, w, o, x, xo, acc):
+    """The Q6_K block at byte o of row w times x[xo : xo + 256], added to acc[:128]
+    (eight 16-lane sums)."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
+        wt, _, xt, _, acct = sig.args
+        w_, o_, x_, xo_, acc_ = args
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+        ir_prefetch(builder, bp)
+        s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        xp = ir_at(context, builder, xt, x_, xo_, _f32)
+        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+        ap = [
+            builder.bitcast(builder.gep(accp, [_c(16 * j)]), _V16F.as_pointer()) for j in range(8)
+        ]
+        accs = [builder.load(p, align=4) for p in ap]
+
+        for n, v in enumerate(_q6_k_runs(builder, bp)):
+            j, r = divmod(n, 4)
+            for k in range(2):  # 16 weights, one scale
+                vals = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)  # (16,) q
+                xq = builder.gep(xp, [_c(128 * j + 32 * r + 16 * k)])
+                t = builder.fmul(
+                    vals, builder.load(builder.bitcast(xq, _V16F.as_pointer()), align=4)
+                )
+                sk = _splat(builder, s, 8 * j + 2 * r + k, _V16F)
+                i = (2 * n + k) % 8
+                accs[i] = builder.call(fma, [sk, t, accs[i]])
+        for p, a in zip(ap, accs):
+            builder.store(a, p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, x, xo, acc), codegen
+
+
+@_jit(fastmath=True)
+def _dot_q6_k_wide(w, x, xs, acc):
+    """_dot_q6_k through _q6_k_wide; ``acc``: ACC_LANES floats of scratch."""
+    for i in range(128):
+        acc[i] = 0.0
+    for b in range(x.shape[0] // 256):
+        _q6_k_wide(w, b * 210, x, b * 256, acc)
+    s = np.float32(0.0)
+    for i in range(128):
+        s += acc[i]
+    return s
+
+
+@intrinsic(prefer_literal=True)
+def _k_deq(typingctx, code, w, o, out, oo):
+    """The Q4_K or Q6_K (``code``, a constant) block at byte o of row w dequantized into
+    out[oo : oo + 256] with gguf.quants' own float32 operations, so its bits: Q4_K
+    (d * scale_j) * q - dmin * m_j, per sub-block j a 16-entry table of those values
+    indexed by the nibbles; Q6_K (d * scale) * q."""
+    kind = ir_literal(code)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in (Q4_K, Q6_K):  # never called (kernels' _run_q4_k and
+            return context.get_dummy_value()  # _run_q6_k branch on WIDE): emit nothing
+        wt, _, outt, _ = sig.args[1:]
+        w_, o_, out_, oo_ = args[1:]
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        op = ir_at(context, builder, outt, out_, oo_, _f32)
+
+        def put(vals, at):  # out[oo + at : oo + at + 16] = vals
+            dst = builder.bitcast(builder.gep(op, [_c(at)]), _V16F.as_pointer())
+            builder.store(vals, dst, align=4)
+
+        if kind == Q6_K:
+            s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+            for n, v in enumerate(_q6_k_runs(builder, bp)):
+                j, r = divmod(n, 4)
+                for k in range(2):  # 16 values, one scale
+                    q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
+                    put(builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F)),
+                        128 * j + 32 * r + 16 * k)  # fmt: skip
+            return context.get_dummy_value()
+        f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
+        permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
+        iota = ir.Constant(_V16F, [float(k) for k in range(16)])
+        for p in range(4):
+            qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
+            q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+            for h in range(2):  # low nibbles: sub-block 2p; high: 2p + 1
+                j = 2 * p + h
+                # no FMA: a product rounded, then the difference, as numpy does
+                a = builder.fmul(_splat(builder, f, j, _V16F), iota)
+                table = builder.fsub(a, _splat(builder, mins, j, _V16F))  # (16,)
+                nib = q if h == 0 else builder.lshr(q, ir.Constant(_V32B, [4] * 32))
+                for k in range(2):
+                    vals = builder.call(permvar, [table, _half(builder, nib, k, builder.zext)])
+                    put(vals, 64 * p + 32 * h + 16 * k)
+        return context.get_dummy_value()
+
+    return types.none(code, w, o, out, oo), codegen
+
+
+ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8
+
+
+@intrinsic(prefer_literal=True)
+def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
+    """The Q4_K or Q6_K (``code``) block at byte o of row w times x[t + i, xo : xo + 256]
+    for i < n_rows (1, 2 or 4; ``code`` and ``n_rows`` constants). The block is
+    unpacked once and each weight's value d * scale * q made once, for every row; row
+    i's products go to acc[i, :32] (two 16-lane sums), Q4_K's mins
+    dmin * m_j * xs[t + i, xo/32 + j] to acc[i, 32:40]."""
+    kind, nr = ir_literal(code), ir_literal(n_rows)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in (Q4_K, Q6_K):  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[7], sig.args[8]
+        w_, o_, x_, t_, xo_, xs_, acc_ = args[2:]
+        tt = t_.type  # the LLVM integer type of row numbers
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+        ir_prefetch(builder, bp)
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        xa = context.make_array(xt)(context, builder, x_)
+        acca = context.make_array(acct)(context, builder, acc_)
+        zero = ir.Constant(tt, 0)
+        rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
+        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
+        aps = [
+            cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
+            for i in range(nr)
+        ]  # row i's lanes in acc
+
+        def vec(ptr, at, vty):  # vty at float ``at`` past ptr
+            return builder.bitcast(builder.gep(ptr, [_c(at)]), vty.as_pointer())
+
+        accs = [[builder.load(vec(a, 16 * k, _V16F), align=4) for k in range(2)] for a in aps]
+
+        def feed(vals, at, k):  # every row: sum k += vals * x[row, xo + at : + 16]
+            for i in range(nr):
+                xv = builder.load(vec(xps[i], at, _V16F), align=4)
+                accs[i][k] = builder.call(fma, [vals, xv, accs[i][k]])
+
+        if kind == Q4_K:
+            f, mins = _q4_k_head(builder, bp)
+            fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
+            xsa = context.make_array(xst)(context, builder, xs_)
+            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+            for i in range(nr):
+                xsp = cgutils.get_item_pointer(context, builder, xst, xsa, [rows[i], col])
+                xsv = builder.load(builder.bitcast(xsp, _V8F.as_pointer()), align=4)
+                mp = vec(aps[i], 32, _V8F)
+                m = builder.call(fma8, [mins, xsv, builder.load(mp, align=4)])
+                builder.store(m, mp, align=4)  # a float's alignment: acc may be anywhere
+            permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
+            iota = ir.Constant(_V16F, [float(k) for k in range(16)])
+            for p in range(4):
+                qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
+                q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+                table = builder.fmul(_splat(builder, f, 2 * p, _V16F), iota)  # d*sc*(0..15)
+                for k in range(2):
+                    vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])
+                    feed(vals, 64 * p + 16 * k, k)
+                hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
+                sc = _splat(builder, f, 2 * p + 1, _V16F)
+                for k in range(2):
+                    q16 = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)
+                    feed(builder.fmul(q16, sc), 64 * p + 32 + 16 * k, k)
+        else:
+            s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
+            for n, v in enumerate(_q6_k_runs(builder, bp)):
+                j, r = divmod(n, 4)
+                for k in range(2):  # 16 weights, one scale
+                    q16 = builder.sitofp(_half(builder, v, k, builder.sext), _V16F)
+                    vals = builder.fmul(q16, _splat(builder, s, 8 * j + 2 * r + k, _V16F))
+                    feed(vals, 128 * j + 32 * r + 16 * k, k)
+        for i in range(nr):
+            for k in range(2):
+                builder.store(accs[i][k], vec(aps[i], 16 * k, _V16F), align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, n_rows, w, o, x, t, xo, xs, acc), codegen
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_block_rows(code, nr, w, x, xs, t, y, r, acc):
+    """y[t + i, r] = w . x[t + i] for i < nr (1, 2 or 4, a constant), w one row of a
+    Q4_K or Q6_K matrix, x (T, in); ``acc``: (4, ROW_LANES) float32 scratch. The
+    K-quants' route for 2 to 16 rows of x (a batch of mixes, A/B compare) where WIDE:
+    each block is unpacked once for up to four rows, where the dequantize-then-dot
+    kernel writes every weight to a buffer and reads it back per row."""
+    for i in range(nr):
+        for k in range(ROW_LANES):
+            acc[i, k] = 0.0
+    size = 144 if code == Q4_K else 210
+    for b in range(x.shape[1] // 256):
+        _k_block_rows(code, nr, w, b * size, x, t, b * 256, xs, acc)
+    for i in range(nr):
+        s = np.float32(0.0)
+        for k in range(32):
+            s += acc[i, k]
+        m = np.float32(0.0)
+        for k in range(32, ROW_LANES):
+            m += acc[i, k]
+        y[t + i, r] = s - m
+
+
+@intrinsic
+def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
+    """The Q5_K block at byte o of row w times x[xo : xo + 256]: acc as _q4_k_wide's
+    (eight 16-lane sums, one per sub-block; dmin * m_j * xs[xo/32 + j] in acc[128:136]).
+    Q5_K is Q4_K with a fifth bit per weight: sub-block j's in bit j of the 32 bytes
+    qh. Its values (0..31) are converted, summed against x, and scaled once per
+    sub-block (a 16-entry table, as Q4_K's low nibbles take, would need 32 here)."""
+
+    def codegen(context, builder, sig, args):
+        if not WIDE:  # never called there (_dot branches on WIDE): emit no AVX-512
+            return context.get_dummy_value()
+        bp, f, xp, ap = _k_open(context, builder, sig, args)
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        accs = [builder.load(p, align=4) for p in ap]
+
+        def load32(at):
+            p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
+            return builder.load(p, align=1)
+
+        def bytes_(n):
+            return ir.Constant(_V32B, [n] * 32)
+
+        qh = load32(16)  # (32,) bit j of byte i: element i of sub-block j's fifth bit
+        for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
+            q = load32(48 + 32 * p)
+            for h in range(2):
+                j = 2 * p + h
+                nib = builder.and_(q, bytes_(15)) if h == 0 else builder.lshr(q, bytes_(4))
+                bit = builder.and_(builder.lshr(qh, bytes_(j)) if j else qh, bytes_(1))
+                v = builder.or_(nib, builder.shl(bit, bytes_(4)))  # (32,) 0..31
+                t = None
+                for k in range(2):
+                    vals = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)  # (16,) q
+                    pk = builder.bitcast(builder.gep(xp, [_c(32 * j + 16 * k)]), _V16F.as_pointer())
+                    xv = builder.load(pk, align=4)
+                    t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
+                accs[j] = builder.call(fma, [_splat(builder, f, j, _V16F), t, accs[j]])
+        for p, a in zip(ap, accs):
+            builder.store(a, p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, o, x, xo, xs, acc), codegen
+
+
+# ---- the 32-element types and Q8_0 as IR (AVX-512) ----
+#
+# SmolLM2's Q4_1 rows are 576 and 1536 wide: 18 and 48 blocks of 20 bytes, and its
+# decode step is ~80% products (py-spy). The numba dots above took its rows at 7-8 and
+# 9.5-9.8 G weights/s, Q8_0 at 6-7 and 10 (one thread, cache-hot); these take them at
+# 8.7-10.6 and 11.5-13.2, Q8_0 at 10-14 and 14-18 (random blocks of SmolLM2's shapes,
+# the two interleaved by process, 2026-12-06). Here a block's 16 bytes of nibbles become two
+# 16-lane int32 vectors (zero-extended, masked or shifted) and are converted; their
+# products with x are summed in a vector, and that sum is scaled by d once per block.
+# Four blocks a call, into one 16-lane sum: a block's own work outlasts the FMA's
+# latency, and four sums cost a 64-lane horizontal sum a row, which LLVM did lane by
+# lane (1.6x slower on 576-wide rows than the numba dot, measured). Values:
+# d * (sum of q * x), which is the numba dot's (d * q) * x in another order; the
+# mins (Q4_1) through x's sums per block, as there.
+
+DOT32_LANES = 16 + 1  # per row of x: a 16-lane sum, then Q4_1's mins (_dot_32_wide)
+
+
+@intrinsic(prefer_literal=True)
+def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
+    """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1 or Q8_0) from byte o
+    of row w, times x[xo : xo + 32 * n_blocks] and, for ``n_rows`` 2, y's too (all three
+    constants): block k's d * (q . x) added to acc[:16], Q4_1's m * xs[xo / 32 + k] to
+    acc[16]; y's to acc[17:33] and acc[33]. Each block is unpacked once for both rows."""
+    kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in (Q4_0, Q4_1, Q8_0):  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, yt, xst, yst, acct = (sig.args[k] for k in (3, 5, 6, 8, 9, 10))
+        w_, o_, x_, y_, xo_, xs_, ys_, acc_ = args[3:]
+        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the first block's first byte
+        ir_prefetch(builder, bp)
+        xps = [ir_at(context, builder, t, a, xo_, _f32) for t, a in ((xt, x_), (yt, y_))][:nr]
+        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
+        aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
+        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+        size, at = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}[kind]  # bytes; q's offset
+        hp = ir.HalfType().as_pointer()
+
+        def x16(i, at):  # row i's x[xo + at : xo + at + 16]
+            p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
+            return builder.load(p, align=4)
+
+        def q16(off):  # 16 bytes of the block at off
+            p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
+            return builder.load(p, align=1)
+
+        mins, sums = [None] * nr, []
+        if kind == Q4_1:  # each row's sums over these blocks
+            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+            for t, a in ((xst, xs_), (yst, ys_))[:nr]:
+                p0 = ir_at(context, builder, t, a, col, _f32)
+                sums.append([builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)])
+        for k in range(nb):
+            b0 = k * size
+            d = builder.fpext(
+                builder.load(builder.bitcast(builder.gep(bp, [_c(b0)]), hp), align=1), _f32
+            )
+            if kind == Q8_0:  # 32 int8
+                halves = [builder.sext(q16(b0 + at + 16 * h), _V16I) for h in range(2)]
+            else:  # 16 bytes: elements i in the low nibbles, 16 + i in the high
+                q = q16(b0 + at)
+                lo = builder.and_(q, ir.Constant(_V16B, [15] * 16))
+                hi = builder.lshr(q, ir.Constant(_V16B, [4] * 16))
+                if kind == Q4_0:  # -8..7
+                    eight = ir.Constant(_V16B, [8] * 16)
+                    halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
+                else:
+                    halves = [builder.zext(v, _V16I) for v in (lo, hi)]
+            vals = [builder.sitofp(h, _V16F) for h in halves]  # (16,) q, twice
+            dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
+            ds = _splat(builder, dv, 0, _V16F)
+            for i in range(nr):
+                t = builder.fmul(vals[0], x16(i, 32 * k))
+                t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
+                ap = builder.bitcast(aps[i], _V16F.as_pointer())
+                builder.store(builder.call(fma, [ds, t, builder.load(ap, align=4)]), ap, align=4)
+            if kind == Q4_1:  # m * (the sum of x over the block)
+                mh = builder.bitcast(builder.gep(bp, [_c(b0 + 2)]), hp)
+                m = builder.fpext(builder.load(mh, align=1), _f32)
+                for i in range(nr):
+                    mx = builder.fmul(m, sums[i][k])
+                    mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
+        for i in range(nr if kind == Q4_1 else 0):  # one add a call: a chain through
+            mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
+            builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc), codegen
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
+    """_dot_32 and _dot_q8_0 (``code`` Q4_0, Q4_1 or Q8_0) through _b32_wide, four
+    blocks a call, for x alone (``nr`` 1: y is not read) or x and y (2); returns the
+    two dots (the second 0 for one row). ``acc``: nr * DOT32_LANES floats of scratch."""
+    for i in range(nr * DOT32_LANES):
+        acc[i] = 0.0
+    bs = 34 if code == Q8_0 else _size32(code)
+    nb = x.shape[0] // 32
+    b = 0
+    while b + 4 <= nb:
+        _b32_wide(code, 4, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
+        b += 4
+    while b < nb:
+        _b32_wide(code, 1, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
+        b += 1
+    s = np.float32(0.0)
+    for i in range(16):
+        s += acc[i]
+    s2 = np.float32(0.0)
+    if nr == 2:
+        for i in range(DOT32_LANES, DOT32_LANES + 16):
+            s2 += acc[i]
+        s2 += acc[DOT32_LANES + 16]
+    return s + acc[16], s2
