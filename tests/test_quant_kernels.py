@@ -292,35 +292,21 @@ import json
 import numpy as np
 from gguf import quants
 from gguf import GGMLQuantizationType as Q
-from core.model import kernel_dots, kernel_wide
+from core.model import kernel_wide
 from core.model.quant import QuantMatrix
 from tests.tiny_gguf import random_matrix
 
-def bound(x, ref):  # |x| . |w| per output: the scale of the rounding
-    return np.abs(x.astype(np.float64)) @ np.abs(ref).T
-
 errs = {}
-for qt in (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_1, Q.Q8_0):
+for qt in (Q.Q4_K, Q.Q6_K):
     rng = np.random.default_rng(int(qt))
     data = random_matrix(qt, 37, 3 * 256, rng)  # (37, row bytes)
     ref = quants.dequantize(data, qt).reshape(37, 768).astype(np.float64)
-    x = rng.standard_normal((2, 768)).astype(np.float32)
-    if qt in (Q.Q4_K, Q.Q6_K):  # through the product: the decode dot; a few rows
-        m = QuantMatrix(qt, data, (37, 768))
-        for t in (1, 3):
-            xt = rng.standard_normal((t, 768)).astype(np.float32)
-            err = np.abs(m.matmul(xt) - xt.astype(np.float64) @ ref.T) / bound(xt, ref)
-            errs[f"{qt.name} T={t}"] = float(err.max())
-        continue
-    # the other types' dots called directly (compiling their parallel launchers for a
-    # second CPU took ~35 s each): one row, and Q4_1's pair of rows
-    xs = x.reshape(2, -1, 32).sum(axis=2, dtype=np.float32)  # (2, 24) sums per 32
-    y = np.zeros((2, 37), dtype=np.float32)
-    kernel_dots._dot_rows(int(qt), data, x[0], xs[0], y[0], 0, 37)
-    errs[f"{qt.name} T=1"] = float((np.abs(y[0] - ref @ x[0]) / bound(x[:1], ref)[0]).max())
-    if qt == Q.Q4_1:
-        kernel_dots._dot_rows2(int(qt), data, x[0], x[1], xs[0], xs[1], y[0], y[1], 0, 37)
-        errs[f"{qt.name} T=2"] = float((np.abs(y - x.astype(np.float64) @ ref.T) / bound(x, ref)).max())
+    m = QuantMatrix(qt, data, (37, 768))
+    for t in (1, 3):  # the decode dot; a few rows
+        x = rng.standard_normal((t, 768)).astype(np.float32)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(ref).T
+        err = np.abs(m.matmul(x) - x.astype(np.float64) @ ref.T) / scale
+        errs[f"{qt.name} T={t}"] = float(err.max())
 print(json.dumps({"wide": kernel_wide.WIDE, "errs": errs}))
 """
 
@@ -330,7 +316,9 @@ def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
     (kernel_wide.WIDE). Compiled for a CPU without it (numba's generic x86-64, as a
     portable build would be), where LLVM could not lower one AVX-512 instruction, the
     products take the numba dots and the dequantize-then-dot kernel instead, and are
-    as exact."""
+    as exact. Checked on Q4_K and Q6_K: the other types take the same ``if WIDE``
+    branches of kernel_dots._dot and _dot_rows2, and compiling their dots a second time
+    for this CPU added 80-100 s to the suite (measured, 2026-12-06)."""
     import os
     import subprocess
     import sys
@@ -349,7 +337,7 @@ def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["wide"] is False
-    assert len(got["errs"]) == 8
+    assert len(got["errs"]) == 4
     assert all(e < TOL for e in got["errs"].values()), got
 
 
