@@ -217,6 +217,67 @@ def test_warm_up_reports_time_and_progress():
     assert took >= 0 and seen == [0.5, 1.0]
 
 
+def test_warm_up_hands_a_cancel_back_to_its_caller():
+    """warm_up runs on a thread of its own; a progress callback that raises (a
+    cancelled load) still stops it, with that exception, in the caller."""
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(frac):
+        raise Cancelled(frac)
+
+    with pytest.raises(Cancelled):
+        quant.warm_up(["Q4_K"], progress=cancel)
+
+
+_LOAD_THEN_LAUNCH = """
+import json, os, sys, threading
+import numpy as np
+from core.options import EngineOptions
+from core.serve.engine import Engine
+
+def threads():  # the process's OS threads that Python did not start: OpenMP's workers
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+eng = Engine(EngineOptions(weights="quantized", threads=2, n_parallel=1, draft_max=0))
+before = threads()
+eng.load_model(sys.argv[1])  # on this thread, as the headless server and benches do
+loaded = threads()
+w = eng.model.w.layers[0].w_gate_up
+w.matmul(np.ones((1, w.shape[1]), dtype=np.float32))  # a product on this same thread
+launched = threads()
+print(json.dumps({"before": before, "loaded": loaded, "launched": launched}))
+"""
+
+
+def test_a_load_leaves_no_kernel_threads_behind(smollm_path):
+    """Regression: the load's kernel warm-up ran on the loading thread, and numba's
+    OpenMP layer kept that thread's team of workers alive beside the engine thread's.
+    With more workers than cores libgomp stops letting idle workers spin, so every
+    product of a decode step waited for one to wake: SmolLM2 decoded 10.2-10.8 ms a
+    token on the engine thread, 8.0-8.4 once the warm-up ran on a passing thread.
+    In a fresh process: after the load, no new thread is left; a product on the same
+    thread does leave its team (so the count would see one)."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("counts threads through Linux's /proc")
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD_THEN_LAUNCH, str(smollm_path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**__import__("os").environ, "NUMBA_NUM_THREADS": "2"},
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == got["before"], got
+    assert got["launched"] > got["loaded"], got
+
+
 def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
     """Compiled kernels are cached in cache_dir()/numba (or the NUMBA_CACHE_DIR the
     user set), in a folder named by the kernels' sources, so that an update of a

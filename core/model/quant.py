@@ -24,6 +24,15 @@ Threads: the kernels run on numba's threads, ``set_threads(n)`` of them (the
 model's -t). Calls from several Python threads are serialised by one lock: the
 kernels use every core anyway, and numba's fallback thread pool ("workqueue")
 must never be entered twice at once (it aborts the process).
+
+Kernels run from one long-lived thread, the engine's. numba's OpenMP layer (GNU
+libgomp) keeps a team of worker threads for every thread that ever launched a
+parallel kernel, until that thread ends; with more such workers than CPUs, libgomp
+cuts the time an idle worker spins before it sleeps to a hundred turns, and each of a
+token's ~210 launches (SmolLM2) then waits for a worker to wake. A load on the main
+thread left its team behind, and SmolLM2 decoded on the engine thread at 10.2-10.8
+ms a token instead of 8.0-8.4 (2 cores, 2026-12-06). So the load's kernel work
+(``warm_up``) runs on a thread of its own that ends with it (``on_passing_thread``).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -43,6 +53,7 @@ from ..gguf.reader import GGUFError
 from ..options import ACTIVATION_MODES
 
 T = GGMLQuantizationType
+R = TypeVar("R")
 
 # types served by the compiled kernels (F32 by numpy); any other (IQ*, TQ*, MXFP4)
 # takes the model's float32 path
@@ -462,6 +473,26 @@ class FusedMatrix:
         return y[0] if vec else y
 
 
+def on_passing_thread(fn: Callable[[], R]) -> R:
+    """``fn()`` run on a new thread that ends when it returns; its result, or its
+    exception raised here. The OpenMP team of any kernel ``fn`` launches ends with that
+    thread (see the module docstring), instead of staying beside the engine's."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="mixdesk-kernel-warm-up", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def warm_up(
     qtypes: Iterable[int | str | GGMLQuantizationType],
     progress: Callable[[float], None] | None = None,
@@ -482,6 +513,12 @@ def warm_up(
     ``activations`` ("f32", or "q8" in force): the products a model so loaded runs."""
     t0 = time.perf_counter()
     todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
+    on_passing_thread(lambda: _warm(todo, progress, helpers, activations))
+    return time.perf_counter() - t0
+
+
+def _warm(todo: list, progress: Callable[[float], None] | None, helpers: bool, activations: str):
+    """warm_up's work, on the thread it makes for it."""
     cold = [qt for qt in todo if not _cached(qt, activations)]
     spawned = _compile_elsewhere(cold, activations) if helpers else {}
     try:
@@ -504,7 +541,6 @@ def warm_up(
             if proc.poll() is None:  # cancelled: a helper must not outlive the load
                 proc.kill()
             proc.wait()
-    return time.perf_counter() - t0
 
 
 def _cached(qt: GGMLQuantizationType, activations: str = "f32") -> bool:
