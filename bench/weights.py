@@ -117,27 +117,48 @@ def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
         ids, _ = bench_adapters(eng, Path(tmp))
         scales = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)
         mixes = [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(scales)]
-        done, finished = [], threading.Event()
 
-        def on_event(ev):
-            if ev.kind == "done":
-                done.append(ev)
-                if len(done) == len(mixes):
-                    finished.set()
+        def streams(mixes_: list) -> tuple[float, float]:
+            """Aggregate tok/s of one stream per mix, submitted at once: (wall clock from
+            submission to the last token, the 16-token prompts included; decode only:
+            the tokens over the longest stream's decode time, as one stream's decode
+            figure is timed, llama.cpp's batched-bench S_TG)."""
+            done, finished = [], threading.Event()
+
+            def on_event(ev):
+                if ev.kind == "done":
+                    done.append(ev)
+                    if len(done) == len(mixes_):
+                        finished.set()
+
+            t = time.perf_counter()
+            for k, m in enumerate(mixes_):
+                p = prompt_tokens(16 + k, vocab)[k:]
+                eng.submit(
+                    p,
+                    SamplingParams(n_predict=n_dec, **GREEDY),
+                    on_event,
+                    mix=m,
+                    cache_prompt=False,
+                )
+            finished.wait()
+            n = sum(d.timings.predicted_n for d in done)
+            busy = max(d.timings.predicted_ms for d in done) / 1e3
+            return n / (time.perf_counter() - t), n / busy
 
         for m in mixes:  # build the mixes first: their build is not decode time
             eng.complete(short, SamplingParams(n_predict=1, **GREEDY), mix=m, cache_prompt=False)
-        t = time.perf_counter()
-        for k, m in enumerate(mixes):
-            p = prompt_tokens(16 + k, vocab)[k:]
-            eng.submit(
-                p, SamplingParams(n_predict=n_dec, **GREEDY), on_event, mix=m, cache_prompt=False
-            )
-        finished.wait()
-        agg = sum(d.timings.predicted_n for d in done) / (time.perf_counter() - t)
-        alone = one(short, n_dec)
-        out["streams8_tok_s"] = agg
-        out["streams8_ratio"] = agg / (alone.predicted_n / (alone.predicted_ms / 1e3))
+        # the ratio's two sides are timed alike, in the same minute: one stream through
+        # the same submission (its prompt included) right after the 8, best of 2 each
+        (wall8, dec8), (wall1, dec1) = (0.0, 0.0), (0.0, 0.0)
+        for _ in range(2):
+            w8, d8 = streams(mixes)
+            w1, d1 = streams(mixes[:1])
+            wall8, dec8, wall1, dec1 = max(wall8, w8), max(dec8, d8), max(wall1, w1), max(dec1, d1)
+        out["streams8_tok_s"] = wall8
+        out["streams8_ratio"] = wall8 / wall1
+        out["streams8_decode_tok_s"] = dec8
+        out["streams8_decode_ratio"] = dec8 / dec1
     eng.stop()
     return out
 
@@ -237,9 +258,12 @@ def report(model: Path, sides: dict[str, dict]) -> None:
                     line += f" | {other} {v:8.1f} {unit} ({mine} = {m[key] / v:.2f}x)"
             print(line)
         line = f"{'8 streams x 8 mixes':<24} {mine} {m['streams8_tok_s']:8.1f} tok/s = "
-        line += f"{m['streams8_ratio']:.2f}x one stream"
+        line += f"{m['streams8_ratio']:.2f}x one stream timed alike (prompts included)"
         if "f32" in sides and mine == "quantized":
-            line += f" | f32 {sides['f32']['streams8_ratio']:.2f}x one stream"
+            line += f" | f32 {sides['f32']['streams8_ratio']:.2f}x"
+        print(line)
+        line = f"{'  decode only':<24} {mine} {m['streams8_decode_tok_s']:8.1f} tok/s = "
+        line += f"{m['streams8_decode_ratio']:.2f}x one stream's decode"
         print(line)
 
 
