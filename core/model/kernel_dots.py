@@ -423,7 +423,7 @@ def _dot_rows2(code, w, x, y, xs, ys, out_x, out_y, r0, r1):
     literally(code)
     acc = np.empty(64, dtype=np.float32)  # both rows' partial sums
     for r in range(r0, r1):
-        if WIDE and code != Q5_0 and code != Q5_1:
+        if WIDE:
             out_x[r], out_y[r] = _dot_32_wide(code, 2, w[r], x, y, xs, ys, acc)
         elif code == Q8_0:
             out_x[r], out_y[r] = _dot_q8_0x2(w[r], x, y, acc)
@@ -435,27 +435,21 @@ def _dot_rows2(code, w, x, y, xs, ys, out_x, out_y, r0, r1):
 def _dot(code, w, x, xs, acc):
     """Row w of type ``code`` (one of DOT_TYPES) dotted with x. Inlined into
     _dot_rows, where ``code`` is a constant, so only its branch is left."""
-    if code == Q4_K:
-        if WIDE:
+    if WIDE:  # the 512-bit IR dots (kernel_wide.py)
+        if code == Q4_K or code == Q5_K:
             return _dot_k_wide(code, w, x, xs, acc)
+        if code == Q6_K:
+            return _dot_q6_k_wide(w, x, xs, acc)
+        return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]  # Q8_0, Q4_0 .. Q5_1
+    if code == Q4_K:
         return _dot_q4_k(w, x, xs, acc)
     elif code == Q5_K:
-        if WIDE:
-            return _dot_k_wide(code, w, x, xs, acc)
         return _dot_q5_k(w, x, xs, acc)
     elif code == Q6_K:
-        if WIDE:
-            return _dot_q6_k_wide(w, x, xs, acc)
         return _dot_q6_k(w, x, xs, acc)
     elif code == Q8_0:
-        if WIDE:
-            return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]
         return _dot_q8_0(w, x, xs, acc)
-    elif code == Q4_0 or code == Q4_1:
-        if WIDE:
-            return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]
-        return _dot_32(code, w, x, xs, acc)
-    elif code == Q5_0 or code == Q5_1:
+    elif code == Q4_0 or code == Q4_1 or code == Q5_0 or code == Q5_1:
         return _dot_32(code, w, x, xs, acc)
     return np.float32(0.0)
 

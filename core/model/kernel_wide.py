@@ -16,6 +16,9 @@ from .kernel_base import (
     Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
     Q6_K,
     Q8_0,
     _jit,
@@ -55,6 +58,11 @@ _V8I = ir.VectorType(_i32, 8)
 
 def _c(n):
     return ir.Constant(_i32, n)
+
+
+def _b32(n):
+    """32 bytes, each n."""
+    return ir.Constant(_V32B, [n] * 32)
 
 
 def _splat(builder, vec, lane, vty):
@@ -285,15 +293,15 @@ def _dot_q6_k_wide(w, x, xs, acc):
 
 @intrinsic(prefer_literal=True)
 def _k_deq(typingctx, code, w, o, out, oo):
-    """The Q4_K or Q6_K (``code``, a constant) block at byte o of row w dequantized into
-    out[oo : oo + 256] with gguf.quants' own float32 operations, so its bits: Q4_K
+    """The Q4_K, Q5_K or Q6_K (``code``, a constant) block at byte o of row w dequantized
+    into out[oo : oo + 256] with gguf.quants' own float32 operations, so its bits: Q4_K
     (d * scale_j) * q - dmin * m_j, per sub-block j a 16-entry table of those values
-    indexed by the nibbles; Q6_K (d * scale) * q."""
+    indexed by the nibbles; Q5_K the same with q (0..31) converted; Q6_K (d * scale) * q."""
     kind = ir_literal(code)
 
     def codegen(context, builder, sig, args):
-        if not WIDE or kind not in (Q4_K, Q6_K):  # never called (kernels' _run_q4_k and
-            return context.get_dummy_value()  # _run_q6_k branch on WIDE): emit nothing
+        if not WIDE or kind not in (Q4_K, Q5_K, Q6_K):  # never called (kernels' _run_q4_k,
+            return context.get_dummy_value()  # _q5_k, _q6_k branch on WIDE): emit nothing
         wt, _, outt, _ = sig.args[1:]
         w_, o_, out_, oo_ = args[1:]
         bp = ir_at(context, builder, wt, w_, o_, _i8)
@@ -313,6 +321,24 @@ def _k_deq(typingctx, code, w, o, out, oo):
                         128 * j + 32 * r + 16 * k)  # fmt: skip
             return context.get_dummy_value()
         f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
+        if kind == Q5_K:  # qh (32 bytes at 16): bit j of byte i, element i of sub-block j
+            qh = builder.load(
+                builder.bitcast(builder.gep(bp, [_c(16)]), _V32B.as_pointer()), align=1
+            )
+            for p in range(4):
+                qp = builder.bitcast(builder.gep(bp, [_c(48 + 32 * p)]), _V32B.as_pointer())
+                q = builder.load(qp, align=1)
+                for h in range(2):
+                    j = 2 * p + h
+                    nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
+                    bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
+                    v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
+                    for k in range(2):  # no FMA: a product rounded, then the difference
+                        q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
+                        a = builder.fmul(_splat(builder, f, j, _V16F), q16)
+                        put(builder.fsub(a, _splat(builder, mins, j, _V16F)),
+                            64 * p + 32 * h + 16 * k)  # fmt: skip
+            return context.get_dummy_value()
         permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
         iota = ir.Constant(_V16F, [float(k) for k in range(16)])
         for p in range(4):
@@ -337,15 +363,15 @@ ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the
 
 @intrinsic(prefer_literal=True)
 def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
-    """The Q4_K or Q6_K (``code``) block at byte o of row w times x[t + i, xo : xo + 256]
-    for i < n_rows (1, 2 or 4; ``code`` and ``n_rows`` constants). The block is
-    unpacked once and each weight's value d * scale * q made once, for every row; row
-    i's products go to acc[i, :32] (two 16-lane sums), Q4_K's mins
-    dmin * m_j * xs[t + i, xo/32 + j] to acc[i, 32:40]."""
+    """The Q4_K, Q5_K or Q6_K (``code``) block at byte o of row w times
+    x[t + i, xo : xo + 256] for i < n_rows (1, 2 or 4; ``code`` and ``n_rows``
+    constants). The block is unpacked once and each weight's value d * scale * q made
+    once, for every row; row i's products go to acc[i, :32] (two 16-lane sums), Q4_K's
+    and Q5_K's mins dmin * m_j * xs[t + i, xo/32 + j] to acc[i, 32:40]."""
     kind, nr = ir_literal(code), ir_literal(n_rows)
 
     def codegen(context, builder, sig, args):
-        if not WIDE or kind not in (Q4_K, Q6_K):  # never called: emit nothing
+        if not WIDE or kind not in (Q4_K, Q5_K, Q6_K):  # never called: emit nothing
             return context.get_dummy_value()
         wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[7], sig.args[8]
         w_, o_, x_, t_, xo_, xs_, acc_ = args[2:]
@@ -373,7 +399,7 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
                 xv = builder.load(vec(xps[i], at, _V16F), align=4)
                 accs[i][k] = builder.call(fma, [vals, xv, accs[i][k]])
 
-        if kind == Q4_K:
+        if kind in (Q4_K, Q5_K):  # the same head; Q5_K's fifth bits in qh (32 bytes at 16)
             f, mins = _q4_k_head(builder, bp)
             fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
             xsa = context.make_array(xst)(context, builder, xs_)
@@ -384,6 +410,23 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
                 mp = vec(aps[i], 32, _V8F)
                 m = builder.call(fma8, [mins, xsv, builder.load(mp, align=4)])
                 builder.store(m, mp, align=4)  # a float's alignment: acc may be anywhere
+        if kind == Q5_K:  # values 0..31 converted, as _q5_k_wide makes them
+            qh = builder.load(
+                builder.bitcast(builder.gep(bp, [_c(16)]), _V32B.as_pointer()), align=1
+            )
+            for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
+                qp = builder.bitcast(builder.gep(bp, [_c(48 + 32 * p)]), _V32B.as_pointer())
+                q = builder.load(qp, align=1)
+                for h in range(2):
+                    j = 2 * p + h
+                    nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
+                    bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
+                    v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
+                    sc = _splat(builder, f, j, _V16F)
+                    for k in range(2):
+                        q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
+                        feed(builder.fmul(q16, sc), 32 * j + 16 * k, k)
+        elif kind == Q4_K:
             permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
             iota = ir.Constant(_V16F, [float(k) for k in range(16)])
             for p in range(4):
@@ -417,14 +460,14 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
 @_jit(fastmath=True, inline="always")
 def _dot_block_rows(code, nr, w, x, xs, t, y, r, acc):
     """y[t + i, r] = w . x[t + i] for i < nr (1, 2 or 4, a constant), w one row of a
-    Q4_K or Q6_K matrix, x (T, in); ``acc``: (4, ROW_LANES) float32 scratch. The
+    Q4_K, Q5_K or Q6_K matrix, x (T, in); ``acc``: (4, ROW_LANES) float32 scratch. The
     K-quants' route for 2 to 16 rows of x (a batch of mixes, A/B compare) where WIDE:
     each block is unpacked once for up to four rows, where the dequantize-then-dot
     kernel writes every weight to a buffer and reads it back per row."""
     for i in range(nr):
         for k in range(ROW_LANES):
             acc[i, k] = 0.0
-    size = 144 if code == Q4_K else 210
+    size = 144 if code == Q4_K else 176 if code == Q5_K else 210
     for b in range(x.shape[1] // 256):
         _k_block_rows(code, nr, w, b * size, x, t, b * 256, xs, acc)
     for i in range(nr):
@@ -456,17 +499,14 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
             p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
             return builder.load(p, align=1)
 
-        def bytes_(n):
-            return ir.Constant(_V32B, [n] * 32)
-
         qh = load32(16)  # (32,) bit j of byte i: element i of sub-block j's fifth bit
         for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
             q = load32(48 + 32 * p)
             for h in range(2):
                 j = 2 * p + h
-                nib = builder.and_(q, bytes_(15)) if h == 0 else builder.lshr(q, bytes_(4))
-                bit = builder.and_(builder.lshr(qh, bytes_(j)) if j else qh, bytes_(1))
-                v = builder.or_(nib, builder.shl(bit, bytes_(4)))  # (32,) 0..31
+                nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
+                bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
+                v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
                 t = None
                 for k in range(2):
                     vals = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)  # (16,) q
@@ -494,21 +534,35 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
 # latency, and four sums cost a 64-lane horizontal sum a row, which LLVM did lane by
 # lane (1.6x slower on 576-wide rows than the numba dot, measured). Values:
 # d * (sum of q * x), which is the numba dot's (d * q) * x in another order; the
-# mins (Q4_1) through x's sums per block, as there.
+# mins (Q4_1, Q5_1) through x's sums per block, as there.
+# Q5_0 and Q5_1 add a fifth bit per element from the block's 32-bit qh: element j's is
+# bit j, a lane test of qh broadcast, 16 where set. Qwen2.5-0.5B's and Gemma-3-270M's
+# Q4_K_M files hold most of their matrices as Q5_0 (rows 896 and 640 wide, not whole
+# 256-element super-blocks); the numba dot took them at 13.6 G weights/s where Q4_0's
+# IR dot takes 35 (2048x8192, 2 threads, 2026-12-06).
 
 DOT32_LANES = 16 + 1  # per row of x: a 16-lane sum, then Q4_1's mins (_dot_32_wide)
+# per type: bytes a block, where its 16 bytes of nibbles start, where qh is (Q5 types)
+B32_LAYOUT = {
+    Q4_0: (18, 2, 0),
+    Q4_1: (20, 4, 0),
+    Q5_0: (22, 6, 2),
+    Q5_1: (24, 8, 4),
+    Q8_0: (34, 2, 0),
+}
 
 
 @intrinsic(prefer_literal=True)
 def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
-    """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1 or Q8_0) from byte o
-    of row w, times x[xo : xo + 32 * n_blocks] and, for ``n_rows`` 2, y's too (all three
-    constants): block k's d * (q . x) added to acc[:16], Q4_1's m * xs[xo / 32 + k] to
-    acc[16]; y's to acc[17:33] and acc[33]. Each block is unpacked once for both rows."""
+    """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)
+    from byte o of row w, times x[xo : xo + 32 * n_blocks] and, for ``n_rows`` 2, y's too
+    (all three constants): block k's d * (q . x) added to acc[:16], Q4_1's or Q5_1's
+    m * xs[xo / 32 + k] to acc[16]; y's to acc[17:33] and acc[33]. Each block is unpacked
+    once for both rows."""
     kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
 
     def codegen(context, builder, sig, args):
-        if not WIDE or kind not in (Q4_0, Q4_1, Q8_0):  # never called: emit nothing
+        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
             return context.get_dummy_value()
         wt, xt, yt, xst, yst, acct = (sig.args[k] for k in (3, 5, 6, 8, 9, 10))
         w_, o_, x_, y_, xo_, xs_, ys_, acc_ = args[3:]
@@ -518,8 +572,11 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
         aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        size, at = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}[kind]  # bytes; q's offset
+        size, at, qh_at = B32_LAYOUT[kind]
         hp = ir.HalfType().as_pointer()
+        with_min = kind in (Q4_1, Q5_1)
+        sixteen = ir.Constant(_V16I, [16] * 16)
+        zero = ir.Constant(_V16I, [0] * 16)
 
         def x16(i, at):  # row i's x[xo + at : xo + at + 16]
             p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
@@ -529,8 +586,14 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
             p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
             return builder.load(p, align=1)
 
+        def fifth(qh, k):  # elements 16k..16k+15's fifth bits, as 16 or 0
+            bit = [1 << (16 * k + j) for j in range(16)]  # as signed i32: bit 31 negative
+            bits = ir.Constant(_V16I, [b - (1 << 32) if b >> 31 else b for b in bit])
+            hit = builder.icmp_unsigned("!=", builder.and_(qh, bits), zero)
+            return builder.select(hit, sixteen, zero)
+
         mins, sums = [None] * nr, []
-        if kind == Q4_1:  # each row's sums over these blocks
+        if with_min:  # each row's sums over these blocks
             col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
             for t, a in ((xst, xs_), (yst, ys_))[:nr]:
                 p0 = ir_at(context, builder, t, a, col, _f32)
@@ -551,6 +614,15 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
                     halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
                 else:
                     halves = [builder.zext(v, _V16I) for v in (lo, hi)]
+                if qh_at:  # Q5_0, Q5_1: the fifth bits; Q5_0's values then -16..15
+                    qp = builder.bitcast(builder.gep(bp, [_c(b0 + qh_at)]), _i32.as_pointer())
+                    qv = builder.insert_element(
+                        ir.Constant(_V16I, None), builder.load(qp, align=1), _c(0)
+                    )
+                    qh = _splat(builder, qv, 0, _V16I)
+                    halves = [builder.or_(h, fifth(qh, k)) for k, h in enumerate(halves)]
+                    if kind == Q5_0:
+                        halves = [builder.sub(h, sixteen) for h in halves]
             vals = [builder.sitofp(h, _V16F) for h in halves]  # (16,) q, twice
             dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
             ds = _splat(builder, dv, 0, _V16F)
@@ -559,13 +631,13 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
                 t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
                 ap = builder.bitcast(aps[i], _V16F.as_pointer())
                 builder.store(builder.call(fma, [ds, t, builder.load(ap, align=4)]), ap, align=4)
-            if kind == Q4_1:  # m * (the sum of x over the block)
+            if with_min:  # m * (the sum of x over the block)
                 mh = builder.bitcast(builder.gep(bp, [_c(b0 + 2)]), hp)
                 m = builder.fpext(builder.load(mh, align=1), _f32)
                 for i in range(nr):
                     mx = builder.fmul(m, sums[i][k])
                     mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
-        for i in range(nr if kind == Q4_1 else 0):  # one add a call: a chain through
+        for i in range(nr if with_min else 0):  # one add a call: a chain through
             mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
             builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
         return context.get_dummy_value()
@@ -575,7 +647,7 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
 
 @_jit(fastmath=True, inline="always")
 def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
-    """_dot_32 and _dot_q8_0 (``code`` Q4_0, Q4_1 or Q8_0) through _b32_wide, four
+    """_dot_32 and _dot_q8_0 (``code`` one of B32_LAYOUT) through _b32_wide, four
     blocks a call, for x alone (``nr`` 1: y is not read) or x and y (2); returns the
     two dots (the second 0 for one row). ``acc``: nr * DOT32_LANES floats of scratch."""
     for i in range(nr * DOT32_LANES):

@@ -301,6 +301,10 @@ def _run_q4_k(w, e0, e1, out):
 def _run_q5_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, plus bit j of qh[l] as
     # bit 4 of element l of sub-block j
+    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
+        for b in range((e1 - e0) // 256):
+            _k_deq(Q5_K, w, (e0 // 256 + b) * 176, out, b * 256)
+        return
     w = w[e0 // 256 * 176 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 176
@@ -438,8 +442,10 @@ def _launch(code, op, w, ids, x, out, kc):
     # for all of them (kernel_wide._dot_block_rows). On the 1B's gate (Q4_K) and down
     # (Q6_K) matrices, 2 threads: two rows 0.71-0.77 ms against 1.41-1.86 on the
     # dequantize-then-dot kernel, four 1.08-1.17 against 1.45-1.52; eight (two passes
-    # of four, or one of eight) 2.3-3.3 against 2.1-2.2, so those keep that kernel
-    wide_rows = op == SMALL and WIDE and (code == Q4_K or code == Q6_K) and 1 < n_x <= WIDE_ROWS
+    # of four, or one of eight) 2.3-3.3 against 2.1-2.2, so those keep that kernel.
+    # Q5_K (Q5_K_M files): two rows 2.3 ms on that kernel, a 2048x8192 matrix
+    wide_k = code == Q4_K or code == Q5_K or code == Q6_K
+    wide_rows = op == SMALL and WIDE and wide_k and 1 < n_x <= WIDE_ROWS
     xs = np.empty((n_x, 0), dtype=np.float32)  # x's sums per 32: the mins of these types
     if (gemv or wide_rows) and code in SUMS_TYPES:
         xs = np.empty((n_x, n_in // 32), dtype=np.float32)
