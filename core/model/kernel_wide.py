@@ -552,6 +552,57 @@ B32_LAYOUT = {
 }
 
 
+def _b32_block(builder, bp, kind, b0):
+    """The block of type ``kind`` (one of B32_LAYOUT) at byte b0 past bp, unpacked:
+    its q as two (16,) float32 vectors (elements 0-15, 16-31), d, and m (Q4_1, Q5_1;
+    else None) as floats."""
+    size, at, qh_at = B32_LAYOUT[kind]
+    hp = ir.HalfType().as_pointer()
+    sixteen, zero = ir.Constant(_V16I, [16] * 16), ir.Constant(_V16I, [0] * 16)
+
+    def q16(off):  # 16 bytes of the block at off
+        p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
+        return builder.load(p, align=1)
+
+    def half_float(off):  # the f16 at byte off of the block, as a float
+        return builder.fpext(
+            builder.load(builder.bitcast(builder.gep(bp, [_c(off)]), hp), align=1), _f32
+        )
+
+    def fifth(qh, h):  # elements 16h..16h+15's fifth bits, as 16 or 0
+        bit = [1 << (16 * h + j) for j in range(16)]  # as signed i32: bit 31 negative
+        bits = ir.Constant(_V16I, [b - (1 << 32) if b >> 31 else b for b in bit])
+        hit = builder.icmp_unsigned("!=", builder.and_(qh, bits), zero)
+        return builder.select(hit, sixteen, zero)
+
+    if kind == Q8_0:  # 32 int8
+        halves = [builder.sext(q16(b0 + at + 16 * h), _V16I) for h in range(2)]
+    else:  # 16 bytes: elements i in the low nibbles, 16 + i in the high
+        q = q16(b0 + at)
+        lo = builder.and_(q, ir.Constant(_V16B, [15] * 16))
+        hi = builder.lshr(q, ir.Constant(_V16B, [4] * 16))
+        if kind == Q4_0:  # -8..7
+            eight = ir.Constant(_V16B, [8] * 16)
+            halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
+        else:
+            halves = [builder.zext(v, _V16I) for v in (lo, hi)]
+        if qh_at:  # Q5_0, Q5_1: the fifth bits; Q5_0's values then -16..15
+            qp = builder.bitcast(builder.gep(bp, [_c(b0 + qh_at)]), _i32.as_pointer())
+            qv = builder.insert_element(ir.Constant(_V16I, None), builder.load(qp, align=1), _c(0))
+            qh = _splat(builder, qv, 0, _V16I)
+            halves = [builder.or_(v, fifth(qh, h)) for h, v in enumerate(halves)]
+            if kind == Q5_0:
+                halves = [builder.sub(v, sixteen) for v in halves]
+    vals = [builder.sitofp(v, _V16F) for v in halves]  # (16,) q, twice
+    m = half_float(b0 + 2) if kind in (Q4_1, Q5_1) else None
+    return vals, half_float(b0), m
+
+
+def _splat_float(builder, f):
+    """(16,) lanes of the float f."""
+    return _splat(builder, builder.insert_element(ir.Constant(_V16F, None), f, _c(0)), 0, _V16F)
+
+
 @intrinsic(prefer_literal=True)
 def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
     """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)
@@ -572,25 +623,12 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
         aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        size, at, qh_at = B32_LAYOUT[kind]
-        hp = ir.HalfType().as_pointer()
+        size = B32_LAYOUT[kind][0]
         with_min = kind in (Q4_1, Q5_1)
-        sixteen = ir.Constant(_V16I, [16] * 16)
-        zero = ir.Constant(_V16I, [0] * 16)
 
         def x16(i, at):  # row i's x[xo + at : xo + at + 16]
             p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
             return builder.load(p, align=4)
-
-        def q16(off):  # 16 bytes of the block at off
-            p = builder.bitcast(builder.gep(bp, [_c(off)]), _V16B.as_pointer())
-            return builder.load(p, align=1)
-
-        def fifth(qh, k):  # elements 16k..16k+15's fifth bits, as 16 or 0
-            bit = [1 << (16 * k + j) for j in range(16)]  # as signed i32: bit 31 negative
-            bits = ir.Constant(_V16I, [b - (1 << 32) if b >> 31 else b for b in bit])
-            hit = builder.icmp_unsigned("!=", builder.and_(qh, bits), zero)
-            return builder.select(hit, sixteen, zero)
 
         mins, sums = [None] * nr, []
         if with_min:  # each row's sums over these blocks
@@ -599,41 +637,14 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
                 p0 = ir_at(context, builder, t, a, col, _f32)
                 sums.append([builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)])
         for k in range(nb):
-            b0 = k * size
-            d = builder.fpext(
-                builder.load(builder.bitcast(builder.gep(bp, [_c(b0)]), hp), align=1), _f32
-            )
-            if kind == Q8_0:  # 32 int8
-                halves = [builder.sext(q16(b0 + at + 16 * h), _V16I) for h in range(2)]
-            else:  # 16 bytes: elements i in the low nibbles, 16 + i in the high
-                q = q16(b0 + at)
-                lo = builder.and_(q, ir.Constant(_V16B, [15] * 16))
-                hi = builder.lshr(q, ir.Constant(_V16B, [4] * 16))
-                if kind == Q4_0:  # -8..7
-                    eight = ir.Constant(_V16B, [8] * 16)
-                    halves = [builder.sext(builder.sub(v, eight), _V16I) for v in (lo, hi)]
-                else:
-                    halves = [builder.zext(v, _V16I) for v in (lo, hi)]
-                if qh_at:  # Q5_0, Q5_1: the fifth bits; Q5_0's values then -16..15
-                    qp = builder.bitcast(builder.gep(bp, [_c(b0 + qh_at)]), _i32.as_pointer())
-                    qv = builder.insert_element(
-                        ir.Constant(_V16I, None), builder.load(qp, align=1), _c(0)
-                    )
-                    qh = _splat(builder, qv, 0, _V16I)
-                    halves = [builder.or_(h, fifth(qh, k)) for k, h in enumerate(halves)]
-                    if kind == Q5_0:
-                        halves = [builder.sub(h, sixteen) for h in halves]
-            vals = [builder.sitofp(h, _V16F) for h in halves]  # (16,) q, twice
-            dv = builder.insert_element(ir.Constant(_V16F, None), d, _c(0))
-            ds = _splat(builder, dv, 0, _V16F)
+            vals, d, m = _b32_block(builder, bp, kind, k * size)
+            ds = _splat_float(builder, d)
             for i in range(nr):
                 t = builder.fmul(vals[0], x16(i, 32 * k))
                 t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
                 ap = builder.bitcast(aps[i], _V16F.as_pointer())
                 builder.store(builder.call(fma, [ds, t, builder.load(ap, align=4)]), ap, align=4)
             if with_min:  # m * (the sum of x over the block)
-                mh = builder.bitcast(builder.gep(bp, [_c(b0 + 2)]), hp)
-                m = builder.fpext(builder.load(mh, align=1), _f32)
                 for i in range(nr):
                     mx = builder.fmul(m, sums[i][k])
                     mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
@@ -670,3 +681,31 @@ def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
             s2 += acc[i]
         s2 += acc[DOT32_LANES + 16]
     return s + acc[16], s2
+
+
+@intrinsic(prefer_literal=True)
+def _b32_deq(typingctx, code, w, o, out, oo):
+    """The block of type ``code`` (one of B32_LAYOUT, a constant) at byte o of row w
+    dequantized into out[oo : oo + 32] with gguf.quants' own float32 operations, so its
+    bits: d * q, and + m for Q4_1 and Q5_1 (a product rounded, then the sum: no FMA).
+    The 5+ row kernel's (kernels._small_rows) and embedding rows' route for these types."""
+    kind = ir_literal(code)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in B32_LAYOUT:  # never called (kernels' _run_q8_0 ..
+            return context.get_dummy_value()  # _run_q5_1 branch on WIDE): emit nothing
+        wt, _, outt, _ = sig.args[1:]
+        w_, o_, out_, oo_ = args[1:]
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        op = ir_at(context, builder, outt, out_, oo_, _f32)
+        vals, d, m = _b32_block(builder, bp, kind, 0)
+        ds = _splat_float(builder, d)
+        for h in range(2):
+            v = builder.fmul(ds, vals[h])
+            if m is not None:
+                v = builder.fadd(v, _splat_float(builder, m))
+            dst = builder.bitcast(builder.gep(op, [_c(16 * h)]), _V16F.as_pointer())
+            builder.store(v, dst, align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, w, o, out, oo), codegen

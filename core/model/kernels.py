@@ -89,7 +89,7 @@ from .kernel_dots import (
     _dot_rows2,
     _sums,
 )
-from .kernel_wide import ROW_LANES, WIDE, _dot_block_rows, _k_deq
+from .kernel_wide import ROW_LANES, WIDE, _b32_deq, _dot_block_rows, _k_deq
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 PAIR_ROWS = 4  # rows of x the pair dots take (see _gemv_rows)
@@ -141,6 +141,10 @@ def _run_bf16(w, e0, e1, out):
 
 @_jit()
 def _run_q8_0(w, e0, e1, out):
+    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(Q8_0, w, (e0 // 32 + b) * 34, out, b * 32)
+        return
     w = w[e0 // 32 * 34 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 34
@@ -153,6 +157,10 @@ def _run_q8_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_0(w, e0, e1, out):
+    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(Q4_0, w, (e0 // 32 + b) * 18, out, b * 32)
+        return
     w = w[e0 // 32 * 18 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 18
@@ -167,6 +175,10 @@ def _run_q4_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_1(w, e0, e1, out):
+    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(Q4_1, w, (e0 // 32 + b) * 20, out, b * 32)
+        return
     w = w[e0 // 32 * 20 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 20
@@ -182,6 +194,10 @@ def _run_q4_1(w, e0, e1, out):
 
 @_jit()
 def _run_q5_0(w, e0, e1, out):
+    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(Q5_0, w, (e0 // 32 + b) * 22, out, b * 32)
+        return
     w = w[e0 // 32 * 22 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 22
@@ -199,6 +215,10 @@ def _run_q5_0(w, e0, e1, out):
 
 @_jit()
 def _run_q5_1(w, e0, e1, out):
+    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(Q5_1, w, (e0 // 32 + b) * 24, out, b * 32)
+        return
     w = w[e0 // 32 * 24 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 24
