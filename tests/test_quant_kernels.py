@@ -328,10 +328,10 @@ DOT = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 
 @pytest.mark.parametrize("qt", DOT, ids=lambda q: q.name)
 def test_fused_gemv_against_the_batched_kernel(qt):
-    """One activation row takes the fused dot (kernels.DOT_TYPES), two rows the
-    dequantize-then-dot kernel: both agree with float64 and with each other, on rows
-    of an odd number of blocks (the 32-element types' dots take four blocks a pass,
-    then the rest)."""
+    """One activation row takes the fused dot (kernels.DOT_TYPES), two rows the pair
+    dot (the 32-element types, Q8_0) or the many-row one (the K-quants, where WIDE):
+    both agree with float64 and with each other, on rows of an odd number of blocks
+    (the 32-element types' dots take four blocks a pass, then the rest)."""
     from core.model import kernels
 
     assert int(qt) in kernels.DOT_TYPES

@@ -65,6 +65,11 @@ def _b32(n):
     return ir.Constant(_V32B, [n] * 32)
 
 
+def _load32(builder, bp, at):
+    """The 32 bytes at byte ``at`` past bp."""
+    return builder.load(builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer()), align=1)
+
+
 def _splat(builder, vec, lane, vty):
     """``vty`` with every lane = lane ``lane`` of ``vec``."""
     n = vty.count
@@ -75,6 +80,20 @@ def _half(builder, v, k, ext):
     """Bytes 16k .. 16k + 16 of the <32 x i8> v as 16 int32 lanes (``ext``: zext/sext)."""
     lanes = ir.Constant(_V16I, list(range(16 * k, 16 * k + 16)))
     return ext(builder.shuffle_vector(v, v, lanes), _V16I)
+
+
+def _q5_k_subblocks(builder, bp):
+    """A Q5_K block's eight sub-blocks of 32 values, (j, (32,) int8 0..31) for j in 0..7:
+    sub-block 2p the low nibbles of qs[32p:32p+32] (qs at byte 48), 2p + 1 their high
+    nibbles, each with its fifth bit, bit j of qh's byte i (qh: 32 bytes at 16)."""
+    qh = _load32(builder, bp, 16)
+    for p in range(4):
+        q = _load32(builder, bp, 48 + 32 * p)
+        for h in range(2):
+            j = 2 * p + h
+            nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
+            bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
+            yield j, builder.or_(nib, builder.shl(bit, _b32(4)))
 
 
 def _q4_k_head(builder, bp):
@@ -121,26 +140,22 @@ def _q6_k_head(builder, bp):
 def _q6_k_runs(builder, bp):
     """A Q6_K block's 8 runs of 32 values (-32..31) as <32 x i8>, run 4j + r at x
     offset 128j + 32r, its scales 8j + 2r (first 16) and 8j + 2r + 1."""
-
-    def load32(at):
-        p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
-        return builder.load(p, align=1)
-
-    def bytes_(n):
-        return ir.Constant(_V32B, [n] * 32)
-
     runs = []
     for j in range(2):  # halves of 128: ql 64 bytes, qh 32
-        ql0, ql1, qh = load32(64 * j), load32(64 * j + 32), load32(128 + 32 * j)
+        ql0, ql1, qh = (
+            _load32(builder, bp, 64 * j),
+            _load32(builder, bp, 64 * j + 32),
+            _load32(builder, bp, 128 + 32 * j),
+        )
         lows = (
-            builder.and_(ql0, bytes_(15)),
-            builder.and_(ql1, bytes_(15)),
-            builder.lshr(ql0, bytes_(4)),
-            builder.lshr(ql1, bytes_(4)),
+            builder.and_(ql0, _b32(15)),
+            builder.and_(ql1, _b32(15)),
+            builder.lshr(ql0, _b32(4)),
+            builder.lshr(ql1, _b32(4)),
         )
         for r in range(4):  # run r of 32: its two high bits at bit 2r of qh
-            hi = builder.and_(builder.lshr(qh, bytes_(2 * r)) if r else qh, bytes_(3))
-            runs.append(builder.sub(builder.or_(lows[r], builder.shl(hi, bytes_(4))), bytes_(32)))
+            hi = builder.and_(builder.lshr(qh, _b32(2 * r)) if r else qh, _b32(3))
+            runs.append(builder.sub(builder.or_(lows[r], builder.shl(hi, _b32(4))), _b32(32)))
     return runs
 
 
@@ -321,23 +336,12 @@ def _k_deq(typingctx, code, w, o, out, oo):
                         128 * j + 32 * r + 16 * k)  # fmt: skip
             return context.get_dummy_value()
         f, mins = _q4_k_head(builder, bp)  # lanes 0-7: d * scale_j; (8,) dmin * min_j
-        if kind == Q5_K:  # qh (32 bytes at 16): bit j of byte i, element i of sub-block j
-            qh = builder.load(
-                builder.bitcast(builder.gep(bp, [_c(16)]), _V32B.as_pointer()), align=1
-            )
-            for p in range(4):
-                qp = builder.bitcast(builder.gep(bp, [_c(48 + 32 * p)]), _V32B.as_pointer())
-                q = builder.load(qp, align=1)
-                for h in range(2):
-                    j = 2 * p + h
-                    nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
-                    bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
-                    v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
-                    for k in range(2):  # no FMA: a product rounded, then the difference
-                        q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
-                        a = builder.fmul(_splat(builder, f, j, _V16F), q16)
-                        put(builder.fsub(a, _splat(builder, mins, j, _V16F)),
-                            64 * p + 32 * h + 16 * k)  # fmt: skip
+        if kind == Q5_K:  # values 0..31 converted
+            for j, v in _q5_k_subblocks(builder, bp):
+                for k in range(2):  # no FMA: a product rounded, then the difference
+                    q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
+                    a = builder.fmul(_splat(builder, f, j, _V16F), q16)
+                    put(builder.fsub(a, _splat(builder, mins, j, _V16F)), 32 * j + 16 * k)
             return context.get_dummy_value()
         permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
         iota = ir.Constant(_V16F, [float(k) for k in range(16)])
@@ -411,21 +415,11 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
                 m = builder.call(fma8, [mins, xsv, builder.load(mp, align=4)])
                 builder.store(m, mp, align=4)  # a float's alignment: acc may be anywhere
         if kind == Q5_K:  # values 0..31 converted, as _q5_k_wide makes them
-            qh = builder.load(
-                builder.bitcast(builder.gep(bp, [_c(16)]), _V32B.as_pointer()), align=1
-            )
-            for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
-                qp = builder.bitcast(builder.gep(bp, [_c(48 + 32 * p)]), _V32B.as_pointer())
-                q = builder.load(qp, align=1)
-                for h in range(2):
-                    j = 2 * p + h
-                    nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
-                    bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
-                    v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
-                    sc = _splat(builder, f, j, _V16F)
-                    for k in range(2):
-                        q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
-                        feed(builder.fmul(q16, sc), 32 * j + 16 * k, k)
+            for j, v in _q5_k_subblocks(builder, bp):
+                sc = _splat(builder, f, j, _V16F)
+                for k in range(2):
+                    q16 = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)
+                    feed(builder.fmul(q16, sc), 32 * j + 16 * k, k)
         elif kind == Q4_K:
             permvar = ir_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
             iota = ir.Constant(_V16F, [float(k) for k in range(16)])
@@ -494,26 +488,14 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
         bp, f, xp, ap = _k_open(context, builder, sig, args)
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
         accs = [builder.load(p, align=4) for p in ap]
-
-        def load32(at):
-            p = builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer())
-            return builder.load(p, align=1)
-
-        qh = load32(16)  # (32,) bit j of byte i: element i of sub-block j's fifth bit
-        for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high) of qs[32p:]
-            q = load32(48 + 32 * p)
-            for h in range(2):
-                j = 2 * p + h
-                nib = builder.and_(q, _b32(15)) if h == 0 else builder.lshr(q, _b32(4))
-                bit = builder.and_(builder.lshr(qh, _b32(j)) if j else qh, _b32(1))
-                v = builder.or_(nib, builder.shl(bit, _b32(4)))  # (32,) 0..31
-                t = None
-                for k in range(2):
-                    vals = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)  # (16,) q
-                    pk = builder.bitcast(builder.gep(xp, [_c(32 * j + 16 * k)]), _V16F.as_pointer())
-                    xv = builder.load(pk, align=4)
-                    t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
-                accs[j] = builder.call(fma, [_splat(builder, f, j, _V16F), t, accs[j]])
+        for j, v in _q5_k_subblocks(builder, bp):  # (32,) 0..31
+            t = None
+            for k in range(2):
+                vals = builder.sitofp(_half(builder, v, k, builder.zext), _V16F)  # (16,) q
+                pk = builder.bitcast(builder.gep(xp, [_c(32 * j + 16 * k)]), _V16F.as_pointer())
+                xv = builder.load(pk, align=4)
+                t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
+            accs[j] = builder.call(fma, [_splat(builder, f, j, _V16F), t, accs[j]])
         for p, a in zip(ap, accs):
             builder.store(a, p, align=4)
         return context.get_dummy_value()

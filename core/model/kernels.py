@@ -433,9 +433,10 @@ def _gemv_rows(code):
     on SmolLM2's 576- and 1536-wide Q4_1 rows and its Q8_0 output, rows of x cost
     (one row = 1) 1.2-1.4 for two, 1.8-2.3 for three and 1.9-2.8 for four, against
     2.3-2.6, 2.2-2.5 and 2.2-2.9 on the dequantize-then-dot kernel (2 threads, best
-    of 15, 2026-12-06). The K-quants (2048-8192-wide rows) keep that kernel for two
-    rows and more: it costs 1.3-1.9x one row for two there, and their pair dot was
-    no faster (core/model/kernel_dots.py)."""
+    of 15, 2026-12-06); those were the numba pair dots, and the 512-bit ones
+    (kernel_wide._b32_wide) take their place where WIDE. The K-quants' numba pair dot
+    was no faster than that kernel, so they take one row here; where WIDE, two to four
+    rows of them go to kernel_wide._dot_block_rows instead (``wide_rows`` in _launch)."""
     if code in PAIR_TYPES:
         return PAIR_ROWS
     return 1
