@@ -278,6 +278,58 @@ def test_a_load_leaves_no_kernel_threads_behind(smollm_path):
     assert got["launched"] > got["loaded"], got
 
 
+_SECOND_TEAM = """
+import logging, threading
+import numpy as np
+from core.model import quant
+from core.model.quant import QuantMatrix
+from tests.tiny_gguf import random_matrix
+from gguf import GGMLQuantizationType as Q
+
+logging.basicConfig(format="%(levelname)s %(message)s")
+quant.set_threads(2)
+m = QuantMatrix(Q.Q4_0, random_matrix(Q.Q4_0, 64, 256, np.random.default_rng(0)), (64, 256))
+x = np.ones((1, 256), dtype=np.float32)
+quant.on_passing_thread(lambda: m.matmul(x))  # a warm-up: its team ends with it
+launched, done = threading.Event(), threading.Event()
+
+def engine():  # the long-lived thread that owns the kernels
+    m.matmul(x)
+    launched.set()
+    done.wait()
+
+t = threading.Thread(target=engine, name="engine-like")
+t.start()
+launched.wait()
+print("MARK", flush=True)
+m.matmul(x)  # a second live thread: the warning
+done.set()
+t.join()
+"""
+
+
+def test_a_second_thread_starting_kernels_is_warned_of():
+    """A product started on another thread while the engine's keeps its OpenMP team
+    (what made bench.engine's decode read 20% low) logs a warning naming both threads;
+    the passing warm-up thread and the engine-like thread after it log none."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _SECOND_TEAM],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "NUMBA_NUM_THREADS": "2"},
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1, run.stderr[-2000:]
+    assert "'MainThread'" in warnings[0] and "'engine-like'" in warnings[0]
+
+
 def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
     """Compiled kernels are cached in cache_dir()/numba (or the NUMBA_CACHE_DIR the
     user set), in a folder named by the kernels' sources, so that an update of a

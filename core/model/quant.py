@@ -37,11 +37,13 @@ ms a token instead of 8.0-8.4 (2 cores, 2026-12-06). So the load's kernel work
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -54,6 +56,7 @@ from ..options import ACTIVATION_MODES
 
 T = GGMLQuantizationType
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 # types served by the compiled kernels (F32 by numpy); any other (IQ*, TQ*, MXFP4)
 # takes the model's float32 path
@@ -159,6 +162,34 @@ def _use_threads(n: int = 0) -> None:
     if n and getattr(_local, "threads", 0) != n:
         _kernels().numba.set_num_threads(n)
         _local.threads = n
+        if n > 1:
+            _note_launcher()
+
+
+# threads whose kernels ran on several threads, so that may keep an OpenMP team
+_launchers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _note_launcher() -> None:
+    """Warn when this thread starts multi-threaded kernels while another live thread
+    has: numba's OpenMP layer then keeps two teams of workers, more than the cores,
+    and every product waits for a worker to wake (see the module docstring). Kernel
+    work off the engine thread belongs in ``on_passing_thread`` or on the engine
+    thread (``Engine.run_on_engine``)."""
+    if getattr(_local, "passing", False):
+        return
+    me = threading.current_thread()
+    others = [t.name for t in list(_launchers) if t is not me and t.is_alive()]
+    _launchers.add(me)
+    if others:
+        log.warning(
+            "compiled kernels started on thread %r while thread %r keeps its own team of "
+            "kernel threads: every product now waits for a worker to wake (SmolLM2 "
+            "decoded ~25%% slower so); run kernel work off the engine thread on "
+            "quant.on_passing_thread",
+            me.name,
+            others[0],
+        )
 
 
 def qtype_of(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
@@ -480,6 +511,7 @@ def on_passing_thread(fn: Callable[[], R]) -> R:
     box: dict = {}
 
     def run() -> None:
+        _local.passing = True  # its team ends with it: no warning (_note_launcher)
         try:
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
