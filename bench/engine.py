@@ -319,6 +319,31 @@ def eight_mixes(ids: list[int]) -> list[dict[int, float]]:
     return [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(STREAM_SCALES)]
 
 
+def run_streams(eng: Engine, prompts: list, mixes: list, n: int) -> tuple[float, float]:
+    """One stream per mix (prompts[k] under mixes[k], n greedy tokens each), submitted at
+    once. Aggregate tok/s: (wall clock from submission to the last token, prompts
+    included; decode only: the tokens over the longest stream's decode time, as one
+    stream's decode figure is timed, llama.cpp batched-bench's S_TG). Results come back
+    through callbacks on the engine thread, as the HTTP server and the GUI take them
+    (call_soon_threadsafe / a Qt signal): 8 blocking consumer threads would mostly
+    measure their own fight for the GIL."""
+    done, finished = [], threading.Event()
+
+    def on_event(ev):
+        if ev.kind == "done":
+            done.append(ev)
+            if len(done) == len(mixes):
+                finished.set()
+
+    t = time.perf_counter()
+    for p, m in zip(prompts, mixes):
+        eng.submit(p, SamplingParams(n_predict=n, **GREEDY), on_event, mix=m, cache_prompt=False)
+    finished.wait()
+    wall = time.perf_counter() - t
+    tokens = sum(d.timings.predicted_n for d in done)
+    return tokens / wall, tokens / (max(d.timings.predicted_ms for d in done) / 1e3)
+
+
 def eight_vectors(eng: Engine, tmp: Path) -> list:
     """Eight random control vectors (every layer, components of std 0.1: a real
     vector's size) loaded at scale 0, as eight mixes with one vector each at 1."""
@@ -502,28 +527,8 @@ def main() -> None:
     mixes = eight_mixes(ids)
 
     def streams(mixes_: list) -> float:
-        # Results come back through callbacks on the engine thread, as the HTTP server
-        # and the GUI take them (call_soon_threadsafe / a Qt signal): 8 blocking
-        # consumer threads would mostly measure their own fight for the GIL.
-        done, finished = [], threading.Event()
-
-        def on_event(ev):
-            if ev.kind == "done":
-                done.append(ev)
-                if len(done) == len(mixes_):
-                    finished.set()
-
-        t = time.perf_counter()
-        for k, m in enumerate(mixes_):
-            eng.submit(
-                prompt[k : k + 16],
-                SamplingParams(n_predict=n_decode, **GREEDY),
-                on_event,
-                mix=m,
-                cache_prompt=False,
-            )
-        finished.wait()
-        return sum(d.timings.predicted_n for d in done) / (time.perf_counter() - t)
+        prompts = [prompt[k : k + 16] for k in range(len(mixes_))]
+        return run_streams(eng, prompts, mixes_, n_decode)[0]
 
     # one stream is measured again right next to the 8 (and 2) streams: the ratio must
     # not compare two different minutes of a VM whose speed drifts (seen: -30% in 3 min)

@@ -23,7 +23,6 @@ import atexit
 import json
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -64,21 +63,11 @@ def inproc_one(eng, prompt: list[int], n: int) -> float:
 
 
 def inproc_many(eng, prompts: list[list[int]], n: int, mixes: list[dict]) -> float:
-    """Aggregate tok/s of concurrent requests, submit to last done (callbacks on the
-    engine thread, as bench.engine's 8-stream figure)."""
-    done, finished = [], threading.Event()
+    """Aggregate tok/s of concurrent requests, submit to last done: bench.engine's
+    run_streams (callbacks on the engine thread), its wall-clock figure."""
+    from bench.engine import run_streams  # bench.engine imports this module lazily too
 
-    def on_event(ev):
-        if ev.kind == "done":
-            done.append(ev)
-            if len(done) == len(prompts):
-                finished.set()
-
-    t = time.perf_counter()
-    for p, m in zip(prompts, mixes):
-        eng.submit(p, SamplingParams(n_predict=n, **GREEDY), on_event, mix=m, cache_prompt=False)
-    finished.wait()
-    return sum(d.timings.predicted_n for d in done) / (time.perf_counter() - t)
+    return run_streams(eng, prompts, mixes, n)[0]
 
 
 # -- over HTTP ------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -72,7 +71,7 @@ def peak_rss_mb() -> float:
 def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
     """One side's figures; ``t0``: the wall clock when the parent started this process
     (ready_s counts Python's start and imports too, as llama-server's counts its own)."""
-    from bench.engine import GREEDY, bench_adapters
+    from bench.engine import GREEDY, bench_adapters, eight_mixes, run_streams
     from core.options import EngineOptions
     from core.serve.engine import Engine
     from core.serve.sampling import SamplingParams
@@ -115,36 +114,11 @@ def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         ids, _ = bench_adapters(eng, Path(tmp))
-        scales = (0.5, 1, -0.5, 1.5, 0.25, -1, 2)
-        mixes = [{}] + [{ids[i % len(ids)]: s} for i, s in enumerate(scales)]
+        mixes = eight_mixes(ids)
 
         def streams(mixes_: list) -> tuple[float, float]:
-            """Aggregate tok/s of one stream per mix, submitted at once: (wall clock from
-            submission to the last token, the 16-token prompts included; decode only:
-            the tokens over the longest stream's decode time, as one stream's decode
-            figure is timed, llama.cpp's batched-bench S_TG)."""
-            done, finished = [], threading.Event()
-
-            def on_event(ev):
-                if ev.kind == "done":
-                    done.append(ev)
-                    if len(done) == len(mixes_):
-                        finished.set()
-
-            t = time.perf_counter()
-            for k, m in enumerate(mixes_):
-                p = prompt_tokens(16 + k, vocab)[k:]
-                eng.submit(
-                    p,
-                    SamplingParams(n_predict=n_dec, **GREEDY),
-                    on_event,
-                    mix=m,
-                    cache_prompt=False,
-                )
-            finished.wait()
-            n = sum(d.timings.predicted_n for d in done)
-            busy = max(d.timings.predicted_ms for d in done) / 1e3
-            return n / (time.perf_counter() - t), n / busy
+            prompts = [prompt_tokens(16 + k, vocab)[k:] for k in range(len(mixes_))]
+            return run_streams(eng, prompts, mixes_, n_dec)
 
         for m in mixes:  # build the mixes first: their build is not decode time
             eng.complete(short, SamplingParams(n_predict=1, **GREEDY), mix=m, cache_prompt=False)
