@@ -517,7 +517,7 @@ def on_passing_thread(fn: Callable[[], R]) -> R:
         except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
             box["error"] = e
 
-    t = threading.Thread(target=run, name="mixdesk-kernel-warm-up", daemon=True)
+    t = threading.Thread(target=run, name="mixdesk-kernels-passing", daemon=True)
     t.start()
     t.join()
     if "error" in box:
