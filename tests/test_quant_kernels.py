@@ -330,6 +330,34 @@ def test_a_second_thread_starting_kernels_is_warned_of():
     assert "'MainThread'" in warnings[0] and "'engine-like'" in warnings[0]
 
 
+def test_kernels_on_numbas_workqueue_pool_are_warned_of():
+    """Without an OpenMP runtime numba runs the kernels on its workqueue pool, where
+    SmolLM2 decoded 2.5x slower (measured with NUMBA_THREADING_LAYER=workqueue); the
+    warm-up says so, and what to install."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        "from core.model import quant\n"
+        "quant.warm_up(['Q4_0'], helpers=False)\n"
+        "print(quant.threading_layer())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "NUMBA_THREADING_LAYER": "workqueue"},
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "workqueue"
+    warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "libgomp1" in warnings[0], run.stderr[-2000:]
+
+
 def test_kernel_cache_goes_to_the_user_cache_dir(tmp_path):
     """Compiled kernels are cached in cache_dir()/numba (or the NUMBA_CACHE_DIR the
     user set), in a folder named by the kernels' sources, so that an update of a

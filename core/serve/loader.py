@@ -119,7 +119,12 @@ def load_model(
             say(lo + (LOAD_KERNELS - lo) * frac, msg)
 
         took = quant.warm_up(w.qtypes(), compiling, activations=w.activations)
-        log.info("matrix kernels for %s ready in %.2f s", ", ".join(sorted(w.qtypes())), took)
+        log.info(
+            "matrix kernels for %s ready in %.2f s (numba's %s threads)",
+            ", ".join(sorted(w.qtypes())),
+            took,
+            quant.threading_layer() or "no",
+        )
     lo = at[0]
 
     def calibrating(frac: float) -> None:
