@@ -53,6 +53,25 @@ def check_products(m, ref: np.ndarray, rng: np.random.Generator, counts=ROW_COUN
         assert err < TOL, f"{m} T={t}: relative error {err:.2e}"
 
 
+def run_fresh(code: str, *args: str, env: dict | None = None, timeout: int = 600):
+    """``code`` run by a fresh Python in the repository (``args`` its argv, ``env`` over
+    this process's environment); its CompletedProcess, once it has exited with 0."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    return run
+
+
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     # one compile (or cache load) for all tests; numba's own threads, two of them
@@ -259,20 +278,9 @@ def test_a_load_leaves_no_kernel_threads_behind(smollm_path):
     token on the engine thread, 8.0-8.4 once the warm-up ran on a passing thread.
     In a fresh process: after the load, no new thread is left; a product on the same
     thread does leave its team (so the count would see one)."""
-    import subprocess
-    import sys
-
     if not Path("/proc/self/task").is_dir():
         pytest.skip("counts threads through Linux's /proc")
-    run = subprocess.run(
-        [sys.executable, "-c", _LOAD_THEN_LAUNCH, str(smollm_path)],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        env={**__import__("os").environ, "NUMBA_NUM_THREADS": "2"},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_fresh(_LOAD_THEN_LAUNCH, str(smollm_path), env={"NUMBA_NUM_THREADS": "2"})
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["loaded"] == got["before"], got
     assert got["launched"] > got["loaded"], got
@@ -312,19 +320,7 @@ def test_a_second_thread_starting_kernels_is_warned_of():
     """A product started on another thread while the engine's keeps its OpenMP team
     (what made bench.engine's decode read 20% low) logs a warning naming both threads;
     the passing warm-up thread and the engine-like thread after it log none."""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run(
-        [sys.executable, "-c", _SECOND_TEAM],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        env={**os.environ, "NUMBA_NUM_THREADS": "2"},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_fresh(_SECOND_TEAM, env={"NUMBA_NUM_THREADS": "2"})
     warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1, run.stderr[-2000:]
     assert "'MainThread'" in warnings[0] and "'engine-like'" in warnings[0]
@@ -334,25 +330,13 @@ def test_kernels_on_numbas_workqueue_pool_are_warned_of():
     """Without an OpenMP runtime numba runs the kernels on its workqueue pool, where
     SmolLM2 decoded 2.5x slower (measured with NUMBA_THREADING_LAYER=workqueue); the
     warm-up says so, and what to install."""
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import logging; logging.basicConfig(format='%(levelname)s %(message)s')\n"
         "from core.model import quant\n"
         "quant.warm_up(['Q4_0'], helpers=False)\n"
         "print(quant.threading_layer())\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        env={**os.environ, "NUMBA_THREADING_LAYER": "workqueue"},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_fresh(code, env={"NUMBA_THREADING_LAYER": "workqueue"})
     assert run.stdout.strip().splitlines()[-1] == "workqueue"
     warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1 and "libgomp1" in warnings[0], run.stderr[-2000:]
@@ -517,21 +501,11 @@ def test_the_wide_many_row_dot_takes_scratch_at_any_alignment():
     segfaulted. numba's own arrays are 32-byte aligned, so the engine never hit it; a
     numpy array 16 bytes past one did, in a bench. Every vector access now states the
     4-byte alignment a float has."""
-    import subprocess
-    import sys
-
     from core.model import kernel_wide
 
     if not kernel_wide.WIDE:
         pytest.skip("the 512-bit dots are compiled only where numba targets AVX-512")
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRATCH_ANY_ALIGNMENT],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        timeout=600,
-    )
-    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    run = run_fresh(_SCRATCH_ANY_ALIGNMENT)
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["misaligned"] == 16
     assert got["err"] < TOL, got
