@@ -585,6 +585,44 @@ def _splat_float(builder, f):
     return _splat(builder, builder.insert_element(ir.Constant(_V16F, None), f, _c(0)), 0, _V16F)
 
 
+def _b32_emit(builder, bp, kind, nb, xps, sps, aps):
+    """_b32_wide's and _b32_rows' body: the ``nb`` blocks of ``kind`` at bp times each
+    row i's x (xps[i]: x at the first block's element, float*), block k's d * (q . x)
+    added to row i's 16 lanes (aps[i], float*), and for Q4_1 and Q5_1 the sum of
+    m * sps[i][k] (row i's sums of x per 32 from that block on) to its lane 16. Each
+    row's 16 lanes are loaded once and stored once: x and acc are both float pointers,
+    so a store to acc between loads of x would order every later load after it."""
+    fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+    size = B32_LAYOUT[kind][0]
+    with_min = kind in (Q4_1, Q5_1)
+    nr = len(xps)
+
+    def x16(i, at):  # row i's x, 16 floats from element ``at``
+        p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
+        return builder.load(p, align=4)
+
+    vps = [builder.bitcast(a, _V16F.as_pointer()) for a in aps]
+    lanes = [builder.load(vp, align=4) for vp in vps]
+    mins = [None] * nr
+    sums = [[builder.load(builder.gep(sp, [_c(k)]), align=4) for k in range(nb)] for sp in sps]
+    for k in range(nb):
+        vals, d, m = _b32_block(builder, bp, kind, k * size)
+        ds = _splat_float(builder, d)
+        for i in range(nr):
+            t = builder.fmul(vals[0], x16(i, 32 * k))
+            t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
+            lanes[i] = builder.call(fma, [ds, t, lanes[i]])
+        if with_min:  # m * (the sum of x over the block)
+            for i in range(nr):
+                mx = builder.fmul(m, sums[i][k])
+                mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
+    for vp, v in zip(vps, lanes):
+        builder.store(v, vp, align=4)
+    for i in range(nr if with_min else 0):  # one add a call: a chain through
+        mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
+        builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
+
+
 @intrinsic(prefer_literal=True)
 def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
     """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)
@@ -604,38 +642,49 @@ def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
         xps = [ir_at(context, builder, t, a, xo_, _f32) for t, a in ((xt, x_), (yt, y_))][:nr]
         accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
         aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
-        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        size = B32_LAYOUT[kind][0]
-        with_min = kind in (Q4_1, Q5_1)
-
-        def x16(i, at):  # row i's x[xo + at : xo + at + 16]
-            p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
-            return builder.load(p, align=4)
-
-        mins, sums = [None] * nr, []
-        if with_min:  # each row's sums over these blocks
+        sps = []
+        if kind in (Q4_1, Q5_1):  # each row's sums over these blocks
             col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
-            for t, a in ((xst, xs_), (yst, ys_))[:nr]:
-                p0 = ir_at(context, builder, t, a, col, _f32)
-                sums.append([builder.load(builder.gep(p0, [_c(k)]), align=4) for k in range(nb)])
-        for k in range(nb):
-            vals, d, m = _b32_block(builder, bp, kind, k * size)
-            ds = _splat_float(builder, d)
-            for i in range(nr):
-                t = builder.fmul(vals[0], x16(i, 32 * k))
-                t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
-                ap = builder.bitcast(aps[i], _V16F.as_pointer())
-                builder.store(builder.call(fma, [ds, t, builder.load(ap, align=4)]), ap, align=4)
-            if with_min:  # m * (the sum of x over the block)
-                for i in range(nr):
-                    mx = builder.fmul(m, sums[i][k])
-                    mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
-        for i in range(nr if with_min else 0):  # one add a call: a chain through
-            mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
-            builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
+            sps = [ir_at(context, builder, t, a, col, _f32) for t, a in ((xst, xs_), (yst, ys_))]
+        _b32_emit(builder, bp, kind, nb, xps, sps[:nr], aps)
         return context.get_dummy_value()
 
     return types.none(code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc), codegen
+
+
+@intrinsic(prefer_literal=True)
+def _b32_rows(typingctx, code, n_blocks, n_rows, w, o, x, t, xo, xs, acc):
+    """_b32_wide for rows t .. t + n_rows - 1 of a 2-D x (T, in) (``n_rows`` up to 4,
+    a constant), their sums of x per 32 in xs (T, in/32), row i's lanes in acc[i]
+    (acc (4, DOT32_LANES)). Each block is unpacked once for all the rows."""
+    kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, xst, acct = sig.args[3], sig.args[5], sig.args[8], sig.args[9]
+        w_, o_, x_, t_, xo_, xs_, acc_ = args[3:]
+        tt = t_.type
+        bp = ir_at(context, builder, wt, w_, o_, _i8)
+        ir_prefetch(builder, bp)
+        xa = context.make_array(xt)(context, builder, x_)
+        acca = context.make_array(acct)(context, builder, acc_)
+        rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
+        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
+        zero = ir.Constant(tt, 0)
+        aps = [
+            cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
+            for i in range(nr)
+        ]
+        sps = []
+        if kind in (Q4_1, Q5_1):
+            xsa = context.make_array(xst)(context, builder, xs_)
+            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+            sps = [cgutils.get_item_pointer(context, builder, xst, xsa, [r, col]) for r in rows]
+        _b32_emit(builder, bp, kind, nb, xps, sps, aps)
+        return context.get_dummy_value()
+
+    return types.none(code, n_blocks, n_rows, w, o, x, t, xo, xs, acc), codegen
 
 
 @_jit(fastmath=True, inline="always")
@@ -691,3 +740,28 @@ def _b32_deq(typingctx, code, w, o, out, oo):
         return context.get_dummy_value()
 
     return types.none(code, w, o, out, oo), codegen
+
+
+@_jit(fastmath=True, inline="always")
+def _dot_32_rows(code, nr, w, x, xs, t, y, r, acc):
+    """y[t + i, r] = w . x[t + i] for i < nr (a constant, 3 or 4), w one row of a type in
+    B32_LAYOUT, x (T, in), xs its sums per 32 (Q4_1, Q5_1); ``acc``: (4, DOT32_LANES)
+    float32 scratch. Four blocks a call, each unpacked once for all the rows: three or
+    four streams of a small model (two take _dot_32_wide's pair)."""
+    for i in range(nr):
+        for k in range(DOT32_LANES):
+            acc[i, k] = 0.0
+    bs = 34 if code == Q8_0 else _size32(code)
+    nb = x.shape[1] // 32
+    b = 0
+    while b + 4 <= nb:
+        _b32_rows(code, 4, nr, w, b * bs, x, t, b * 32, xs, acc)
+        b += 4
+    while b < nb:
+        _b32_rows(code, 1, nr, w, b * bs, x, t, b * 32, xs, acc)
+        b += 1
+    for i in range(nr):
+        s = np.float32(0.0)
+        for k in range(16):
+            s += acc[i, k]
+        y[t + i, r] = s + acc[i, 16]

@@ -89,7 +89,15 @@ from .kernel_dots import (
     _dot_rows2,
     _sums,
 )
-from .kernel_wide import ROW_LANES, WIDE, _b32_deq, _dot_block_rows, _k_deq
+from .kernel_wide import (
+    DOT32_LANES,
+    ROW_LANES,
+    WIDE,
+    _b32_deq,
+    _dot_32_rows,
+    _dot_block_rows,
+    _k_deq,
+)
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
 PAIR_ROWS = 4  # rows of x the pair dots take (see _gemv_rows)
@@ -479,6 +487,16 @@ def _launch(code, op, w, ids, x, out, kc):
             r0 = u * ROWS_PER_CHUNK
             r1 = min(n_out, r0 + ROWS_PER_CHUNK)
             t = 0
+            if WIDE and code in PAIR_TYPES and n_x >= 3:  # four rows at a time, then pairs
+                acc4 = np.empty((4, DOT32_LANES), dtype=np.float32)
+                while t + 4 <= n_x:
+                    for r in range(r0, r1):
+                        _dot_32_rows(code, 4, w[r], x, xs, t, out, r, acc4)
+                    t += 4
+                if n_x - t == 3:
+                    for r in range(r0, r1):
+                        _dot_32_rows(code, 3, w[r], x, xs, t, out, r, acc4)
+                    t += 3
             if code in PAIR_TYPES:  # rows of x two at a time: each weight unpacked once
                 while t + 2 <= n_x:
                     _dot_rows2(
