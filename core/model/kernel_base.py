@@ -192,8 +192,17 @@ def _f16t(w, o):
 
 @_jit(inline="always")
 def _size32(code):
-    """Bytes per block of the 32-element types Q4_0, Q4_1, Q5_0, Q5_1."""
+    """Bytes per block of the 32-element types Q4_0, Q4_1, Q5_0, Q5_1 and of Q8_0
+    (BLOCK's, for the jitted code: a constant once ``code`` is)."""
+    if code == Q8_0:
+        return 34
     return 18 if code == Q4_0 else 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+
+
+@_jit(inline="always")
+def _size256(code):
+    """Bytes per block of the K-quants with 512-bit code, Q4_K, Q5_K, Q6_K (BLOCK's)."""
+    return 144 if code == Q4_K else 176 if code == Q5_K else 210
 
 
 @_jit()

@@ -13,6 +13,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kernel_base import (
+    BLOCK,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -23,6 +24,7 @@ from .kernel_base import (
     Q8_0,
     _jit,
     _size32,
+    _size256,
     ir_at,
     ir_fn,
     ir_literal,
@@ -365,6 +367,34 @@ def _k_deq(typingctx, code, w, o, out, oo):
 ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the mins' 8
 
 
+def _rows_open(context, builder, types_, values, nr):
+    """What the many-row blocks (_k_block_rows, _b32_rows) do first. ``types_`` and
+    ``values``: w, o, x, t, xo, xs, acc (x (T, in), xs (T, in/32), acc 2-D). Returns
+    the block's first byte (prefetched ahead), the rows t .. t + nr - 1, row i's x at
+    xo, row i's lanes acc[i], and a function giving row r's xs at column xo / 32."""
+    wt, _, xt, _, _, xst, acct = types_
+    w_, o_, x_, t_, xo_, xs_, acc_ = values
+    tt = t_.type  # the LLVM integer type of row numbers
+    bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
+    ir_prefetch(builder, bp)
+    xa = context.make_array(xt)(context, builder, x_)
+    acca = context.make_array(acct)(context, builder, acc_)
+    rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
+    xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
+    zero = ir.Constant(tt, 0)
+    aps = [
+        cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
+        for i in range(nr)
+    ]
+
+    def xs_at(r):  # row r's sums of x per 32, from the block's column on
+        xsa = context.make_array(xst)(context, builder, xs_)
+        col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
+        return cgutils.get_item_pointer(context, builder, xst, xsa, [r, col])
+
+    return bp, rows, xps, aps, xs_at
+
+
 @intrinsic(prefer_literal=True)
 def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
     """The Q4_K, Q5_K or Q6_K (``code``) block at byte o of row w times
@@ -377,21 +407,8 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
     def codegen(context, builder, sig, args):
         if not WIDE or kind not in (Q4_K, Q5_K, Q6_K):  # never called: emit nothing
             return context.get_dummy_value()
-        wt, xt, xst, acct = sig.args[2], sig.args[4], sig.args[7], sig.args[8]
-        w_, o_, x_, t_, xo_, xs_, acc_ = args[2:]
-        tt = t_.type  # the LLVM integer type of row numbers
-        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the block's first byte
-        ir_prefetch(builder, bp)
+        bp, rows, xps, aps, xs_at = _rows_open(context, builder, sig.args[2:], args[2:], nr)
         fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        xa = context.make_array(xt)(context, builder, x_)
-        acca = context.make_array(acct)(context, builder, acc_)
-        zero = ir.Constant(tt, 0)
-        rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
-        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
-        aps = [
-            cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
-            for i in range(nr)
-        ]  # row i's lanes in acc
 
         def vec(ptr, at, vty):  # vty at float ``at`` past ptr
             return builder.bitcast(builder.gep(ptr, [_c(at)]), vty.as_pointer())
@@ -406,11 +423,8 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
         if kind in (Q4_K, Q5_K):  # the same head; Q5_K's fifth bits in qh (32 bytes at 16)
             f, mins = _q4_k_head(builder, bp)
             fma8 = ir_fn(builder, "llvm.fma.v8f32", _V8F, [_V8F] * 3)
-            xsa = context.make_array(xst)(context, builder, xs_)
-            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
             for i in range(nr):
-                xsp = cgutils.get_item_pointer(context, builder, xst, xsa, [rows[i], col])
-                xsv = builder.load(builder.bitcast(xsp, _V8F.as_pointer()), align=4)
+                xsv = builder.load(builder.bitcast(xs_at(rows[i]), _V8F.as_pointer()), align=4)
                 mp = vec(aps[i], 32, _V8F)
                 m = builder.call(fma8, [mins, xsv, builder.load(mp, align=4)])
                 builder.store(m, mp, align=4)  # a float's alignment: acc may be anywhere
@@ -461,7 +475,7 @@ def _dot_block_rows(code, nr, w, x, xs, t, y, r, acc):
     for i in range(nr):
         for k in range(ROW_LANES):
             acc[i, k] = 0.0
-    size = 144 if code == Q4_K else 176 if code == Q5_K else 210
+    size = _size256(code)
     for b in range(x.shape[1] // 256):
         _k_block_rows(code, nr, w, b * size, x, t, b * 256, xs, acc)
     for i in range(nr):
@@ -524,13 +538,11 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
 # IR dot takes 35 (2048x8192, 2 threads, 2026-12-06).
 
 DOT32_LANES = 16 + 1  # per row of x: a 16-lane sum, then Q4_1's mins (_dot_32_wide)
-# per type: bytes a block, where its 16 bytes of nibbles start, where qh is (Q5 types)
+# per type: bytes a block, where its 16 bytes of nibbles (Q8_0: 32 int8) start, where
+# qh is (Q5 types; 0: none)
 B32_LAYOUT = {
-    Q4_0: (18, 2, 0),
-    Q4_1: (20, 4, 0),
-    Q5_0: (22, 6, 2),
-    Q5_1: (24, 8, 4),
-    Q8_0: (34, 2, 0),
+    code: (BLOCK[code][1], at, qh)
+    for code, at, qh in ((Q4_0, 2, 0), (Q4_1, 4, 0), (Q5_0, 6, 2), (Q5_1, 8, 4), (Q8_0, 2, 0))
 }
 
 
@@ -662,25 +674,8 @@ def _b32_rows(typingctx, code, n_blocks, n_rows, w, o, x, t, xo, xs, acc):
     def codegen(context, builder, sig, args):
         if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
             return context.get_dummy_value()
-        wt, xt, xst, acct = sig.args[3], sig.args[5], sig.args[8], sig.args[9]
-        w_, o_, x_, t_, xo_, xs_, acc_ = args[3:]
-        tt = t_.type
-        bp = ir_at(context, builder, wt, w_, o_, _i8)
-        ir_prefetch(builder, bp)
-        xa = context.make_array(xt)(context, builder, x_)
-        acca = context.make_array(acct)(context, builder, acc_)
-        rows = [builder.add(t_, ir.Constant(tt, i)) for i in range(nr)]
-        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [r, xo_]) for r in rows]
-        zero = ir.Constant(tt, 0)
-        aps = [
-            cgutils.get_item_pointer(context, builder, acct, acca, [ir.Constant(tt, i), zero])
-            for i in range(nr)
-        ]
-        sps = []
-        if kind in (Q4_1, Q5_1):
-            xsa = context.make_array(xst)(context, builder, xs_)
-            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
-            sps = [cgutils.get_item_pointer(context, builder, xst, xsa, [r, col]) for r in rows]
+        bp, rows, xps, aps, xs_at = _rows_open(context, builder, sig.args[3:], args[3:], nr)
+        sps = [xs_at(r) for r in rows] if kind in (Q4_1, Q5_1) else []
         _b32_emit(builder, bp, kind, nb, xps, sps, aps)
         return context.get_dummy_value()
 
@@ -694,7 +689,7 @@ def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
     two dots (the second 0 for one row). ``acc``: nr * DOT32_LANES floats of scratch."""
     for i in range(nr * DOT32_LANES):
         acc[i] = 0.0
-    bs = 34 if code == Q8_0 else _size32(code)
+    bs = _size32(code)
     nb = x.shape[0] // 32
     b = 0
     while b + 4 <= nb:
@@ -751,7 +746,7 @@ def _dot_32_rows(code, nr, w, x, xs, t, y, r, acc):
     for i in range(nr):
         for k in range(DOT32_LANES):
             acc[i, k] = 0.0
-    bs = 34 if code == Q8_0 else _size32(code)
+    bs = _size32(code)
     nb = x.shape[1] // 32
     b = 0
     while b + 4 <= nb:
@@ -765,3 +760,18 @@ def _dot_32_rows(code, nr, w, x, xs, t, y, r, acc):
         for k in range(16):
             s += acc[i, k]
         y[t + i, r] = s + acc[i, 16]
+
+
+@_jit(inline="always")
+def _deq_wide(code, w, e0, e1, out):
+    """Elements [e0, e1) of row w (whole blocks) of type ``code`` (a constant: a K-quant
+    of _k_deq's or one of B32_LAYOUT) dequantized into out[: e1 - e0], block by block:
+    the kernels' dequantizers (core/model/kernels.py) where WIDE."""
+    if code == Q4_K or code == Q5_K or code == Q6_K:
+        bs = _size256(code)
+        for b in range((e1 - e0) // 256):
+            _k_deq(code, w, (e0 // 256 + b) * bs, out, b * 256)
+    else:
+        bs = _size32(code)
+        for b in range((e1 - e0) // 32):
+            _b32_deq(code, w, (e0 // 32 + b) * bs, out, b * 32)

@@ -33,8 +33,10 @@ its type's code, does three things:
   1.2-1.4x, its Q8_0 output 1.7-2.1x; its decode 57-62 -> 74-82 tok/s, 2026-12-06).
   Two to four rows of the 32-element types and Q8_0 (A/B compare, a few streams)
   take the same route with pair dots, each weight unpacked once for two rows of x
-  (``_gemv_rows``); on AVX-512 Q4_0's, Q4_1's and Q8_0's are IR as well (two rows of
-  SmolLM2's shapes 1.2-1.4x faster in Q4_1, 1.6x in Q8_0, one thread).
+  (``_gemv_rows``); on AVX-512 those are IR as well (two rows of SmolLM2's shapes
+  1.2-1.4x faster in Q4_1, 1.6x in Q8_0, one thread), and three or four rows go in one
+  pass (kernel_wide._dot_32_rows: 1.2-1.4x two pair passes). The K-quants' two to
+  four rows take kernel_wide._dot_block_rows there.
 
 What the kernels share (numba's configuration, type codes, block-field readers) is in
 core/model/kernel_base.py.
@@ -93,10 +95,9 @@ from .kernel_wide import (
     DOT32_LANES,
     ROW_LANES,
     WIDE,
-    _b32_deq,
+    _deq_wide,
     _dot_32_rows,
     _dot_block_rows,
-    _k_deq,
 )
 
 ROWS_PER_CHUNK = 16  # output rows per prange unit: fine-grained enough to balance threads
@@ -149,9 +150,8 @@ def _run_bf16(w, e0, e1, out):
 
 @_jit()
 def _run_q8_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
-        for b in range((e1 - e0) // 32):
-            _b32_deq(Q8_0, w, (e0 // 32 + b) * 34, out, b * 32)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q8_0, w, e0, e1, out)
         return
     w = w[e0 // 32 * 34 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
@@ -165,9 +165,8 @@ def _run_q8_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
-        for b in range((e1 - e0) // 32):
-            _b32_deq(Q4_0, w, (e0 // 32 + b) * 18, out, b * 32)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q4_0, w, e0, e1, out)
         return
     w = w[e0 // 32 * 18 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
@@ -183,9 +182,8 @@ def _run_q4_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_1(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
-        for b in range((e1 - e0) // 32):
-            _b32_deq(Q4_1, w, (e0 // 32 + b) * 20, out, b * 32)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q4_1, w, e0, e1, out)
         return
     w = w[e0 // 32 * 20 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
@@ -202,9 +200,8 @@ def _run_q4_1(w, e0, e1, out):
 
 @_jit()
 def _run_q5_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
-        for b in range((e1 - e0) // 32):
-            _b32_deq(Q5_0, w, (e0 // 32 + b) * 22, out, b * 32)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q5_0, w, e0, e1, out)
         return
     w = w[e0 // 32 * 22 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
@@ -223,9 +220,8 @@ def _run_q5_0(w, e0, e1, out):
 
 @_jit()
 def _run_q5_1(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._b32_deq)
-        for b in range((e1 - e0) // 32):
-            _b32_deq(Q5_1, w, (e0 // 32 + b) * 24, out, b * 32)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q5_1, w, e0, e1, out)
         return
     w = w[e0 // 32 * 24 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
@@ -301,9 +297,8 @@ def _run_q3_k(w, e0, e1, out):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
-        for b in range((e1 - e0) // 256):
-            _k_deq(Q4_K, w, (e0 // 256 + b) * 144, out, b * 256)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q4_K, w, e0, e1, out)
         return
     w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
@@ -329,9 +324,8 @@ def _run_q4_k(w, e0, e1, out):
 def _run_q5_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, plus bit j of qh[l] as
     # bit 4 of element l of sub-block j
-    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
-        for b in range((e1 - e0) // 256):
-            _k_deq(Q5_K, w, (e0 // 256 + b) * 176, out, b * 256)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q5_K, w, e0, e1, out)
         return
     w = w[e0 // 256 * 176 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
@@ -361,9 +355,8 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    if WIDE:  # the same operations, vectorized (kernel_wide._k_deq)
-        for b in range((e1 - e0) // 256):
-            _k_deq(Q6_K, w, (e0 // 256 + b) * 210, out, b * 256)
+    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
+        _deq_wide(Q6_K, w, e0, e1, out)
         return
     w = w[e0 // 256 * 210 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
