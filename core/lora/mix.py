@@ -158,29 +158,39 @@ def mix_text(mix: Mapping[int, float] | Iterable[tuple[int, float]], names: Mapp
 
 @dataclass
 class Delta:
-    """One fused target's low-rank delta, ``y += (x Aᵀ) Bᵀ``, without B's zeros.
+    """One fused target's low-rank delta, ``y += ((x Aᵀ) ⊙ s) Bᵀ``, without B's zeros:
+    a mix's (its scales folded into B, s = 1) and an adapter stack's (unit scale, s a
+    scale per row and rank column) alike.
 
     A fused matrix stacks parts (Q|K|V, gate|up) and an adapter's pieces each
     feed one part, so a fused B (out, R) would be block-diagonal: mostly zeros.
     A's rank rows are ordered by the part they feed, and each part keeps only
-    its dense block: ``(row0, row1, col0, col1, B (row1-row0, col1-col0))``.
+    its dense block, transposed: ``(row0, row1, col0, col1, Bᵀ (col1-col0, row1-row0))``.
     """
 
     a: np.ndarray  # (R, in)
     parts: tuple[tuple[int, int, int, int, np.ndarray], ...]
     n_out: int
 
-    def apply(self, y: np.ndarray, x: np.ndarray) -> None:
-        # y: (n, out) += ((x: (n, in)) Aᵀ) Bᵀ, part by part
+    def apply(self, y: np.ndarray, x: np.ndarray, scale: np.ndarray | None = None) -> None:
+        """y (n, out) += ((x (n, in) Aᵀ) ⊙ scale (n, R)) Bᵀ, part by part; scale None: 1."""
         u = x @ self.a.T  # (n, R)
-        for r0, r1, c0, c1, b in self.parts:
-            y[:, r0:r1] += u[:, c0:c1] @ b.T  # (n, rows)
+        if scale is not None:
+            u *= scale
+        for r0, r1, c0, c1, bt in self.parts:
+            y[:, r0:r1] += u[:, c0:c1] @ bt  # (n, rows)
+
+    def product(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+        """The delta alone, a new (n, out) array."""
+        y = np.zeros((x.shape[0], self.n_out), dtype=np.float32)  # (n, out)
+        self.apply(y, x, scale)
+        return y
 
     def dense_b(self) -> np.ndarray:
         """The fused (out, R) B, zeros included (for inspection and tests)."""
         b = np.zeros((self.n_out, self.a.shape[0]), dtype=np.float32)
-        for r0, r1, c0, c1, bp in self.parts:
-            b[r0:r1, c0:c1] = bp
+        for r0, r1, c0, c1, bt in self.parts:
+            b[r0:r1, c0:c1] = bt.T
         return b
 
     @property
@@ -237,15 +247,8 @@ def _fuse(cfg: ModelConfig, pieces: dict[tuple[int, str], list]) -> dict[tuple[i
         for r0, r1, abs_ in _by_part(plist):
             r = sum(a.shape[0] for a, _ in abs_)
             a_rows += [a for a, _ in abs_]
-            parts.append(
-                (
-                    r0,
-                    r1,
-                    col,
-                    col + r,
-                    np.ascontiguousarray(np.concatenate([b for _, b in abs_], axis=1)),
-                )
-            )
+            bt = np.concatenate([b for _, b in abs_], axis=1).T  # (cols, rows)
+            parts.append((r0, r1, col, col + r, np.ascontiguousarray(bt)))
             col += r
         fused[layer, target] = Delta(
             np.concatenate(a_rows, axis=0), tuple(parts), layout.out_rows(cfg, target)
@@ -377,18 +380,18 @@ def build_mix(
 class AdapterStack:
     """The distinct adapters of a batch side by side along the rank axis, at unit scale.
 
-    Per layer and target: Aᵀ (in, ΣR); per output part (Q|K|V, gate|up) its
-    rows, its rank columns and a dense Bᵀ block (cols, rows) with each adapter's
-    ``effective_scale(1)`` folded in; and (adapter index, first column, end column)
-    for every run of one adapter's columns; and the fused output size. Since the effective scale is linear in
-    the user's scale, a row's delta under any mix of these adapters is
+    Per layer and target: a Delta (A (ΣR, in) and a dense Bᵀ block per output
+    part, Q|K|V or gate|up, with each adapter's ``effective_scale(1)`` folded in),
+    and (adapter index, first column, end column) for every run of one adapter's
+    columns. Since the effective scale is linear in the user's scale, a row's delta under any mix of these adapters is
     ``((x Aᵀ) ⊙ s) Bᵀ`` with s the row's scale per adapter, spread over its
     columns. Eight streams on eight mixes of three adapters thus read three
     adapters' weights once per step, not eight mixes' worth.
     """
 
     adapters: tuple[Adapter, ...]
-    layers: list[dict[str, tuple[np.ndarray, tuple, tuple[tuple[int, int, int], ...], int]]]
+    # per layer: target -> (its Delta at unit scale, (adapter index, c0, c1) per run)
+    layers: list[dict[str, tuple[Delta, tuple[tuple[int, int, int], ...]]]]
 
 
 def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStack:
@@ -411,10 +414,6 @@ def stack_adapters(cfg: ModelConfig, adapters: Iterable[Adapter]) -> AdapterStac
                 col += a.shape[0]
             bt = np.concatenate([b for _, b in iab], axis=1).T  # (cols, rows)
             parts.append((r0, r1, c_part, col, np.ascontiguousarray(bt)))
-        layers[layer][target] = (
-            np.ascontiguousarray(np.concatenate(a_rows, axis=0).T),  # (in, ΣR)
-            tuple(parts),
-            tuple(segs),
-            layout.out_rows(cfg, target),
-        )
+        delta = Delta(np.concatenate(a_rows, axis=0), tuple(parts), layout.out_rows(cfg, target))
+        layers[layer][target] = (delta, tuple(segs))
     return AdapterStack(adapters, layers)

@@ -170,22 +170,16 @@ class LoraDeltas(Deltas):
     ) -> np.ndarray:
         """Every row's delta for this target under its own mix, from the adapter stack:
         added to ``into`` in place when given (and returned), else a new array."""
-        at, parts, segs, n_out = self.stack.layers[li][target]  # (in, ΣR), dense Bᵀ blocks
+        delta, segs = self.stack.layers[li][target]
         sc = self._spread.get(segs)
         if sc is None:
             sc = self._spread[segs] = np.repeat(
                 self.scale[:, [i for i, _, _ in segs]], [c1 - c0 for _, c0, c1 in segs], axis=1
             )  # (T, ΣR)
-        u = x @ at  # (T, ΣR)
-        u *= sc
-        if into is not None:
-            for r0, r1, c0, c1, bt in parts:
-                into[:, r0:r1] += u[:, c0:c1] @ bt  # (T, rows)
-            return into
-        d = np.zeros((x.shape[0], n_out), dtype=np.float32)  # (T, out)
-        for r0, r1, c0, c1, bt in parts:
-            d[:, r0:r1] = u[:, c0:c1] @ bt  # (T, rows)
-        return d
+        if into is None:
+            return delta.product(x, sc)  # (T, out)
+        delta.apply(into, x, sc)
+        return into
 
 
 # A built mix holds its adapters' A and scaled B matrices: ~24 MB for three adapters on
