@@ -166,6 +166,46 @@ def test_fused_matrix_mixed_types():
     assert isinstance(across, FusedMatrix) and same_bits(across.dequantize(), ref[40:75])
 
 
+def test_parts_back_to_back_in_one_buffer_run_as_one_matrix():
+    """Parts of one type whose bytes follow each other in one buffer (a file's gate
+    and up) are one matrix for the products, without a copy; the others stay apart."""
+    rng = np.random.default_rng(9)
+    gate = random_matrix(Q.Q4_K, 48, 512, rng)
+    up = random_matrix(Q.Q4_K, 40, 512, rng)
+    k = random_matrix(Q.Q6_K, 20, 512, rng)
+    buf = np.concatenate([gate.reshape(-1), up.reshape(-1), k.reshape(-1)])  # one "file"
+    g_n, u_n = gate.size, up.size
+    g = QuantMatrix(Q.Q4_K, buf[:g_n], (48, 512), name="gate")
+    u = QuantMatrix(Q.Q4_K, buf[g_n : g_n + u_n], (40, 512), name="up")
+    kk = QuantMatrix(Q.Q6_K, buf[g_n + u_n :], (20, 512), name="k")
+    ref = np.concatenate(
+        [reference(Q.Q4_K, gate, (48, 512)), reference(Q.Q4_K, up, (40, 512)),
+         reference(Q.Q6_K, k, (20, 512))]
+    )  # fmt: skip
+    f = FusedMatrix([g, u, kk], name="gate_up_k")
+    (joined, lo, hi), (last, *_) = f._runs
+    assert (lo, hi, joined.shape) == (0, 88, (88, 512)) and last is kk
+    assert np.shares_memory(joined.data, buf) and not joined.data.flags.writeable
+    check_products(f, ref, rng, counts=(1, 2, 4, 8, 40))
+    assert same_bits(joined.dequantize(), ref[:88])
+    assert len(f.parts) == 3 and same_bits(f.take([0, 50, 100]), ref[[0, 50, 100]])
+    # not back to back, the other order, or two buffers: apart
+    assert u.joined(g) is None and g.joined(kk) is None
+    copy = QuantMatrix(Q.Q4_K, buf[g_n : g_n + u_n].copy(), (40, 512), name="up")
+    assert g.joined(copy) is None and len(FusedMatrix([g, copy])._runs) == 2
+
+
+def test_a_files_gate_and_up_run_as_one_matrix(smollm_path):
+    """SmolLM2's file holds each block's ffn_gate and ffn_up back to back."""
+    from core.model.config import ModelConfig
+    from core.model.weights import map_weights
+
+    gf = GGUFFile(smollm_path)
+    w = map_weights(gf, ModelConfig.from_metadata(gf.metadata))
+    runs = w.layers[0].w_gate_up._runs
+    assert len(runs) == 1 and runs[0][0].shape == w.layers[0].w_gate_up.shape
+
+
 def test_bad_layouts_are_refused():
     rng = np.random.default_rng(8)
     data = random_matrix(Q.Q4_K, 4, 512, rng)

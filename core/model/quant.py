@@ -291,6 +291,30 @@ class QuantMatrix:
         m.activations, m._q8 = self.activations, self._q8
         return m
 
+    def joined(self, other: QuantMatrix) -> QuantMatrix | None:
+        """This matrix's rows and then ``other``'s as one matrix, without a copy, when
+        ``other``'s bytes start where this one's end in the same buffer (the same type,
+        width and activations); else None. A file's gate and up matrices often lie so:
+        one kernel launch then serves both (FusedMatrix)."""
+        a, b = self.data, other.data
+        if (
+            other.qtype != self.qtype
+            or other.shape[1] != self.shape[1]
+            or other.activations != self.activations
+            or _root(a) is not _root(b)
+            or a.ctypes.data + a.nbytes != b.ctypes.data
+        ):
+            return None
+        m = object.__new__(QuantMatrix)
+        m.qtype, m.name = self.qtype, f"{self.name}+{other.name.rpartition(': ')[2]}"
+        m.shape = (self.shape[0] + other.shape[0], self.shape[1])
+        # both lie in one buffer, back to back: a view of a's rows extended over b's
+        m.data = np.lib.stride_tricks.as_strided(
+            a, shape=(m.shape[0], a.shape[1]), strides=a.strides, writeable=False
+        )  # (out, row_bytes)
+        m.activations, m._q8 = self.activations, self._q8
+        return m
+
     def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
         """Rows [a, b) as float32 (b - a, in), bit for bit what gguf.quants gives."""
         a, b = _check_range(a, self.shape[0] if b is None else b, self.shape[0], self.name)
@@ -405,6 +429,16 @@ def _scratch(n: int) -> np.ndarray:
     return buf
 
 
+def _root(a: np.ndarray) -> object:
+    """The object whose memory an array views at the end of its chain of bases (the
+    file's mapping behind GGUFFile.raw's memoryviews), or the array itself when it owns
+    its memory."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    base = a if a.base is None else a.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
 def _check_range(a: int, b: int, n: int, name: str) -> tuple[int, int]:
     a, b = int(a), int(b)
     if not 0 <= a <= b <= n:
@@ -429,6 +463,19 @@ class FusedMatrix:
         self.name = name
         self.offsets = np.cumsum([0] + [p.shape[0] for p in self.parts]).tolist()
         self.shape = (self.offsets[-1], cols.pop())
+        # the products' runs (matrix, first row, end row): parts that lie back to back
+        # in one buffer joined (QuantMatrix.joined), one kernel launch for each run.
+        # SmolLM2's gate|up: 82 against 86 us (576 wide, Q4_1, 2 threads, hot caches;
+        # a launch costs ~5 us whatever its size)
+        self._runs: list[tuple[QuantMatrix | np.ndarray, int, int]] = []
+        for p, lo, hi in zip(self.parts, self.offsets, self.offsets[1:]):
+            last = self._runs[-1][0] if self._runs else None
+            both = isinstance(last, QuantMatrix) and isinstance(p, QuantMatrix)
+            joined = last.joined(p) if both else None
+            if joined is not None:
+                self._runs[-1] = (joined, self._runs[-1][1], hi)
+            else:
+                self._runs.append((p, lo, hi))
 
     @property
     def dtype(self) -> str:
@@ -496,7 +543,7 @@ class FusedMatrix:
         vec = x.ndim == 1
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, in)
         y = out if out is not None else np.empty((x.shape[0], self.shape[0]), np.float32)
-        for p, lo, hi in zip(self.parts, self.offsets, self.offsets[1:]):
+        for p, lo, hi in self._runs:
             if isinstance(p, QuantMatrix):
                 p.matmul(x, out=y[:, lo:hi])  # (T, part out)
             else:
