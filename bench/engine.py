@@ -544,10 +544,14 @@ def main() -> None:
         agg = max(agg, streams(mixes))
         one_a = max(one_a, streams(mixes[1:2]))
         agg2 = max(agg2, streams(mixes[1:3]))
+    # 4x was set when one stream read float32 weights from RAM and eight streams cost
+    # little more; on the kernels one stream is ~3x faster and eight rows are bound by
+    # their multiplications, so issue 35 set 2.5x for quantized weights
+    goal = "4x, the float32 path's" if args.weights == "f32" else "2.5x on quantized weights"
     print(
         f"8 streams x 8 mixes: {agg:.1f} tok/s aggregate = {agg / one:.1f}x one stream "
-        f"({one:.1f} tok/s alongside, timed alike; target >= 4x); ratio to the best batch-8 roofline "
-        f"{agg / roof8:.2f}"
+        f"({one:.1f} tok/s alongside, timed alike; target >= {goal}); ratio to the best "
+        f"batch-8 roofline {agg / roof8:.2f}"
     )
     print(
         f"2 streams x 2 mixes (A/B compare): {agg2:.1f} tok/s aggregate = "
