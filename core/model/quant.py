@@ -179,6 +179,8 @@ def _note_launcher() -> None:
     if getattr(_local, "passing", False):
         return
     me = threading.current_thread()
+    if me in _launchers:  # noted (and warned of) at its first launch on several threads
+        return
     others = [t.name for t in list(_launchers) if t is not me and t.is_alive()]
     _launchers.add(me)
     if others:
