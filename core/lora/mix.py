@@ -383,9 +383,9 @@ class AdapterStack:
     Per layer and target: a Delta (A (ΣR, in) and a dense Bᵀ block per output
     part, Q|K|V or gate|up, with each adapter's ``effective_scale(1)`` folded in),
     and (adapter index, first column, end column) for every run of one adapter's
-    columns. Since the effective scale is linear in the user's scale, a row's delta under any mix of these adapters is
-    ``((x Aᵀ) ⊙ s) Bᵀ`` with s the row's scale per adapter, spread over its
-    columns. Eight streams on eight mixes of three adapters thus read three
+    columns. Since the effective scale is linear in the user's scale, a row's delta
+    under any mix of these adapters is ``((x Aᵀ) ⊙ s) Bᵀ`` with s the row's scale per
+    adapter, spread over its columns. Eight streams on eight mixes of three adapters thus read three
     adapters' weights once per step, not eight mixes' worth.
     """
 
