@@ -317,8 +317,8 @@ def _k_deq(typingctx, code, w, o, out, oo):
     kind = ir_literal(code)
 
     def codegen(context, builder, sig, args):
-        if not WIDE or kind not in (Q4_K, Q5_K, Q6_K):  # never called (kernels' _run_q4_k,
-            return context.get_dummy_value()  # _q5_k, _q6_k branch on WIDE): emit nothing
+        if not WIDE or kind not in (Q4_K, Q5_K, Q6_K):  # never called (kernels' _run
+            return context.get_dummy_value()  # branches on WIDE): emit nothing
         wt, _, outt, _ = sig.args[1:]
         w_, o_, out_, oo_ = args[1:]
         bp = ir_at(context, builder, wt, w_, o_, _i8)
@@ -718,8 +718,8 @@ def _b32_deq(typingctx, code, w, o, out, oo):
     kind = ir_literal(code)
 
     def codegen(context, builder, sig, args):
-        if not WIDE or kind not in B32_LAYOUT:  # never called (kernels' _run_q8_0 ..
-            return context.get_dummy_value()  # _run_q5_1 branch on WIDE): emit nothing
+        if not WIDE or kind not in B32_LAYOUT:  # never called (kernels' _run
+            return context.get_dummy_value()  # branches on WIDE): emit nothing
         wt, _, outt, _ = sig.args[1:]
         w_, o_, out_, oo_ = args[1:]
         bp = ir_at(context, builder, wt, w_, o_, _i8)
@@ -760,6 +760,10 @@ def _dot_32_rows(code, nr, w, x, xs, t, y, r, acc):
         for k in range(16):
             s += acc[i, k]
         y[t + i, r] = s + acc[i, 16]
+
+
+# the types _deq_wide dequantizes: the K-quants of _k_deq and the B32_LAYOUT types
+DEQ_WIDE_TYPES = (Q4_K, Q5_K, Q6_K, *B32_LAYOUT)
 
 
 @_jit(inline="always")

@@ -92,6 +92,7 @@ from .kernel_dots import (
     _sums,
 )
 from .kernel_wide import (
+    DEQ_WIDE_TYPES,
     DOT32_LANES,
     ROW_LANES,
     WIDE,
@@ -150,9 +151,6 @@ def _run_bf16(w, e0, e1, out):
 
 @_jit()
 def _run_q8_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q8_0, w, e0, e1, out)
-        return
     w = w[e0 // 32 * 34 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 34
@@ -165,9 +163,6 @@ def _run_q8_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q4_0, w, e0, e1, out)
-        return
     w = w[e0 // 32 * 18 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 18
@@ -182,9 +177,6 @@ def _run_q4_0(w, e0, e1, out):
 
 @_jit()
 def _run_q4_1(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q4_1, w, e0, e1, out)
-        return
     w = w[e0 // 32 * 20 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 20
@@ -200,9 +192,6 @@ def _run_q4_1(w, e0, e1, out):
 
 @_jit()
 def _run_q5_0(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q5_0, w, e0, e1, out)
-        return
     w = w[e0 // 32 * 22 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 22
@@ -220,9 +209,6 @@ def _run_q5_0(w, e0, e1, out):
 
 @_jit()
 def _run_q5_1(w, e0, e1, out):
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q5_1, w, e0, e1, out)
-        return
     w = w[e0 // 32 * 24 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 32):
         o = b * 24
@@ -297,9 +283,6 @@ def _run_q3_k(w, e0, e1, out):
 def _run_q4_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qs[128]; sub-block 2c is the low nibbles of
     # qs[c*32 : c*32+32], sub-block 2c+1 their high nibbles
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q4_K, w, e0, e1, out)
-        return
     w = w[e0 // 256 * 144 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 144
@@ -324,9 +307,6 @@ def _run_q4_k(w, e0, e1, out):
 def _run_q5_k(w, e0, e1, out):
     # block: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, plus bit j of qh[l] as
     # bit 4 of element l of sub-block j
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q5_K, w, e0, e1, out)
-        return
     w = w[e0 // 256 * 176 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 176
@@ -355,9 +335,6 @@ def _run_q6_k(w, e0, e1, out):
     # block: ql[128], qh[64], scales[16] (int8), d; element j*128 + i takes
     # nibble i//64 of ql[j*64 + i%64] and bits 2(i//32).. of qh[j*32 + i%32],
     # minus 32; sub-blocks of 16
-    if WIDE:  # the same operations, vectorized (kernel_wide._deq_wide)
-        _deq_wide(Q6_K, w, e0, e1, out)
-        return
     w = w[e0 // 256 * 210 :]  # from block e0 on: every index below is >= 0
     for b in range((e1 - e0) // 256):
         o = b * 210
@@ -393,9 +370,13 @@ def _run_q6_k(w, e0, e1, out):
 @_jit()
 def _run(code, w, e0, e1, out):
     """Dequantize elements [e0, e1) of row w of type ``code`` (a literal: only the
-    branch for the type is compiled) into out[: e1 - e0]."""
+    branch for the type is compiled) into out[: e1 - e0]. Where WIDE, the types with
+    512-bit dequantizers take them (kernel_wide._deq_wide: the same operations,
+    vectorized, so the same bits); the ``_run_*`` loops are the portable code."""
     literally(code)
-    if code == F16:
+    if WIDE and code in DEQ_WIDE_TYPES:
+        _deq_wide(code, w, e0, e1, out)
+    elif code == F16:
         _run_f16(w, e0, e1, out)
     elif code == BF16:
         _run_bf16(w, e0, e1, out)
