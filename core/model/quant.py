@@ -181,7 +181,8 @@ def _note_launcher() -> None:
     me = threading.current_thread()
     if me in _launchers:  # noted (and warned of) at its first launch on several threads
         return
-    others = [t.name for t in list(_launchers) if t is not me and t.is_alive()]
+    # named with their idents: two engines' threads share the name "mixdesk-engine"
+    others = [f"{t.name}#{t.ident}" for t in list(_launchers) if t is not me and t.is_alive()]
     _launchers.add(me)
     if others:
         log.warning(
@@ -189,7 +190,7 @@ def _note_launcher() -> None:
             "kernel threads: every product now waits for a worker to wake (SmolLM2 "
             "decoded ~25%% slower so); run kernel work off the engine thread on "
             "quant.on_passing_thread",
-            me.name,
+            f"{me.name}#{me.ident}",
             others[0],
         )
 
