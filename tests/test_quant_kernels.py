@@ -369,7 +369,7 @@ def test_a_second_thread_starting_kernels_is_warned_of():
     run = run_fresh(_SECOND_TEAM, env={"NUMBA_NUM_THREADS": "2"})
     warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1, run.stderr[-2000:]
-    assert "'MainThread'" in warnings[0] and "'engine-like'" in warnings[0]
+    assert "'MainThread#" in warnings[0] and "'engine-like#" in warnings[0]  # name#ident
 
 
 def test_kernels_on_numbas_workqueue_pool_are_warned_of():
