@@ -24,6 +24,7 @@ from .kernel_base import (
 from .kernel_wide import (  # noqa: F401  (WIDE: kernel_dots.WIDE is read by callers)
     ACC_LANES,
     WIDE,
+    _b32_row,
     _dot_32_wide,
     _dot_k_wide,
     _dot_q6_k_wide,
@@ -440,7 +441,7 @@ def _dot(code, w, x, xs, acc):
             return _dot_k_wide(code, w, x, xs, acc)
         if code == Q6_K:
             return _dot_q6_k_wide(w, x, xs, acc)
-        return _dot_32_wide(code, 1, w, x, x, xs, xs, acc)[0]  # Q8_0, Q4_0 .. Q5_1
+        return _b32_row(code, w, x, xs)  # Q8_0, Q4_0 .. Q5_1: the whole row in IR
     if code == Q4_K:
         return _dot_q4_k(w, x, xs, acc)
     elif code == Q5_K:
