@@ -460,15 +460,16 @@ def test_fused_gemv_against_the_batched_kernel(qt):
 
 @pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("blocks", [1, 3, 4, 7, 8])
-def test_one_row_dots_of_short_rows(qt, blocks):
-    """kernel_wide._b32_row runs a row's blocks four a turn, then the rest one by one:
-    rows of fewer blocks than a turn, of exact turns and of turns and a rest all agree
-    with float64 (and Q4_0's and Q4_1's values come from a table of 16)."""
+def test_whole_row_dots_of_short_rows(qt, blocks):
+    """kernel_wide._b32_row_ir runs a row's blocks four a turn, then the rest one by
+    one, for one to four rows of x: rows of fewer blocks than a turn, of exact turns
+    and of turns and a rest all agree with float64 (and Q4_0's and Q4_1's values
+    come from a table of 16)."""
     rng = np.random.default_rng(blocks * 100 + int(qt))
     cols = 32 * blocks
     data = random_matrix(qt, 19, cols, rng)
     ref = reference(qt, data, (19, cols))
-    check_products(QuantMatrix(qt, data, (19, cols)), ref, rng, counts=(1,))
+    check_products(QuantMatrix(qt, data, (19, cols)), ref, rng, counts=(1, 2, 3, 4))
 
 
 _PORTABLE_DOTS = """

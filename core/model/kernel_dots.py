@@ -25,7 +25,7 @@ from .kernel_wide import (  # noqa: F401  (WIDE: kernel_dots.WIDE is read by cal
     ACC_LANES,
     WIDE,
     _b32_row,
-    _dot_32_wide,
+    _b32_row2,
     _dot_k_wide,
     _dot_q6_k_wide,
 )
@@ -425,7 +425,7 @@ def _dot_rows2(code, w, x, y, xs, ys, out_x, out_y, r0, r1):
     acc = np.empty(64, dtype=np.float32)  # both rows' partial sums
     for r in range(r0, r1):
         if WIDE:
-            out_x[r], out_y[r] = _dot_32_wide(code, 2, w[r], x, y, xs, ys, acc)
+            out_x[r], out_y[r] = _b32_row2(code, w[r], x, y, xs, ys)
         elif code == Q8_0:
             out_x[r], out_y[r] = _dot_q8_0x2(w[r], x, y, acc)
         else:

@@ -368,7 +368,7 @@ ROW_LANES = 2 * 16 + 8  # per row of x in _dot_block_rows: two 16-lane sums, the
 
 
 def _rows_open(context, builder, types_, values, nr):
-    """What the many-row blocks (_k_block_rows, _b32_rows) do first. ``types_`` and
+    """What the many-row K-quant blocks (_k_block_rows) do first. ``types_`` and
     ``values``: w, o, x, t, xo, xs, acc (x (T, in), xs (T, in/32), acc 2-D). Returns
     the block's first byte (prefetched ahead), the rows t .. t + nr - 1, row i's x at
     xo, row i's lanes acc[i], and a function giving row r's xs at column xo / 32."""
@@ -537,7 +537,6 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
 # 256-element super-blocks); the numba dot took them at 13.6 G weights/s where Q4_0's
 # IR dot takes 35 (2048x8192, 2 threads, 2026-12-06).
 
-DOT32_LANES = 16 + 1  # per row of x: a 16-lane sum, then Q4_1's mins (_dot_32_wide)
 # per type: bytes a block, where its 16 bytes of nibbles (Q8_0: 32 int8) start, where
 # qh is (Q5 types; 0: none)
 B32_LAYOUT = {
@@ -597,91 +596,6 @@ def _splat_float(builder, f):
     return _splat(builder, builder.insert_element(ir.Constant(_V16F, None), f, _c(0)), 0, _V16F)
 
 
-def _b32_emit(builder, bp, kind, nb, xps, sps, aps):
-    """_b32_wide's and _b32_rows' body: the ``nb`` blocks of ``kind`` at bp times each
-    row i's x (xps[i]: x at the first block's element, float*), block k's d * (q . x)
-    added to row i's 16 lanes (aps[i], float*), and for Q4_1 and Q5_1 the sum of
-    m * sps[i][k] (row i's sums of x per 32 from that block on) to its lane 16. Each
-    row's 16 lanes are loaded once and stored once: x and acc are both float pointers,
-    so a store to acc between loads of x would order every later load after it."""
-    fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-    size = B32_LAYOUT[kind][0]
-    with_min = kind in (Q4_1, Q5_1)
-    nr = len(xps)
-
-    def x16(i, at):  # row i's x, 16 floats from element ``at``
-        p = builder.bitcast(builder.gep(xps[i], [_c(at)]), _V16F.as_pointer())
-        return builder.load(p, align=4)
-
-    vps = [builder.bitcast(a, _V16F.as_pointer()) for a in aps]
-    lanes = [builder.load(vp, align=4) for vp in vps]
-    mins = [None] * nr
-    sums = [[builder.load(builder.gep(sp, [_c(k)]), align=4) for k in range(nb)] for sp in sps]
-    for k in range(nb):
-        vals, d, m = _b32_block(builder, bp, kind, k * size)
-        ds = _splat_float(builder, d)
-        for i in range(nr):
-            t = builder.fmul(vals[0], x16(i, 32 * k))
-            t = builder.call(fma, [vals[1], x16(i, 32 * k + 16), t])
-            lanes[i] = builder.call(fma, [ds, t, lanes[i]])
-        if with_min:  # m * (the sum of x over the block)
-            for i in range(nr):
-                mx = builder.fmul(m, sums[i][k])
-                mins[i] = mx if mins[i] is None else builder.fadd(mins[i], mx)
-    for vp, v in zip(vps, lanes):
-        builder.store(v, vp, align=4)
-    for i in range(nr if with_min else 0):  # one add a call: a chain through
-        mp = builder.gep(aps[i], [_c(16)])  # memory a block was the Q4_1 dot's bound
-        builder.store(builder.fadd(builder.load(mp, align=4), mins[i]), mp, align=4)
-
-
-@intrinsic(prefer_literal=True)
-def _b32_wide(typingctx, code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc):
-    """The ``n_blocks`` (1 to 4) blocks of type ``code`` (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)
-    from byte o of row w, times x[xo : xo + 32 * n_blocks] and, for ``n_rows`` 2, y's too
-    (all three constants): block k's d * (q . x) added to acc[:16], Q4_1's or Q5_1's
-    m * xs[xo / 32 + k] to acc[16]; y's to acc[17:33] and acc[33]. Each block is unpacked
-    once for both rows."""
-    kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
-
-    def codegen(context, builder, sig, args):
-        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
-            return context.get_dummy_value()
-        wt, xt, yt, xst, yst, acct = (sig.args[k] for k in (3, 5, 6, 8, 9, 10))
-        w_, o_, x_, y_, xo_, xs_, ys_, acc_ = args[3:]
-        bp = ir_at(context, builder, wt, w_, o_, _i8)  # the first block's first byte
-        ir_prefetch(builder, bp)
-        xps = [ir_at(context, builder, t, a, xo_, _f32) for t, a in ((xt, x_), (yt, y_))][:nr]
-        accp = ir_at(context, builder, acct, acc_, ir.Constant(xo_.type, 0), _f32)
-        aps = [builder.gep(accp, [_c(DOT32_LANES * i)]) for i in range(nr)]  # row i's lanes
-        sps = []
-        if kind in (Q4_1, Q5_1):  # each row's sums over these blocks
-            col = builder.udiv(xo_, ir.Constant(xo_.type, 32))
-            sps = [ir_at(context, builder, t, a, col, _f32) for t, a in ((xst, xs_), (yst, ys_))]
-        _b32_emit(builder, bp, kind, nb, xps, sps[:nr], aps)
-        return context.get_dummy_value()
-
-    return types.none(code, n_blocks, n_rows, w, o, x, y, xo, xs, ys, acc), codegen
-
-
-@intrinsic(prefer_literal=True)
-def _b32_rows(typingctx, code, n_blocks, n_rows, w, o, x, t, xo, xs, acc):
-    """_b32_wide for rows t .. t + n_rows - 1 of a 2-D x (T, in) (``n_rows`` up to 4,
-    a constant), their sums of x per 32 in xs (T, in/32), row i's lanes in acc[i]
-    (acc (4, DOT32_LANES)). Each block is unpacked once for all the rows."""
-    kind, nb, nr = ir_literal(code), ir_literal(n_blocks), ir_literal(n_rows)
-
-    def codegen(context, builder, sig, args):
-        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
-            return context.get_dummy_value()
-        bp, rows, xps, aps, xs_at = _rows_open(context, builder, sig.args[3:], args[3:], nr)
-        sps = [xs_at(r) for r in rows] if kind in (Q4_1, Q5_1) else []
-        _b32_emit(builder, bp, kind, nb, xps, sps, aps)
-        return context.get_dummy_value()
-
-    return types.none(code, n_blocks, n_rows, w, o, x, t, xo, xs, acc), codegen
-
-
 def _hsum(builder, v):
     """The 16 lanes of v summed as a tree (8 + 8, 4 + 4, 2 + 2, 1 + 1): a float."""
     n = 16
@@ -725,6 +639,79 @@ def _b32_table(builder, bp, kind, b0):
     return vals, (half_float(2) if kind == Q4_1 else None)
 
 
+def _b32_row_ir(context, builder, kind, wt, w_, n, xp0s, sp0s):
+    """The body of the _b32_row intrinsics: the whole row w (type wt, value w_) of type
+    ``kind``, n elements, dotted with each row of x (xp0s: float pointers to each
+    one's first element; sp0s: to each one's sums per 32, for Q4_1 and Q5_1); the
+    dots as floats. Each block is unpacked once for all the rows."""
+    size = B32_LAYOUT[kind][0]
+    fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+    ity = n.type
+
+    def i(v):
+        return ir.Constant(ity, v)
+
+    bp0 = ir_at(context, builder, wt, w_, i(0), _i8)
+    rows = xp0s
+    # allocas in the entry block: LLVM keeps them in registers (mem2reg)
+    zero = ir.Constant(_V16F, [0.0] * 16)
+    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in rows]
+    mins = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in rows]
+
+    def blocks(first, count):  # blocks first .. first + count - 1 into the sums
+        bp = builder.gep(bp0, [builder.mul(first, i(size))])
+        if count > 1:
+            ir_prefetch(builder, bp)
+        xps = [builder.gep(xp0, [builder.mul(first, i(32))]) for xp0 in xp0s]
+        lanes = [[builder.load(a) for a in row] for row in sums]
+        mn = [None] * len(rows)
+        for k in range(count):
+
+            def x16(r, h, k=k):  # row r's x at block k's element 16h, 16 floats
+                p = builder.gep(xps[r], [_c(32 * k + 16 * h)])
+                return builder.load(builder.bitcast(p, _V16F.as_pointer()), align=4)
+
+            j = 2 * (k % 2)  # sums j and j + 1: this block's halves
+            if kind in TABLE_TYPES:  # values d * q
+                vals, m = _b32_table(builder, bp, kind, k * size)
+                for r, ln in enumerate(lanes):
+                    for h in range(2):
+                        ln[j + h] = builder.call(fma, [vals[h], x16(r, h), ln[j + h]])
+            else:  # values q, the block's sum scaled by d
+                vals, d, m = _b32_block(builder, bp, kind, k * size)
+                ds = _splat_float(builder, d)
+                jj = j + k // 2 % 2  # one sum a block: four blocks a turn of the four
+                for r, ln in enumerate(lanes):
+                    t = builder.fmul(vals[0], x16(r, 0))
+                    t = builder.call(fma, [vals[1], x16(r, 1), t])
+                    ln[jj] = builder.call(fma, [ds, t, ln[jj]])
+            if m is not None:  # m * (the sum of x over the block)
+                for r, sp0 in enumerate(sp0s):
+                    s = builder.load(builder.gep(sp0, [builder.add(first, i(k))]), align=4)
+                    mx = builder.fmul(m, s)
+                    mn[r] = mx if mn[r] is None else builder.fadd(mn[r], mx)
+        for row, ln in zip(sums, lanes):
+            for a, v in zip(row, ln):
+                builder.store(v, a)
+        for a, v in zip(mins, mn):
+            if v is not None:
+                builder.store(builder.fadd(builder.load(a), v), a)
+
+    nb = builder.udiv(n, i(32))  # blocks in the row
+    groups = builder.udiv(nb, i(ROW_GROUP))
+    with cgutils.for_range(builder, groups) as loop:
+        blocks(builder.mul(loop.index, i(ROW_GROUP)), ROW_GROUP)
+    done = builder.mul(groups, i(ROW_GROUP))
+    with cgutils.for_range(builder, builder.sub(nb, done)) as loop:
+        blocks(builder.add(done, loop.index), 1)
+    dots = []
+    for row, mn in zip(sums, mins):
+        v = [builder.load(a) for a in row]
+        total = builder.fadd(builder.fadd(v[0], v[1]), builder.fadd(v[2], v[3]))  # (16,)
+        dots.append(builder.fadd(_hsum(builder, total), builder.load(mn)))
+    return dots
+
+
 @intrinsic(prefer_literal=True)
 def _b32_row(typingctx, code, w, x, xs):
     """The whole row w of type ``code`` (one of B32_LAYOUT, a constant) dotted with x
@@ -747,96 +734,70 @@ def _b32_row(typingctx, code, w, x, xs):
             return ir.Constant(_f32, 0.0)
         wt, xt, xst = sig.args[1:]
         w_, x_, xs_ = args[1:]
-        size = B32_LAYOUT[kind][0]
-        fma = ir_fn(builder, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-        n = cgutils.unpack_tuple(builder, context.make_array(xt)(context, builder, x_).shape, 1)[0]
-        ity = n.type
-
-        def i(v):
-            return ir.Constant(ity, v)
-
-        bp0 = ir_at(context, builder, wt, w_, i(0), _i8)
-        xp0 = ir_at(context, builder, xt, x_, i(0), _f32)
-        sp0 = ir_at(context, builder, xst, xs_, i(0), _f32) if kind in (Q4_1, Q5_1) else None
-        # allocas in the entry block: LLVM keeps them in registers (mem2reg)
-        sums = [
-            cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(4)
-        ]
-        mins = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
-
-        def blocks(first, count):  # blocks first .. first + count - 1 into the sums
-            bp = builder.gep(bp0, [builder.mul(first, i(size))])
-            if count > 1:
-                ir_prefetch(builder, bp)
-            xp = builder.gep(xp0, [builder.mul(first, i(32))])
-            lanes = [builder.load(s) for s in sums]
-            mn = None
-            for k in range(count):
-
-                def x16(h, k=k):  # x at block k's element 16h, 16 floats
-                    p = builder.gep(xp, [_c(32 * k + 16 * h)])
-                    return builder.load(builder.bitcast(p, _V16F.as_pointer()), align=4)
-
-                j = 2 * (k % 2)  # sums j and j + 1: this block's halves
-                if kind in TABLE_TYPES:  # values d * q
-                    vals, m = _b32_table(builder, bp, kind, k * size)
-                    for h in range(2):
-                        lanes[j + h] = builder.call(fma, [vals[h], x16(h), lanes[j + h]])
-                else:  # values q, the block's sum scaled by d
-                    vals, d, m = _b32_block(builder, bp, kind, k * size)
-                    t = builder.fmul(vals[0], x16(0))
-                    t = builder.call(fma, [vals[1], x16(1), t])
-                    j += k // 2 % 2  # one sum a block: four blocks a turn of the four
-                    lanes[j] = builder.call(fma, [_splat_float(builder, d), t, lanes[j]])
-                if m is not None:  # m * (the sum of x over the block)
-                    s = builder.load(builder.gep(sp0, [builder.add(first, i(k))]), align=4)
-                    mx = builder.fmul(m, s)
-                    mn = mx if mn is None else builder.fadd(mn, mx)
-            for s, v in zip(sums, lanes):
-                builder.store(v, s)
-            if mn is not None:
-                builder.store(builder.fadd(builder.load(mins), mn), mins)
-
-        nb = builder.udiv(n, i(32))  # blocks in the row
-        groups = builder.udiv(nb, i(ROW_GROUP))
-        with cgutils.for_range(builder, groups) as loop:
-            blocks(builder.mul(loop.index, i(ROW_GROUP)), ROW_GROUP)
-        done = builder.mul(groups, i(ROW_GROUP))
-        with cgutils.for_range(builder, builder.sub(nb, done)) as loop:
-            blocks(builder.add(done, loop.index), 1)
-        v = [builder.load(s) for s in sums]
-        total = builder.fadd(builder.fadd(v[0], v[1]), builder.fadd(v[2], v[3]))  # (16,)
-        return builder.fadd(_hsum(builder, total), builder.load(mins))
+        xps, sps, n = _rows_of(context, builder, kind, [(xt, x_, xst, xs_)])
+        return _b32_row_ir(context, builder, kind, wt, w_, n, xps, sps)[0]
 
     return types.float32(code, w, x, xs), codegen
 
 
-@_jit(fastmath=True, inline="always")
-def _dot_32_wide(code, nr, w, x, y, xs, ys, acc):
-    """_dot_32 and _dot_q8_0 (``code`` one of B32_LAYOUT) through _b32_wide, four
-    blocks a call, for x alone (``nr`` 1: y is not read) or x and y (2); returns the
-    two dots (the second 0 for one row). ``acc``: nr * DOT32_LANES floats of scratch.
-    The pair dot (kernel_dots._dot_rows2); one row takes _b32_row."""
-    for i in range(nr * DOT32_LANES):
-        acc[i] = 0.0
-    bs = _size32(code)
-    nb = x.shape[0] // 32
-    b = 0
-    while b + 4 <= nb:
-        _b32_wide(code, 4, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
-        b += 4
-    while b < nb:
-        _b32_wide(code, 1, nr, w, b * bs, x, y, b * 32, xs, ys, acc)
-        b += 1
-    s = np.float32(0.0)
-    for i in range(16):
-        s += acc[i]
-    s2 = np.float32(0.0)
-    if nr == 2:
-        for i in range(DOT32_LANES, DOT32_LANES + 16):
-            s2 += acc[i]
-        s2 += acc[DOT32_LANES + 16]
-    return s + acc[16], s2
+@intrinsic(prefer_literal=True)
+def _b32_row2(typingctx, code, w, x, y, xs, ys):
+    """_b32_row for two rows of x at once, x and y (xs, ys their sums per 32): the two
+    dots, each block unpacked once for both (A/B compare, two streams)."""
+    kind = ir_literal(code)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
+            zero = ir.Constant(_f32, 0.0)
+            return context.make_tuple(builder, sig.return_type, [zero, zero])
+        wt, xt, yt, xst, yst = sig.args[1:]
+        w_, x_, y_, xs_, ys_ = args[1:]
+        xps, sps, n = _rows_of(context, builder, kind, [(xt, x_, xst, xs_), (yt, y_, yst, ys_)])
+        dots = _b32_row_ir(context, builder, kind, wt, w_, n, xps, sps)
+        return context.make_tuple(builder, sig.return_type, dots)
+
+    return types.UniTuple(types.float32, 2)(code, w, x, y, xs, ys), codegen
+
+
+def _rows_of(context, builder, kind, rows):
+    """For _b32_row_ir: each row's x and (Q4_1, Q5_1) sums as float pointers, from
+    (x type, x, xs type, xs) per row (1-D arrays), and the row length."""
+    xt, x_ = rows[0][:2]
+    n = cgutils.unpack_tuple(builder, context.make_array(xt)(context, builder, x_).shape, 1)[0]
+    zero = ir.Constant(n.type, 0)
+    xps = [ir_at(context, builder, t, a, zero, _f32) for t, a, _, _ in rows]
+    sps = [ir_at(context, builder, t, a, zero, _f32) for _, _, t, a in rows]
+    return xps, (sps if kind in (Q4_1, Q5_1) else []), n
+
+
+@intrinsic(prefer_literal=True)
+def _b32_rows(typingctx, code, n_rows, w, x, t, xs, y, r):
+    """y[t + i, r] = w . x[t + i] for i < ``n_rows`` (a constant, 3 or 4): _b32_row for
+    rows of a 2-D x (T, in), xs (T, in/32) their sums per 32, y (T, out); each block
+    unpacked once for all the rows (three or four streams of a small model)."""
+    kind, nr = ir_literal(code), ir_literal(n_rows)
+
+    def codegen(context, builder, sig, args):
+        if not WIDE or kind not in B32_LAYOUT:  # never called: emit nothing
+            return context.get_dummy_value()
+        wt, xt, _, xst, yt, _ = sig.args[2:]
+        w_, x_, t_, xs_, y_, r_ = args[2:]
+        xa, xsa = context.make_array(xt)(context, builder, x_), None
+        n = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        zero = ir.Constant(t_.type, 0)
+        rows = [builder.add(t_, ir.Constant(t_.type, i)) for i in range(nr)]
+        xps = [cgutils.get_item_pointer(context, builder, xt, xa, [q, zero]) for q in rows]
+        sps = []
+        if kind in (Q4_1, Q5_1):
+            xsa = context.make_array(xst)(context, builder, xs_)
+            sps = [cgutils.get_item_pointer(context, builder, xst, xsa, [q, zero]) for q in rows]
+        dots = _b32_row_ir(context, builder, kind, wt, w_, n, xps, sps)
+        ya = context.make_array(yt)(context, builder, y_)
+        for q, d in zip(rows, dots):
+            builder.store(d, cgutils.get_item_pointer(context, builder, yt, ya, [q, r_]))
+        return context.get_dummy_value()
+
+    return types.none(code, n_rows, w, x, t, xs, y, r), codegen
 
 
 @intrinsic(prefer_literal=True)
@@ -865,31 +826,6 @@ def _b32_deq(typingctx, code, w, o, out, oo):
         return context.get_dummy_value()
 
     return types.none(code, w, o, out, oo), codegen
-
-
-@_jit(fastmath=True, inline="always")
-def _dot_32_rows(code, nr, w, x, xs, t, y, r, acc):
-    """y[t + i, r] = w . x[t + i] for i < nr (a constant, 3 or 4), w one row of a type in
-    B32_LAYOUT, x (T, in), xs its sums per 32 (Q4_1, Q5_1); ``acc``: (4, DOT32_LANES)
-    float32 scratch. Four blocks a call, each unpacked once for all the rows: three or
-    four streams of a small model (two take _dot_32_wide's pair)."""
-    for i in range(nr):
-        for k in range(DOT32_LANES):
-            acc[i, k] = 0.0
-    bs = _size32(code)
-    nb = x.shape[1] // 32
-    b = 0
-    while b + 4 <= nb:
-        _b32_rows(code, 4, nr, w, b * bs, x, t, b * 32, xs, acc)
-        b += 4
-    while b < nb:
-        _b32_rows(code, 1, nr, w, b * bs, x, t, b * 32, xs, acc)
-        b += 1
-    for i in range(nr):
-        s = np.float32(0.0)
-        for k in range(16):
-            s += acc[i, k]
-        y[t + i, r] = s + acc[i, 16]
 
 
 # the types _deq_wide dequantizes: the K-quants of _k_deq and the B32_LAYOUT types

@@ -35,8 +35,10 @@ its type's code, does three things:
   take the same route with pair dots, each weight unpacked once for two rows of x
   (``_gemv_rows``); on AVX-512 those are IR as well (two rows of SmolLM2's shapes
   1.2-1.4x faster in Q4_1, 1.6x in Q8_0, one thread), and three or four rows go in one
-  pass (kernel_wide._dot_32_rows: 1.2-1.4x two pair passes). The K-quants' two to
-  four rows take kernel_wide._dot_block_rows there.
+  pass (kernel_wide._b32_rows: 1.2-1.4x two pair passes). Since 2026-12-07 one to
+  four rows of these types are dotted a whole row at a time, the block loop in the
+  IR (kernel_wide._b32_row_ir): one row of SmolLM2's Q4_1 1.2-1.4x faster, two
+  1.1-1.4x. The K-quants' two to four rows take kernel_wide._dot_block_rows there.
 
 What the kernels share (numba's configuration, type codes, block-field readers) is in
 core/model/kernel_base.py.
@@ -93,11 +95,10 @@ from .kernel_dots import (
 )
 from .kernel_wide import (
     DEQ_WIDE_TYPES,
-    DOT32_LANES,
     ROW_LANES,
     WIDE,
+    _b32_rows,
     _deq_wide,
-    _dot_32_rows,
     _dot_block_rows,
 )
 
@@ -416,7 +417,7 @@ def _gemv_rows(code):
     (one row = 1) 1.2-1.4 for two, 1.8-2.3 for three and 1.9-2.8 for four, against
     2.3-2.6, 2.2-2.5 and 2.2-2.9 on the dequantize-then-dot kernel (2 threads, best
     of 15, 2026-12-06); those were the numba pair dots, and the 512-bit ones
-    (kernel_wide._b32_wide) take their place where WIDE. The K-quants' numba pair dot
+    (kernel_wide._b32_row2) take their place where WIDE. The K-quants' numba pair dot
     was no faster than that kernel, so they take one row here; where WIDE, two to four
     rows of them go to kernel_wide._dot_block_rows instead (``wide_rows`` in _launch)."""
     if code in PAIR_TYPES:
@@ -462,14 +463,13 @@ def _launch(code, op, w, ids, x, out, kc):
             r1 = min(n_out, r0 + ROWS_PER_CHUNK)
             t = 0
             if WIDE and code in PAIR_TYPES and n_x >= 3:  # four rows at a time, then pairs
-                acc4 = np.empty((4, DOT32_LANES), dtype=np.float32)
                 while t + 4 <= n_x:
                     for r in range(r0, r1):
-                        _dot_32_rows(code, 4, w[r], x, xs, t, out, r, acc4)
+                        _b32_rows(code, 4, w[r], x, t, xs, out, r)
                     t += 4
                 if n_x - t == 3:
                     for r in range(r0, r1):
-                        _dot_32_rows(code, 3, w[r], x, xs, t, out, r, acc4)
+                        _b32_rows(code, 3, w[r], x, t, xs, out, r)
                     t += 3
             if code in PAIR_TYPES:  # rows of x two at a time: each weight unpacked once
                 while t + 2 <= n_x:
