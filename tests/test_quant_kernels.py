@@ -123,6 +123,27 @@ def test_prefill_tiles_cover_every_row(monkeypatch):
     check_products(m, reference(Q.Q4_K, data, (70, 512)), rng, counts=(17, 64))
 
 
+def test_a_fused_prefill_shares_tiles_across_its_parts(monkeypatch):
+    """A prefill through a fused matrix whose parts stay apart (Q|K|V of three types)
+    dequantizes all of them into the same tiles, one gemm a tile; tiles of equal size
+    that start and end inside parts give the parts' own products."""
+    monkeypatch.setattr(quant, "TILE_FLOATS", 24 * 512)  # 3 tiles of 22 rows for 66
+    rng = np.random.default_rng(12)
+    shapes = [(Q.Q4_K, 30), (Q.Q8_0, 20), (Q.Q6_K, 16)]
+    datas = [random_matrix(qt, n, 512, rng) for qt, n in shapes]
+    parts = [QuantMatrix(qt, d, (n, 512), name=qt.name) for (qt, n), d in zip(shapes, datas)]
+    ref = np.concatenate([reference(qt, d, (n, 512)) for (qt, n), d in zip(shapes, datas)])
+    f = FusedMatrix(parts, name="qkv")
+    assert len(f._runs) == 3
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(
+        quant.np, "matmul", lambda *a, **k: seen.append(a[1].shape) or real(*a, **k)
+    )
+    check_products(f, ref, rng, counts=(17, 40))
+    assert seen == [(512, 22)] * 6  # two prefills of three equal tiles
+
+
 def test_vector_and_out_arguments():
     rng = np.random.default_rng(6)
     data = random_matrix(Q.Q8_0, 40, 256, rng)

@@ -406,21 +406,31 @@ class QuantMatrix:
             y[:] = dst
 
     def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Tiles of rows dequantized into a reused scratch, each multiplied by BLAS.
+        _tiled_product(self, x, y)
 
-        The tiles are dequantized on this thread alone: it costs a few percent of the
-        gemm, and waking numba's threads between BLAS calls made both pools fight for
-        the cores (OpenBLAS's threads spin after a call): 512 rows of a Q4_K
-        8192x2048 matrix took 1.6-1.9 s against numpy's 0.35-0.45 s on the busy
-        2-core VM, with numba on two threads."""
-        n_out, n_in = self.shape
-        tile = max(16, TILE_FLOATS // n_in)  # rows per tile
-        scratch = _scratch(min(tile, n_out) * n_in)
-        for a in range(0, n_out, tile):
-            b = min(n_out, a + tile)
-            w = scratch[: (b - a) * n_in].reshape(b - a, n_in)  # (tile, in)
-            self._dequantize_into(a, b, w, threads=1)
-            np.matmul(x, w.T, out=y[:, a:b])  # (T, tile)
+
+def _tiled_product(m: QuantMatrix | FusedMatrix, x: np.ndarray, y: np.ndarray) -> None:
+    """y = x @ W.T for a prefill: tiles of W's rows dequantized into a reused scratch,
+    each multiplied by BLAS.
+
+    The tiles are dequantized on this thread alone: it costs a few percent of the
+    gemm, and waking numba's threads between BLAS calls made both pools fight for
+    the cores (OpenBLAS's threads spin after a call): 512 rows of a Q4_K 8192x2048
+    matrix took 1.6-1.9 s against numpy's 0.35-0.45 s on the busy 2-core VM, with
+    numba on two threads. The tiles are of equal size: a ragged last tile is a thin
+    gemm, which BLAS runs far below its speed (Qwen2.5-0.5B's 896x4864 down matrix
+    had 862 rows and then 34). A fused matrix's parts share the tiles, one gemm a
+    tile, as the float32 path's one concatenated array does."""
+    n_out, n_in = m.shape
+    tile = max(16, TILE_FLOATS // n_in)  # rows per tile at most
+    n_tiles = -(-n_out // tile)
+    tile = -(-n_out // n_tiles)
+    scratch = _scratch(min(tile, n_out) * n_in)
+    for a in range(0, n_out, tile):
+        b = min(n_out, a + tile)
+        w = scratch[: (b - a) * n_in].reshape(b - a, n_in)  # (tile, in)
+        m._dequantize_into(a, b, w, threads=1)
+        np.matmul(x, w.T, out=y[:, a:b])  # (T, tile)
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -524,9 +534,16 @@ class FusedMatrix:
     def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
         a, b = _check_range(a, self.shape[0] if b is None else b, self.shape[0], self.name)
         out = np.empty((b - a, self.shape[1]), dtype=np.float32)  # (b-a, in)
-        for p, pa, pb, o in self._pieces(a, b):
-            out[o : o + pb - pa] = p.dequantize(pa, pb) if isinstance(p, QuantMatrix) else p[pa:pb]
+        self._dequantize_into(a, b, out)
         return out
+
+    def _dequantize_into(self, a: int, b: int, out: np.ndarray, threads: int = 0) -> None:
+        for p, pa, pb, o in self._pieces(a, b):
+            dst = out[o : o + pb - pa]  # (pb-pa, in)
+            if isinstance(p, QuantMatrix):
+                p._dequantize_into(pa, pb, dst, threads)
+            else:
+                dst[:] = p[pa:pb]
 
     def take(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # (n,)
@@ -546,6 +563,11 @@ class FusedMatrix:
         vec = x.ndim == 1
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, in)
         y = out if out is not None else np.empty((x.shape[0], self.shape[0]), np.float32)
+        if x.shape[0] > SMALL and len(self._runs) > 1:
+            # a prefill: every part in the same tiles, one gemm a tile rather than a
+            # thin one a part (Q|K|V: the K and V of Qwen2.5-0.5B are 128 rows)
+            _tiled_product(self, x, y)
+            return y[0] if vec else y
         for p, lo, hi in self._runs:
             if isinstance(p, QuantMatrix):
                 p.matmul(x, out=y[:, lo:hi])  # (T, part out)
