@@ -525,10 +525,12 @@ def _q5_k_wide(typingctx, w, o, x, xo, xs, acc):
 # 8.7-10.6 and 11.5-13.2, Q8_0 at 10-14 and 14-18 (random blocks of SmolLM2's shapes,
 # the two interleaved by process, 2026-12-06). Here a block's 16 bytes of nibbles become two
 # 16-lane int32 vectors (zero-extended, masked or shifted) and are converted; their
-# products with x are summed in a vector, and that sum is scaled by d once per block.
-# Four blocks a call, into one 16-lane sum: a block's own work outlasts the FMA's
-# latency, and four sums cost a 64-lane horizontal sum a row, which LLVM did lane by
-# lane (1.6x slower on 576-wide rows than the numba dot, measured). Values:
+# products with x are summed in a vector, and that sum is scaled by d once per block
+# (Q4_0 and Q4_1: their values d * q come from a table, _b32_table). A row's whole
+# block loop is in the IR (_b32_row_ir), four 16-lane sums taking turns, added as
+# vectors and then summed as a tree once a row (_hsum): the four-block calls this
+# replaced kept one sum in memory, and their 64-lane sum a row, which LLVM did lane
+# by lane, was 1.6x slower than the numba dot (2026-12-06). Values:
 # d * (sum of q * x), which is the numba dot's (d * q) * x in another order; the
 # mins (Q4_1, Q5_1) through x's sums per block, as there.
 # Q5_0 and Q5_1 add a fifth bit per element from the block's 32-bit qh: element j's is
@@ -652,11 +654,10 @@ def _b32_row_ir(context, builder, kind, wt, w_, n, xp0s, sp0s):
         return ir.Constant(ity, v)
 
     bp0 = ir_at(context, builder, wt, w_, i(0), _i8)
-    rows = xp0s
     # allocas in the entry block: LLVM keeps them in registers (mem2reg)
     zero = ir.Constant(_V16F, [0.0] * 16)
-    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in rows]
-    mins = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in rows]
+    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in xp0s]
+    mins = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in xp0s]
 
     def blocks(first, count):  # blocks first .. first + count - 1 into the sums
         bp = builder.gep(bp0, [builder.mul(first, i(size))])
@@ -664,7 +665,7 @@ def _b32_row_ir(context, builder, kind, wt, w_, n, xp0s, sp0s):
             ir_prefetch(builder, bp)
         xps = [builder.gep(xp0, [builder.mul(first, i(32))]) for xp0 in xp0s]
         lanes = [[builder.load(a) for a in row] for row in sums]
-        mn = [None] * len(rows)
+        mn = [None] * len(xp0s)
         for k in range(count):
 
             def x16(r, h, k=k):  # row r's x at block k's element 16h, 16 floats
@@ -718,15 +719,15 @@ def _b32_row(typingctx, code, w, x, xs):
     (in,), xs x's sums per 32 (Q4_1, Q5_1; else not read): a float32, the decode
     step's one-row dot of these types.
 
-    The block loop is LLVM's own, so the sums stay in registers: _dot_32_wide's
-    four-block calls load and store them in memory every call, and start and end
-    each call anew. Four 16-lane sums take turns, so four FMA chains run side by
-    side (with one, each block waited ~4 cycles on the one before). Q4_0 and Q4_1
-    read their values through a table (_b32_table). SmolLM2's Q4_1 rows, one thread,
-    cache-hot (2026-12-07): 576x576 29.3 -> 21.4 us, 3072x576 143 -> 101, 576x1536
-    58.6 -> 50.1; its Q8_0 output 1.78 -> 1.45 ms. The values: Q4_0's and Q4_1's
-    d * q (rounded once) times x; the other types' d * (q . x) per block, as
-    _dot_32_wide's; the mins m * (x's sum over the block); summed in another order."""
+    The block loop is LLVM's own, so the sums stay in registers, where the four-block
+    calls it replaced loaded and stored one sum in memory every call. Four 16-lane
+    sums take turns, so four FMA chains run side by side (with one, each block waited
+    ~4 cycles on the one before). Q4_0 and Q4_1 read their values through a table
+    (_b32_table). SmolLM2's shapes, one thread, cache-hot (2026-12-07): Q4_1 576x576
+    29.3 -> 22.8 us, 3072x576 143 -> 108, 576x1536 58.6 -> 48.9; its Q8_0 output
+    1.78 -> 1.53 ms. The values: Q4_0's and Q4_1's d * q (rounded once) times x; the
+    other types' d * (q . x) per block; the mins m * (x's sum over the block); summed
+    in another order than the numba dots."""
     kind = ir_literal(code)
 
     def codegen(context, builder, sig, args):
@@ -782,8 +783,8 @@ def _b32_rows(typingctx, code, n_rows, w, x, t, xs, y, r):
             return context.get_dummy_value()
         wt, xt, _, xst, yt, _ = sig.args[2:]
         w_, x_, t_, xs_, y_, r_ = args[2:]
-        xa, xsa = context.make_array(xt)(context, builder, x_), None
-        n = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        xa = context.make_array(xt)(context, builder, x_)
+        n = cgutils.unpack_tuple(builder, xa.shape, 2)[1]  # x's row length
         zero = ir.Constant(t_.type, 0)
         rows = [builder.add(t_, ir.Constant(t_.type, i)) for i in range(nr)]
         xps = [cgutils.get_item_pointer(context, builder, xt, xa, [q, zero]) for q in rows]
