@@ -1,5 +1,5 @@
 """The KV pool: running sequences share one pair of arrays, and decoding rows of
-a batch attend in one masked matmul. It must give exactly what standalone caches
+a batch attend in one compiled call. It must give exactly what standalone caches
 give, commit memory only as positions are used, and every slot must come back."""
 
 from __future__ import annotations

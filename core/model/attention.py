@@ -1,9 +1,9 @@
 """Causal grouped-query attention over the KV cache: one softmax(QKᵀ)V core.
 
-Every path goes through :func:`sdpa`: a prompt's queries (in blocks, with the
-causal mask on each block's diagonal square), one decoding query of one sequence,
-and one query each of several decoding sequences of one KV pool in one batched
-matmul (:class:`PooledDecode`). Keys and values are written and read through the
+A prompt's queries go through :func:`sdpa` (in blocks, with the causal mask on each
+block's diagonal square); decoding queries, one per sequence, through the compiled
+kernel (:func:`decode_attention`, core/model/kernel_attn.py): one sequence's, or
+several sequences' of one KV pool in one call (:class:`PooledDecode`). Keys and values are written and read through the
 cache objects of core/model/kv_cache.py; nothing here owns their arrays.
 """
 
@@ -14,9 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import quant
 from .kv_cache import KVCache, KVPool
 
 ATTN_BLOCK = 128  # queries per attention block during prefill
+# decoding (decode_attention): work items per kernel thread, and positions per chunk at
+# least (SmolLM2's 3 kv heads of one sequence run as 6 chunks on 2 threads)
+ATTN_ITEMS_PER_THREAD = 4
+ATTN_CHUNK_MIN = 64
 
 
 def exp_normalized_inplace(x: np.ndarray) -> np.ndarray:
@@ -52,6 +57,35 @@ def sdpa(
     return o
 
 
+def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
+    """softmax(q kᵀ) v of one new query per sequence over its own positions, compiled
+    (core/model/kernel_attn.py): q (n, KV, g, hd) float32 already scaled; query i reads
+    kc/vc[slot, :, lo:hi] of (S, KV, cap, hd) float32 arrays, spans[i] = (slot, lo, hi).
+    Returns (n, KV, g, hd). Launched as the matrix kernels are (quant.launch); the
+    kernel checks every span before it reads (raw memory): IndexError if one is out."""
+    n, KV, g, hd = q.shape
+    if (
+        vc.shape != kc.shape
+        or kc.shape[1] != KV
+        or kc.shape[3] != hd
+        or not (q.dtype == kc.dtype == vc.dtype == np.float32)
+        or not (q.flags.c_contiguous and kc.flags.c_contiguous and vc.flags.c_contiguous)
+    ):
+        raise ValueError(f"decode_attention: q {q.shape} does not fit keys {kc.shape}")
+    spans = np.asarray(spans, dtype=np.int64).reshape(n, 3)  # (n, 3) slot, lo, hi
+    out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
+    if n == 0:
+        return out
+    items = ATTN_ITEMS_PER_THREAD * quant.kernel_threads()
+    bad = quant.launch(
+        quant.attention_kernel(),
+        q, kc, vc, spans, float(softcap), items, ATTN_CHUNK_MIN, out,
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"decode_attention: span {spans[bad - 1]} is not in keys {kc.shape}")
+    return out
+
+
 def causal_mask(p0: int, n: int) -> np.ndarray | None:
     """Additive mask (n, p0+n): query i sits at position p0+i and sees keys 0..p0+i.
     Built once per forward and shared by all layers; None for a single query."""
@@ -85,14 +119,16 @@ def attend(
     p0 = cache.length
     L = p0 + n
     keys, values = cache.update_and_fetch(li, k, v, tokens)  # (KV, L, hd) each
+    if n == 1:
+        # Decoding: one query over this sequence's keys, compiled (numpy's two thin
+        # matmuls took longer than the token's products from ~1000 positions on)
+        kc, vc = cache.layer(li)  # (1, KV, cap, hd) each
+        q4 = (q * scale).reshape(1, KV, g, hd)  # (1, KV, g, hd)
+        lo = max(0, p0 - window + 1) if window else 0
+        o = decode_attention(q4, kc, vc, [0, lo, L], softcap)  # (1, KV, g, hd)
+        return o.reshape(1, n_heads * hd)  # (1, H*hd)
     if window or softcap:
         return _attend_window(keys, values, q, n, n_heads, scale, window or L, softcap)
-    if n == 1:
-        # Decoding: one query, no mask, no blocks. Half the numpy calls of the
-        # general path, which matters when 8 streams run 30 layers per step.
-        q3 = (q * scale).reshape(KV, g, hd)  # (KV, g, hd)
-        o = sdpa(q3, keys, values)  # (KV, g, hd)
-        return o.reshape(1, n_heads * hd)  # (1, H*hd)
     # Query head h reads kv head h // g, so group the g query heads per kv head.
     q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
     out = np.empty((KV, g, n, hd), dtype=np.float32)
@@ -161,11 +197,6 @@ class PooledDecode:
     rows: np.ndarray  # (n,) their rows in the batch
     slots: np.ndarray  # (n,) their pool slots
     pos: np.ndarray  # (n,) the position each one writes
-    s0: int  # slots s0..s1 are attended together
-    s1: int
-    L: int  # keys attended: 0..L-1 (the longest sequence)
-    at: np.ndarray  # (n,) slot - s0
-    hidden: np.ndarray  # (s1-s0, 1, 1, L) True where a key lies past a slot's length
 
     @staticmethod
     def plan(items, spans) -> PooledDecode | None:
@@ -173,68 +204,26 @@ class PooledDecode:
         pools = {id(items[i].cache.pool) for i in idx}
         if len(idx) < 2 or len(pools) != 1:
             return None
-        slots = np.array([items[i].cache.slot for i in idx])
-        pos = np.array([items[i].cache.length for i in idx])
-        s0, s1, L = int(slots.min()), int(slots.max()) + 1, int(pos.max()) + 1
-        # slots in range but not in this batch keep nothing hidden: their query is 0,
-        # their result is dropped, and an all-hidden row would give 0/0
-        hidden = np.zeros((s1 - s0, 1, 1, L), dtype=bool)
-        hidden[slots - s0, 0, 0, :] = np.arange(L)[None, :] > pos[:, None]
         return PooledDecode(
             items[idx[0]].cache.pool,
             frozenset(idx),
             [items[i].cache for i in idx],
             np.array([items[i].tokens[0] for i in idx]),
             np.array([spans[i][0] for i in idx]),
-            slots,
-            pos,
-            s0,
-            s1,
-            L,
-            slots - s0,
-            hidden,
+            np.array([items[i].cache.slot for i in idx]),
+            np.array([items[i].cache.length for i in idx]),
         )
 
     def attend(
         self, li: int, q, k, v, n_heads: int, scale: float, window: int = 0, softcap: float = 0.0
     ) -> np.ndarray:
-        """One new query (n, H, hd) for each of n decoding sequences, batched: the slots
-        s0..s1 are attended in one matmul up to the longest length, and positions past
-        each sequence's own length are masked (and, with ``window``, positions at or
-        more than ``window`` before it)."""
+        """One new query (n, H, hd) for each of n decoding sequences, in one compiled
+        call (decode_attention): each reads its own slot's keys up to its own
+        position (and, with ``window``, none ``window`` or more before it)."""
         n, KV, hd = k.shape
-        g = n_heads // KV
-        kc, vc = self.pool.update_and_fetch(
-            li, self.caches, k, v, self.tokens, self.s0, self.s1, self.L
-        )  # (S', KV, L, hd) each
-        q4 = np.zeros((self.s1 - self.s0, KV, g, hd), dtype=np.float32)  # (S', KV, g, hd)
-        q4[self.at] = (q * scale).reshape(n, KV, g, hd)
-        hidden = self._windowed(window) if window else self.hidden
-        o = self._product(kc, vc, q4, hidden, softcap)[self.at]  # (n, KV, g, hd)
-        if not np.isfinite(o).all():
-            # Masked scores become exact zeros, but 0 x NaN is NaN: stale rows past a
-            # slot's length holding NaN/inf (left by whatever failed in it before)
-            # would poison a healthy sequence. Those rows are dead (a running sequence
-            # overwrites them before it reads them), so zero them and attend again:
-            # the result is then exactly a clean slot's. A sequence whose own
-            # keys/values are non-finite stays non-finite, alone, and fails alone.
-            for slot, pos in zip(self.slots, self.pos):
-                self.pool.clear(li, slot, pos + 1, self.L)
-            o = self._product(kc, vc, q4, hidden, softcap)[self.at]
+        kc, vc = self.pool.update_and_fetch(li, self.caches, k, v, self.tokens)
+        q4 = (q * scale).reshape(n, KV, n_heads // KV, hd)  # (n, KV, g, hd)
+        lo = np.maximum(self.pos - window + 1, 0) if window else np.zeros_like(self.pos)  # (n,)
+        spans = np.stack([self.slots, lo, self.pos + 1], axis=1)  # (n, 3)
+        o = decode_attention(q4, kc, vc, spans, softcap)
         return o.reshape(n, n_heads * hd)  # (n, H*hd)
-
-    def _windowed(self, window: int) -> np.ndarray:
-        """``hidden`` plus the keys out of each slot's window, built once per forward."""
-        got = self.__dict__.setdefault("_window_hidden", {})
-        if window not in got:
-            old = np.arange(self.L)[None, :] <= (self.pos - window)[:, None]  # (n, L)
-            h = self.hidden.copy()
-            h[self.at, 0, 0, :] |= old
-            got[window] = h
-        return got[window]
-
-    @staticmethod
-    def _product(kc, vc, q4: np.ndarray, hidden: np.ndarray, softcap=0.0) -> np.ndarray:
-        """softmax(q Kᵀ + mask) V for the slots s0..s1 of one layer, keys/values (S', KV, L, hd)."""
-        hide = lambda s: np.copyto(s, np.float32(-np.inf), where=hidden)  # (S',1,1,L)
-        return sdpa(q4, kc, vc, hide, softcap)  # (S', KV, g, hd)

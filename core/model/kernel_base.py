@@ -22,6 +22,7 @@ KERNEL_SOURCES = (
     "kernel_wide.py",
     "kernels.py",
     "kernel_q8.py",
+    "kernel_attn.py",
 )
 
 

@@ -138,6 +138,11 @@ class KVCache:
             self.tokens.extend(int(t) for t in tokens)
         return self.k[li, :, : p0 + n], self.v[li, :, : p0 + n]  # (n_kv, p0+n, hd) views
 
+    def layer(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer li's whole key and value arrays, (1, n_kv, capacity, hd) each: what the
+        compiled decoding attention reads, as slot 0, up to the length it is given."""
+        return self.k[li][None], self.v[li][None]  # (1, n_kv, cap, hd) views
+
     def trim(self, n: int) -> list[int]:
         """Drop the last n tokens (their rows are simply overwritten later); returns them,
         for ``untrim``."""
@@ -164,10 +169,9 @@ class KVCache:
 class KVPool:
     """``n_slots`` caches of one capacity in one pair of (L, slots, n_kv, cap, hd) arrays.
 
-    Zero-filled: batched attention reads every slot up to the longest sequence
-    and masks what lies past each one's length, so those positions must hold
-    finite numbers. The arrays live in anonymous mmaps with transparent huge
-    pages refused: the OS then zero-fills 4 KB pages on first touch, so RSS
+    Zero-filled, though nothing reads a position before a sequence writes it (the
+    decoding attention reads each slot only up to its own length). The arrays live
+    in anonymous mmaps with transparent huge pages refused: the OS then zero-fills 4 KB pages on first touch, so RSS
     follows the positions actually used. (numpy's own allocator asks for huge
     pages, and 2 MB pages would make the whole pool resident at once: each
     (layer, slot, head) run of positions starts on one.)
@@ -268,9 +272,9 @@ class KVPool:
 
     def release(self, cache: KVCache, scrub: bool = False) -> None:
         """Give the slot back. ``scrub`` zeroes every row it ever wrote first: for a
-        sequence that failed, whose keys/values may be NaN or inf. Its rows must not
-        linger: pooled decode reads past a neighbour's length (masked, but 0 x NaN is
-        NaN), and costs only the rows written, never the whole capacity."""
+        sequence that failed, whose keys/values may be NaN or inf, so that they are
+        neither kept for reuse nor saved; it costs only the rows written, never the
+        whole capacity."""
         assert self.holds(cache)
         if scrub:
             self.scrub(cache)
@@ -279,13 +283,14 @@ class KVPool:
         self._free.append(cache.slot)
 
     def update_and_fetch(
-        self, li: int, caches: list[KVCache], k: np.ndarray, v: np.ndarray, tokens, s0, s1, L
+        self, li: int, caches: list[KVCache], k: np.ndarray, v: np.ndarray, tokens
     ) -> tuple[np.ndarray, np.ndarray]:
         """One new key/value (n, n_kv, hd) of layer li for each of n decoding sequences
         (``caches``, slots of this pool, each at its own length), and their tokens (n,);
-        returns the keys/values of slots s0..s1 up to position L, (s1-s0, n_kv, L, hd)
-        views. As KVCache.update_and_fetch: the tokens join their caches when the last
-        layer's keys are stored."""
+        returns the layer's keys/values of every slot, (slots, n_kv, capacity, hd) views,
+        which the compiled decoding attention reads by slot, each up to its own length.
+        As KVCache.update_and_fetch: the tokens join their caches when the last layer's
+        keys are stored."""
         slots = np.array([c.slot for c in caches])  # (n,)
         pos = np.array([c.length for c in caches])  # (n,)
         if li == 0:
@@ -297,7 +302,7 @@ class KVPool:
         if li == self.k.shape[0] - 1:
             for c, t in zip(caches, tokens):
                 c.tokens.append(int(t))
-        return self.k[li, s0:s1, :, :L], self.v[li, s0:s1, :, :L]  # (s1-s0, n_kv, L, hd)
+        return self.k[li], self.v[li]  # (slots, n_kv, cap, hd)
 
     def snapshot(self, cache: KVCache, capacity: int) -> KVCache:
         """A compact standalone copy of a slot's sequence (the prefix cache keeps these),
@@ -309,11 +314,6 @@ class KVPool:
             self.cfg, cache.tokens, cache.k[:, :, :n], cache.v[:, :, :n],
             capacity, origin=(cache.slot, self._gen[cache.slot]),
         )  # fmt: skip
-
-    def clear(self, li: int, slot: int, p0: int, p1: int) -> None:
-        """Zero layer li's positions p0..p1-1 of one slot (rows past its length)."""
-        self.k[li, slot, :, p0:p1] = 0.0  # (n_kv, p1-p0, hd)
-        self.v[li, slot, :, p0:p1] = 0.0
 
     def scrub(self, cache: KVCache) -> None:
         n = cache.written

@@ -60,8 +60,9 @@ class LlamaModel:
         # every x @ W.T goes through here; small batches in the regime per row count
         # that calibrate() picks for this CPU ("gemm" for all until then)
         self.lin = Linear(threads, kernels=weights.quantized)
-        if weights.quantized:  # the compiled kernels run on as many threads as BLAS
-            quant.set_threads(self.lin.threads)
+        # the compiled kernels (the matrices', decoding attention's) run on as many
+        # threads as BLAS
+        quant.set_threads(self.lin.threads)
         self.rope = RopeTable(cfg, weights.rope_freqs)
         # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
         self.rope_qk = rope_neox if cfg.rope_neox else rope

@@ -108,6 +108,7 @@ class QuantLayoutError(GGUFError):
 
 _KERNELS = None  # the kernels module, once imported
 _Q8 = None  # the 8-bit-activation kernels module, once imported
+_ATTN = None  # the decoding attention kernel's module, once imported
 
 
 def _kernels():
@@ -131,6 +132,36 @@ def _q8():
 
         _Q8 = kernel_q8
     return _Q8
+
+
+def _attn():
+    """core/model/kernel_attn.py, imported on first use (as _kernels)."""
+    global _ATTN
+    if _ATTN is None:
+        _kernels()  # numba configured first
+        from . import kernel_attn
+
+        _ATTN = kernel_attn
+    return _ATTN
+
+
+def attention_kernel():
+    """The compiled decoding attention (core/model/kernel_attn.py), for
+    core/model/attention.py's decode_attention to launch."""
+    return _attn().decode_attention
+
+
+def launch(kernel, *args):
+    """``kernel(*args)`` launched as every compiled kernel is: one launch at a time (see
+    the module docstring), on set_threads's threads."""
+    with _lock:
+        _use_threads()
+        return kernel(*args)
+
+
+def kernel_threads() -> int:
+    """The threads a kernel runs on (set_threads's count; 1 before it)."""
+    return max(1, _threads)
 
 
 def q8_available() -> bool:
@@ -603,8 +634,9 @@ def warm_up(
     helpers: bool = True,
     activations: str = "f32",
 ) -> float:
-    """Compile the kernels of these types, or load them from the on-disk cache, by
-    running each once on a tiny matrix; return the seconds it took. A first-ever
+    """Compile the kernels of these types and the decoding attention's, or load them
+    from the on-disk cache, by running each once on a tiny matrix; return the seconds
+    it took. A first-ever
     compile takes seconds per type (a model load can show it as such), a cached
     one a few milliseconds. ``progress(fraction_done)`` after each type, and while
     waiting for a helper; it may raise to cancel.
@@ -618,7 +650,7 @@ def warm_up(
     t0 = time.perf_counter()
     todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
     on_passing_thread(lambda: _warm(todo, progress, helpers, activations))
-    if todo and threading_layer() == "workqueue":
+    if threading_layer() == "workqueue":
         log.warning(
             "numba runs the matrix kernels on its workqueue thread pool (it found no "
             "OpenMP runtime, libgomp, nor TBB, or NUMBA_THREADING_LAYER chose it), where "
@@ -657,6 +689,10 @@ def _warm(todo: list, progress: Callable[[float], None] | None, helpers: bool, a
             m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
             if progress is not None:
                 progress((i + 1) / len(todo))
+        kv = np.zeros((1, 1, 2, 32), dtype=np.float32)  # (slots, KV, cap, hd): as a cache's
+        spans = np.array([[0, 0, 2]], dtype=np.int64)  # (n, 3)
+        out = np.empty((1, 1, 2, 32), dtype=np.float32)  # (n, KV, g, hd)
+        launch(attention_kernel(), out.copy(), kv, kv, spans, 0.0, 1, 1, out)
     finally:
         for proc in set(spawned.values()):
             if proc.poll() is None:  # cancelled: a helper must not outlive the load

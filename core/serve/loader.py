@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 # A model load's progress bar: float32 weights fill it up to LOAD_WEIGHTS_DONE (a cold
 # load dequantizes for tens of seconds); weights mapped from the model file or the
 # float32 cache take ~no time, so the bar then stands at LOAD_CACHED_WEIGHTS. The
-# kernels of quantized weights (compiled on first use, seconds per type; then read
-# from the cache) fill it up to LOAD_KERNELS. Timing the float32 products (LlamaModel's
+# compiled kernels (decoding attention's, and a quantized model's matrix kernels:
+# compiled on first use, seconds per type; then read from the cache) fill it up to
+# LOAD_KERNELS. Timing the float32 products (LlamaModel's
 # calibration: 4 s for SmolLM2 on 2 busy cores) fills it up to LOAD_CALIBRATED; the
 # engine's KV pool and adapter checks take the rest. 100% is never shown before the
 # model is in service.
@@ -110,21 +111,21 @@ def load_model(
     else:  # float32 matrices: numpy's products, float32 activations
         w = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
     check()
-    if w.quantized:
-        lo = at[0]
+    lo = at[0]
 
-        def compiling(frac: float) -> None:
-            check()
-            msg = "preparing the matrix kernels (compiled on first use, then cached)"
-            say(lo + (LOAD_KERNELS - lo) * frac, msg)
+    def compiling(frac: float) -> None:
+        check()
+        msg = "preparing the compiled kernels (compiled on first use, then cached)"
+        say(lo + (LOAD_KERNELS - lo) * frac, msg)
 
-        took = quant.warm_up(w.qtypes(), compiling, activations=w.activations)
-        log.info(
-            "matrix kernels for %s ready in %.2f s (numba's %s threads)",
-            ", ".join(sorted(w.qtypes())),
-            took,
-            quant.threading_layer() or "no",
-        )
+    # the decoding attention's kernel, and the matrix kernels of a quantized model
+    took = quant.warm_up(w.qtypes(), compiling, activations=w.activations)
+    log.info(
+        "compiled kernels (decoding attention%s) ready in %.2f s (numba's %s threads)",
+        "".join(f", {t}" for t in sorted(w.qtypes())),
+        took,
+        quant.threading_layer() or "no",
+    )
     lo = at[0]
 
     def calibrating(frac: float) -> None:

@@ -48,15 +48,14 @@ def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
 
     def on_progress(ev):
         seen.append((ev.progress, ev.message))
-        # past the weights: the kernels' stage (quantized weights; float32 ones time
-        # their products instead, tests/test_reload.py)
-        if "matrix kernels" in ev.message and w.model_bar.cancel_btn.isVisible():
+        # past the weights: the compiled kernels' stage, which every load has
+        if "compiled kernels" in ev.message and w.model_bar.cancel_btn.isVisible():
             w.model_bar.cancel_btn.click()
 
     w.bridge.model_loading.connect(on_progress)
     with qtbot.waitSignal(w.bridge.model_cancelled, timeout=120000):
         w.open_model(str(other))
-    assert any("matrix kernels" in m for _, m in seen) and max(f for f, _ in seen) < 1.0
+    assert any("compiled kernels" in m for _, m in seen) and max(f for f, _ in seen) < 1.0
     assert w.engine.path == smollm_path and w.engine.ready
     assert {a["name"]: a["id"] for a in w.engine.adapters()} == w.ids
     assert not w.model_bar.progress.isVisible() and not w.model_bar.cancel_btn.isVisible()

@@ -1,0 +1,117 @@
+"""The compiled decoding attention (attention.decode_attention, core/model/kernel_attn.py)
+against softmax(q kᵀ) v written out in float64: each query over its own slot and its
+own positions only, in chunks merged exactly, with windows and Gemma 2's soft cap, and
+every index checked before the kernel reads raw memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.model import attention, quant
+from core.model.attention import decode_attention
+
+
+def textbook(q, kc, vc, slots, lo, hi, softcap=0.0):
+    """The same product in float64, one (query, kv head) at a time."""
+    n, KV, g, hd = q.shape
+    out = np.empty((n, KV, g, hd))
+    for i in range(n):
+        for h in range(KV):
+            k = kc[slots[i], h, lo[i] : hi[i]].astype(np.float64)  # (m, hd)
+            v = vc[slots[i], h, lo[i] : hi[i]].astype(np.float64)
+            s = q[i, h].astype(np.float64) @ k.T  # (g, m)
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[i, h] = (p / p.sum(-1, keepdims=True)) @ v
+    return out
+
+
+def spans(slots, lo, hi) -> np.ndarray:
+    return np.stack([np.asarray(slots), np.asarray(lo), np.asarray(hi)], axis=1)  # (n, 3)
+
+
+def arrays(rng, n, KV, g, hd, slots, cap):
+    q = (rng.standard_normal((n, KV, g, hd)) / np.sqrt(hd)).astype(np.float32)
+    kc = rng.standard_normal((slots, KV, cap, hd)).astype(np.float32)
+    vc = rng.standard_normal((slots, KV, cap, hd)).astype(np.float32)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "KV,g,hd", [(3, 3, 64), (1, 8, 32), (2, 1, 16)], ids=["smollm", "mqa", "mha"]
+)
+def test_one_query_per_sequence_over_its_own_positions(monkeypatch, threads, KV, g, hd):
+    """Sequences of very different lengths in one call: the longest sets the chunk
+    size, so the short ones run as one full chunk and empty ones (merged as nothing);
+    positions past each one's length hold huge values that would show if read."""
+    rng = np.random.default_rng(KV * 100 + g)
+    q, kc, vc = arrays(rng, 4, KV, g, hd, 6, 700)
+    slots, lo, hi = np.array([5, 0, 2, 3]), np.array([0, 0, 0, 130]), np.array([1, 650, 70, 511])
+    for s, b in zip(slots, hi):
+        kc[s, :, b:], vc[s, :, b:] = 1e30, 1e30
+    monkeypatch.setattr(quant, "_threads", threads)  # the chunking follows the threads
+    got = decode_attention(q, kc, vc, spans(slots, lo, hi))
+    np.testing.assert_allclose(got, textbook(q, kc, vc, slots, lo, hi), rtol=1e-5, atol=2e-6)
+
+
+def test_chunks_merge_to_one_softmax_for_any_chunk_count(monkeypatch):
+    """The same query split into 1..many chunks gives the one softmax each time (a
+    wrong rescale of a chunk's sum or values would differ by far more)."""
+    rng = np.random.default_rng(3)
+    q, kc, vc = arrays(rng, 1, 2, 4, 32, 1, 1000)
+    q *= 6.0  # peaked scores: a chunk's maximum far from another's
+    want = textbook(q, kc, vc, [0], [0], [1000])
+    for per_thread in (1, 3, 50):
+        monkeypatch.setattr(attention, "ATTN_ITEMS_PER_THREAD", per_thread)
+        got = decode_attention(q, kc, vc, spans([0], [0], [1000]))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_window_and_softcap():
+    rng = np.random.default_rng(4)
+    q, kc, vc = arrays(rng, 2, 2, 2, 16, 2, 300)
+    q *= 20.0  # scores beyond the cap, so that tanh matters
+    slots, lo, hi = np.array([1, 0]), np.array([217, 0]), np.array([300, 40])
+    got = decode_attention(q, kc, vc, spans(slots, lo, hi), softcap=30.0)
+    want = textbook(q, kc, vc, slots, lo, hi, softcap=30.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    plain = textbook(q, kc, vc, slots, lo, hi)
+    assert np.abs(plain - want).max() > 1e-2  # the cap changed the result
+
+
+def test_non_finite_keys_stay_with_their_sequence():
+    rng = np.random.default_rng(5)
+    q, kc, vc = arrays(rng, 2, 1, 2, 16, 2, 64)
+    kc[0, 0, 10] = np.nan  # inside sequence 0's positions
+    vc[1, 0, 50] = np.inf  # past sequence 1's length: never read
+    got = decode_attention(q, kc, vc, spans([0, 1], [0, 0], [64, 50]))
+    assert np.isnan(got[0]).all()
+    np.testing.assert_allclose(
+        got[1], textbook(q, kc, vc, [0, 1], [0, 0], [64, 50])[1], rtol=1e-5, atol=2e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "slots,lo,hi",
+    [([2], [0], [8]), ([-1], [0], [8]), ([0], [0], [9]), ([0], [-1], [8]), ([0], [5], [5])],
+    ids=["slot", "negative-slot", "past-capacity", "negative-start", "no-keys"],
+)
+def test_indices_are_checked_before_the_kernel_reads(slots, lo, hi):
+    rng = np.random.default_rng(6)
+    q, kc, vc = arrays(rng, 1, 1, 1, 8, 2, 8)
+    with pytest.raises(IndexError):
+        decode_attention(q, kc, vc, spans(slots, lo, hi))
+
+
+def test_shapes_and_layouts_are_checked():
+    rng = np.random.default_rng(7)
+    q, kc, vc = arrays(rng, 1, 2, 1, 8, 1, 8)
+    with pytest.raises(ValueError):
+        decode_attention(q[:, :1], kc, vc, spans([0], [0], [8]))  # one kv head of two
+    with pytest.raises(ValueError):
+        decode_attention(q, kc[:, :, ::2], vc[:, :, ::2], spans([0], [0], [4]))  # strided
+    with pytest.raises(ValueError):
+        decode_attention(q.astype(np.float64), kc, vc, spans([0], [0], [8]))
