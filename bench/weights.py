@@ -13,7 +13,8 @@ printed with its ratio to the others measured in this same run.
 
 Measured per side: ready after start (process start to the first request being
 answerable: Mixdesk's ``Engine.load_model``, llama-server's ``/health``), one
-stream's decode (64 greedy tokens, 2 rounds, best), a 512-token prefill, 8 streams
+stream's decode (64 greedy tokens, 2 rounds, best), a 512-token prefill, one
+stream's decode after a LONG-token prompt (64 tokens, once; 256 with --quick), 8 streams
 under 8 different LoRA mixes (Mixdesk only: llama-server batches one mix), and peak
 RSS serving one stream at CTX context. The default model is the 1B-shaped Q4_K_M
 of tools/make_1b.py, written to the cache on first use.
@@ -38,6 +39,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 PREFILL = 512  # prompt tokens of the prefill figure
+# prompt tokens before the "decode, long prompt" figure: a long chat, where every
+# token's attention reads all the keys and values before it (--quick: 256)
+LONG = 2048
 DECODE = 64  # tokens of the decode figure
 THREADS = 2
 
@@ -111,6 +115,8 @@ def child(storage: str, model: Path, ctx: int, quick: bool, t0: float) -> dict:
     pre = one(prompt_tokens(PREFILL, vocab), 1)
     out["prefill_tok_s"] = pre.prompt_n / (pre.prompt_ms / 1e3)
     out["peak_rss_mb"] = peak_rss_mb()  # one stream served, the prefill included
+    t = one(prompt_tokens(256 if quick else LONG, vocab), n_dec)
+    out["long_decode_tok_s"] = t.predicted_n / (t.predicted_ms / 1e3)
 
     with tempfile.TemporaryDirectory() as tmp:
         ids, _ = bench_adapters(eng, Path(tmp))
@@ -197,11 +203,13 @@ def llama_server(binary: Path, model: Path, ctx: int, quick: bool, vocab: int) -
         pre = one(prompt_tokens(PREFILL, vocab), 1)
         status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
         rss = next(int(s.split()[1]) / 1024 for s in status if s.startswith("VmHWM:"))
+        long = one(prompt_tokens(256 if quick else LONG, vocab), n_dec)
         return {
             "ready_s": ready,
             "decode_tok_s": decode,
             "prefill_tok_s": pre["prompt_per_second"],
             "peak_rss_mb": rss,
+            "long_decode_tok_s": long["predicted_per_second"],
         }
     finally:
         proc.terminate()
@@ -217,6 +225,9 @@ def report(model: Path, sides: dict[str, dict]) -> None:
         (f"prefill, {PREFILL} tokens", "prefill_tok_s", "tok/s", True),
         ("ready after start", "ready_s", "s", False),
         ("peak RSS, one stream", "peak_rss_mb", "MB", False),
+        # Mixdesk keeps keys and values in float32 (as the llama.cpp references were
+        # recorded), llama-server in float16 by default: half the bytes to read
+        ("decode, long prompt", "long_decode_tok_s", "tok/s", True),
     ]
     for mine in ("quantized", "q8"):  # q8: --activations q8, the opt-in speed mode
         if mine not in sides:
