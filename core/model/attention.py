@@ -223,7 +223,14 @@ class PooledDecode:
         n, KV, hd = k.shape
         kc, vc = self.pool.update_and_fetch(li, self.caches, k, v, self.tokens)
         q4 = (q * scale).reshape(n, KV, n_heads // KV, hd)  # (n, KV, g, hd)
-        lo = np.maximum(self.pos - window + 1, 0) if window else np.zeros_like(self.pos)  # (n,)
-        spans = np.stack([self.slots, lo, self.pos + 1], axis=1)  # (n, 3)
-        o = decode_attention(q4, kc, vc, spans, softcap)
+        o = decode_attention(q4, kc, vc, self._spans(window), softcap)  # (n, KV, g, hd)
         return o.reshape(n, n_heads * hd)  # (n, H*hd)
+
+    def _spans(self, window: int) -> np.ndarray:
+        """(n, 3) slot, first and end position each query reads: built once per forward
+        and window (Gemma's layers take turns), not once per layer."""
+        got = self.__dict__.setdefault("_spans_by_window", {})
+        if window not in got:
+            lo = np.maximum(self.pos - window + 1, 0) if window else np.zeros_like(self.pos)
+            got[window] = np.stack([self.slots, lo, self.pos + 1], axis=1).astype(np.int64)
+        return got[window]
