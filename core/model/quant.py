@@ -37,6 +37,7 @@ ms a token instead of 8.0-8.4 (2 cores, 2026-12-06). So the load's kernel work
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
@@ -107,8 +108,7 @@ class QuantLayoutError(GGUFError):
 
 
 _KERNELS = None  # the kernels module, once imported
-_Q8 = None  # the 8-bit-activation kernels module, once imported
-_ATTN = None  # the decoding attention kernel's module, once imported
+_LATER: dict = {}  # the other kernel modules, once imported (_later)
 
 
 def _kernels():
@@ -123,32 +123,26 @@ def _kernels():
     return _KERNELS
 
 
+def _later(name: str):
+    """core/model/<name>.py, a kernel module imported on first use (as _kernels) with
+    numba configured first: kernel_q8 (the 8-bit-activation products), kernel_attn
+    (decoding attention)."""
+    mod = _LATER.get(name)
+    if mod is None:
+        _kernels()
+        mod = _LATER[name] = importlib.import_module(f".{name}", __package__)
+    return mod
+
+
 def _q8():
-    """core/model/kernel_q8.py, imported on first use (as _kernels)."""
-    global _Q8
-    if _Q8 is None:
-        _kernels()  # numba configured first
-        from . import kernel_q8
-
-        _Q8 = kernel_q8
-    return _Q8
-
-
-def _attn():
-    """core/model/kernel_attn.py, imported on first use (as _kernels)."""
-    global _ATTN
-    if _ATTN is None:
-        _kernels()  # numba configured first
-        from . import kernel_attn
-
-        _ATTN = kernel_attn
-    return _ATTN
+    """core/model/kernel_q8.py, imported on first use."""
+    return _later("kernel_q8")
 
 
 def attention_kernel():
     """The compiled decoding attention (core/model/kernel_attn.py), for
     core/model/attention.py's decode_attention to launch."""
-    return _attn().decode_attention
+    return _later("kernel_attn").decode_attention
 
 
 def launch(kernel, *args):
