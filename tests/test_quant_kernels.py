@@ -353,6 +353,41 @@ def test_a_load_leaves_no_kernel_threads_behind(smollm_path):
     assert got["launched"] > got["loaded"], got
 
 
+_F32_DECODE = """
+import json, os, sys, threading
+import numpy as np
+from core.model.llama import BatchItem
+from core.options import EngineOptions
+from core.serve.engine import Engine
+
+def threads():  # the process's OS threads that Python did not start: OpenMP's workers
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+eng = Engine(EngineOptions(weights="f32", threads=2, n_parallel=1, draft_max=0))
+before = threads()
+# on this thread: its calibration times decode steps, as the decoding below
+eng.load_model(sys.argv[1])
+model = eng.model
+cache = model.new_cache(256)
+model([BatchItem(np.arange(10, 40), cache)])
+for t in range(4):  # decoding: the compiled attention, between float32 products
+    model([BatchItem(np.array([50 + t]), cache)])
+print(json.dumps({"before": before, "decoded": threads()}))
+"""
+
+
+def test_the_float32_path_runs_decoding_attention_without_a_kernel_team(smollm_path):
+    """Regression: decoding attention is compiled, and on the float32 path it ran on two
+    kernel threads. Their OpenMP worker spins after each kernel while BLAS's threads
+    (or Linear's helpers) want the core: SmolLM2 decoded at 330 ms a token instead of
+    24. On the float32 path it runs on the calling thread alone: no worker appears."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("counts threads through Linux's /proc")
+    run = run_fresh(_F32_DECODE, str(smollm_path), env={"NUMBA_NUM_THREADS": "2"})
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["decoded"] == got["before"], got
+
+
 _SECOND_TEAM = """
 import logging, threading
 import numpy as np

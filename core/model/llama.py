@@ -61,8 +61,10 @@ class LlamaModel:
         # that calibrate() picks for this CPU ("gemm" for all until then)
         self.lin = Linear(threads, kernels=weights.quantized)
         # the compiled kernels (the matrices', decoding attention's) run on as many
-        # threads as BLAS
-        quant.set_threads(self.lin.threads)
+        # threads as BLAS; beside float32 products, on this thread alone: their idle
+        # workers spin after each kernel, and BLAS's threads (or Linear's helpers) then
+        # wait for a core (SmolLM2 decoded at 330 ms a token instead of 24)
+        quant.set_threads(self.lin.threads if weights.quantized else 1)
         self.rope = RopeTable(cfg, weights.rope_freqs)
         # Q/K in HF order rotate halves (qwen2, gemma3); llama's permuted rows, pairs
         self.rope_qk = rope_neox if cfg.rope_neox else rope
