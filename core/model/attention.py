@@ -1,10 +1,11 @@
-"""Causal grouped-query attention over the KV cache: one softmax(QKᵀ)V core.
+"""Causal grouped-query attention over the KV cache: softmax(QKᵀ)V, two ways.
 
 A prompt's queries go through :func:`sdpa` (in blocks, with the causal mask on each
 block's diagonal square); decoding queries, one per sequence, through the compiled
 kernel (:func:`decode_attention`, core/model/kernel_attn.py): one sequence's, or
-several sequences' of one KV pool in one call (:class:`PooledDecode`). Keys and values are written and read through the
-cache objects of core/model/kv_cache.py; nothing here owns their arrays.
+several sequences' of one KV pool in one call (:class:`PooledDecode`). Keys and
+values are written and read through the cache objects of core/model/kv_cache.py;
+nothing here owns their arrays.
 """
 
 from __future__ import annotations

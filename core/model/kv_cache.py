@@ -171,10 +171,10 @@ class KVPool:
 
     Zero-filled, though nothing reads a position before a sequence writes it (the
     decoding attention reads each slot only up to its own length). The arrays live
-    in anonymous mmaps with transparent huge pages refused: the OS then zero-fills 4 KB pages on first touch, so RSS
-    follows the positions actually used. (numpy's own allocator asks for huge
-    pages, and 2 MB pages would make the whole pool resident at once: each
-    (layer, slot, head) run of positions starts on one.)
+    in anonymous mmaps with transparent huge pages refused: the OS then zero-fills
+    4 KB pages on first touch, so RSS follows the positions actually used. (numpy's
+    own allocator asks for huge pages, and 2 MB pages would make the whole pool
+    resident at once: each (layer, slot, head) run of positions starts on one.)
     """
 
     def __init__(self, cfg: ModelConfig, n_slots: int, capacity: int):

@@ -630,9 +630,8 @@ def warm_up(
 ) -> float:
     """Compile the kernels of these types and the decoding attention's, or load them
     from the on-disk cache, by running each once on a tiny matrix; return the seconds
-    it took. A first-ever
-    compile takes seconds per type (a model load can show it as such), a cached
-    one a few milliseconds. ``progress(fraction_done)`` after each type, and while
+    it took. A first-ever compile takes seconds per type (a model load can show it
+    as such), a cached one a few milliseconds. ``progress(fraction_done)`` after each type, and while
     waiting for a helper; it may raise to cancel.
 
     Types not in the cache yet are shared out, when there are several and ``helpers``:
