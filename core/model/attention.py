@@ -77,10 +77,10 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
     out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
     if n == 0:
         return out
-    items = ATTN_ITEMS_PER_THREAD * quant.kernel_threads()
     bad = quant.launch(
         quant.attention_kernel(),
-        q, kc, vc, spans, float(softcap), items, ATTN_CHUNK_MIN, out,
+        q, kc, vc, spans, float(softcap),
+        quant.kernel_threads(), ATTN_ITEMS_PER_THREAD, ATTN_CHUNK_MIN, out,
     )  # fmt: skip
     if bad:
         raise IndexError(f"decode_attention: span {spans[bad - 1]} is not in keys {kc.shape}")

@@ -65,57 +65,57 @@ def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po):
 
 
 @_jit(entry=True, parallel=True, nogil=True, fastmath=_FASTMATH)
-def decode_attention(q, kc, vc, spans, softcap, items, chunk_min, out):
+def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
     """out[i] = softmax(q[i] . keys) values for each query i (n, KV, g, hd), q already
     scaled; its keys and values are kc/vc[slot, kv head, lo:hi] of (S, KV, cap, hd)
     arrays, spans[i] = (slot, lo, hi). ``softcap`` c > 0: scores become c*tanh(s/c)
     (Gemma 2). Returns 0, or i + 1 when query i's span lies outside the arrays (nothing
     is read then). Each (query, kv head) runs as chunks of at least ``chunk_min``
-    positions, about ``items`` chunks in all. Always on the threads: even 64 positions
-    of SmolLM2's three kv heads ran faster so (10.7 against 11.8 us on this thread)."""
+    positions, about ``per_thread`` non-empty chunks for each of the ``threads``
+    numba runs this on (set by the caller: numba.get_num_threads in here would keep
+    the kernel out of the disk cache). Always on the threads: even 64
+    positions of SmolLM2's three kv heads ran faster so (10.7 against 11.8 us on this
+    thread)."""
     n, KV, g, hd = q.shape
     S, cap = kc.shape[0], kc.shape[2]
-    longest = 0
+    longest = total = 0
     for i in range(n):
         slot, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
         if slot < 0 or slot >= S or lo < 0 or hi <= lo or hi > cap:
             return i + 1
         longest = max(longest, hi - lo)
-    n_chunks = max(1, min((longest + chunk_min - 1) // chunk_min, (items + n * KV - 1) // (n * KV)))
+        total += hi - lo
+    # chunks of about an items-th of all the key rows: a long sequence beside short ones
+    # is split so the threads share it (its kv heads alone would leave one idle)
+    items = max(1, threads * per_thread)
+    chunk = max(chunk_min, (KV * total + items - 1) // items)
+    n_chunks = (longest + chunk - 1) // chunk
     chunk = (longest + n_chunks - 1) // n_chunks
     work = n * KV * n_chunks
+    # work item w on thread w % nt: numba's prange hands each thread one contiguous
+    # block, which put all of a long sequence's chunks (its items come first) on one
+    nt = max(1, min(threads, work))
     part_m = np.empty((work, g), dtype=np.float32)  # each chunk's maximum score
     part_s = np.empty((work, g), dtype=np.float32)  # and sum of exp(score - maximum)
     part_o = np.empty((work, g, hd), dtype=np.float32)  # and exp-weighted values
-    scores = np.empty((work, g, chunk), dtype=np.float32)
+    scores = np.empty((nt, g, chunk), dtype=np.float32)  # a thread's scratch
     if n_chunks == 1:  # each (query, kv head) whole: its sums are the softmax's
-        for w in prange(work):
-            _whole(q, kc, vc, spans, softcap, w, scores, part_m, part_s, part_o, out)
+        for th in prange(nt):
+            for w in range(th, work, nt):
+                _whole(q, kc, vc, spans, softcap, w, scores[th], part_m, part_s, part_o, out)
         return 0
-    for w in prange(work):
-        i = w // (KV * n_chunks)
-        h = (w // n_chunks) % KV
-        a = spans[i, 1] + (w % n_chunks) * chunk
-        b = min(spans[i, 2], a + chunk)
-        if a >= b:  # past a short sequence's end: an empty chunk, merged as nothing
-            for j in range(g):
-                part_s[w, j] = 0.0
-        else:
-            _part(
-                q,
-                kc,
-                vc,
-                i,
-                h,
-                spans[i, 0],
-                a,
-                b,
-                softcap,
-                scores[w],
-                part_m[w],
-                part_s[w],
-                part_o[w],
-            )
+    for th in prange(nt):
+        for w in range(th, work, nt):
+            i = w // (KV * n_chunks)
+            h = (w // n_chunks) % KV
+            a = spans[i, 1] + (w % n_chunks) * chunk
+            b = min(spans[i, 2], a + chunk)
+            if a >= b:  # past a short sequence's end: an empty chunk, merged as nothing
+                for j in range(g):
+                    part_s[w, j] = 0.0
+            else:
+                _part(q, kc, vc, i, h, spans[i, 0], a, b, softcap, scores[th],
+                      part_m[w], part_s[w], part_o[w])  # fmt: skip
     for u in prange(n * KV):
         i = u // KV
         h = u % KV
@@ -141,25 +141,13 @@ def decode_attention(q, kc, vc, spans, softcap, items, chunk_min, out):
 
 
 @_jit(fastmath=_FASTMATH)
-def _whole(q, kc, vc, spans, softcap, w, scores, part_m, part_s, part_o, out):
-    """Work item w = (query, kv head) over all its positions, normalized into out."""
+def _whole(q, kc, vc, spans, softcap, w, sc, part_m, part_s, part_o, out):
+    """Work item w = (query, kv head) over all its positions, normalized into out;
+    ``sc``: the thread's scratch for the scores."""
     KV, g, hd = q.shape[1], q.shape[2], q.shape[3]
     i, h = w // KV, w % KV
-    _part(
-        q,
-        kc,
-        vc,
-        i,
-        h,
-        spans[i, 0],
-        spans[i, 1],
-        spans[i, 2],
-        softcap,
-        scores[w],
-        part_m[w],
-        part_s[w],
-        part_o[w],
-    )
+    slot, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
+    _part(q, kc, vc, i, h, slot, lo, hi, softcap, sc, part_m[w], part_s[w], part_o[w])
     for j in range(g):
         for d in range(hd):
             out[i, h, j, d] = part_o[w, j, d] / part_s[w, j]

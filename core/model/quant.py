@@ -685,7 +685,7 @@ def _warm(todo: list, progress: Callable[[float], None] | None, helpers: bool, a
         kv = np.zeros((1, 1, 2, 32), dtype=np.float32)  # (slots, KV, cap, hd): as a cache's
         spans = np.array([[0, 0, 2]], dtype=np.int64)  # (n, 3)
         out = np.empty((1, 1, 2, 32), dtype=np.float32)  # (n, KV, g, hd)
-        launch(attention_kernel(), out.copy(), kv, kv, spans, 0.0, 1, 1, out)
+        launch(attention_kernel(), out.copy(), kv, kv, spans, 0.0, kernel_threads(), 1, 1, out)
     finally:
         for proc in set(spawned.values()):
             if proc.poll() is None:  # cancelled: a helper must not outlive the load
