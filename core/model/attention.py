@@ -19,8 +19,9 @@ from . import quant
 from .kv_cache import KVCache, KVPool
 
 ATTN_BLOCK = 128  # queries per attention block during prefill
-# decoding (decode_attention): work items per kernel thread, and positions per chunk at
-# least (SmolLM2's 3 kv heads of one sequence run as 6 chunks on 2 threads)
+# decoding (decode_attention): chunks of positions per kernel thread, over all the
+# sequences' key rows, and positions per chunk at least (SmolLM2's 3 kv heads of one
+# sequence at 2048 positions run as 9 chunks of 683 on 2 threads)
 ATTN_ITEMS_PER_THREAD = 4
 ATTN_CHUNK_MIN = 64
 
