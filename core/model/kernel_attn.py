@@ -73,22 +73,21 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
     is read then). Each (query, kv head) runs as chunks of at least ``chunk_min``
     positions, about ``per_thread`` non-empty chunks for each of the ``threads``
     numba runs this on (set by the caller: numba.get_num_threads in here would keep
-    the kernel out of the disk cache). Always on the threads: even 64
-    positions of SmolLM2's three kv heads ran faster so (10.7 against 11.8 us on this
-    thread)."""
+    the kernel out of the disk cache). Always on the threads: even 64 positions of
+    SmolLM2's three kv heads ran faster so (10.7 against 11.8 us on this thread)."""
     n, KV, g, hd = q.shape
     S, cap = kc.shape[0], kc.shape[2]
-    longest = total = 0
+    longest = positions = 0
     for i in range(n):
         slot, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
         if slot < 0 or slot >= S or lo < 0 or hi <= lo or hi > cap:
             return i + 1
         longest = max(longest, hi - lo)
-        total += hi - lo
+        positions += hi - lo
     # chunks of about an items-th of all the key rows: a long sequence beside short ones
     # is split so the threads share it (its kv heads alone would leave one idle)
     items = max(1, threads * per_thread)
-    chunk = max(chunk_min, (KV * total + items - 1) // items)
+    chunk = max(chunk_min, (KV * positions + items - 1) // items)
     n_chunks = (longest + chunk - 1) // chunk
     chunk = (longest + n_chunks - 1) // n_chunks
     work = n * KV * n_chunks
@@ -99,11 +98,6 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
     part_s = np.empty((work, g), dtype=np.float32)  # and sum of exp(score - maximum)
     part_o = np.empty((work, g, hd), dtype=np.float32)  # and exp-weighted values
     scores = np.empty((nt, g, chunk), dtype=np.float32)  # a thread's scratch
-    if n_chunks == 1:  # each (query, kv head) whole: its sums are the softmax's
-        for th in prange(nt):
-            for w in range(th, work, nt):
-                _whole(q, kc, vc, spans, softcap, w, scores[th], part_m, part_s, part_o, out)
-        return 0
     for th in prange(nt):
         for w in range(th, work, nt):
             i = w // (KV * n_chunks)
@@ -116,6 +110,12 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
             else:
                 _part(q, kc, vc, i, h, spans[i, 0], a, b, softcap, scores[th],
                       part_m[w], part_s[w], part_o[w])  # fmt: skip
+                if n_chunks == 1:  # the (query, kv head) whole: its sums are the softmax's
+                    for j in range(g):
+                        for d in range(hd):
+                            out[i, h, j, d] = part_o[w, j, d] / part_s[w, j]
+    if n_chunks == 1:  # nothing to merge: no second wake-up of the threads
+        return 0
     for u in prange(n * KV):
         i = u // KV
         h = u % KV
@@ -138,16 +138,3 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
             for d in range(hd):
                 out[i, h, j, d] /= total
     return 0
-
-
-@_jit(fastmath=_FASTMATH)
-def _whole(q, kc, vc, spans, softcap, w, sc, part_m, part_s, part_o, out):
-    """Work item w = (query, kv head) over all its positions, normalized into out;
-    ``sc``: the thread's scratch for the scores."""
-    KV, g, hd = q.shape[1], q.shape[2], q.shape[3]
-    i, h = w // KV, w % KV
-    slot, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
-    _part(q, kc, vc, i, h, slot, lo, hi, softcap, sc, part_m[w], part_s[w], part_o[w])
-    for j in range(g):
-        for d in range(hd):
-            out[i, h, j, d] = part_o[w, j, d] / part_s[w, j]

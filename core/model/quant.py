@@ -145,11 +145,11 @@ def attention_kernel():
     return _later("kernel_attn").decode_attention
 
 
-def launch(kernel, *args):
+def launch(kernel, *args, threads: int = 0):
     """``kernel(*args)`` launched as every compiled kernel is: one launch at a time (see
-    the module docstring), on set_threads's threads."""
+    the module docstring), on ``threads`` threads (0: set_threads's)."""
     with _lock:
-        _use_threads()
+        _use_threads(threads)
         return kernel(*args)
 
 
@@ -360,20 +360,15 @@ class QuantMatrix:
         if self.qtype == T.F32:
             out[:] = self.data.view(np.float32)[ids]
         elif ids.size:
-            with _lock:
-                _use_threads()
-                _kernels().KERNELS[int(self.qtype)][0](self.data, ids, out)
+            launch(_kernels().KERNELS[int(self.qtype)][0], self.data, ids, out)
         return out
 
     def _dequantize_into(self, a: int, b: int, out: np.ndarray, threads: int = 0) -> None:
         if self.qtype == T.F32:
             out[:] = self.data[a:b].view(np.float32)
         elif b > a:
-            with _lock:
-                _use_threads(threads)
-                _kernels().KERNELS[int(self.qtype)][0](
-                    self.data, np.arange(a, b, dtype=np.int64), out
-                )
+            rows = np.arange(a, b, dtype=np.int64)  # (b-a,)
+            launch(_kernels().KERNELS[int(self.qtype)][0], self.data, rows, out, threads=threads)
 
     # -- products --
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -407,9 +402,7 @@ class QuantMatrix:
         k = _kernels()
         kc = max(256, min(X_CHUNK_MAX, X_CHUNK_FLOATS // x.shape[0]) // 256 * 256)  # K-chunk
         dst = y if y.flags.c_contiguous else np.empty(y.shape, dtype=np.float32)  # (T, out)
-        with _lock:
-            _use_threads()
-            k.KERNELS[int(self.qtype)][1](self.data, x, dst, kc)
+        launch(k.KERNELS[int(self.qtype)][1], self.data, x, dst, kc)
         if dst is not y:
             y[:] = dst
 
@@ -423,10 +416,8 @@ class QuantMatrix:
         xd = np.empty((n_t, n_in // run), dtype=np.float32)  # (T, in/run) scales
         xs = np.empty((n_t, n_in // 32), dtype=np.float32)  # (T, in/32) sums, scaled
         dst = y if y.flags.c_contiguous else np.empty(y.shape, dtype=np.float32)  # (T, out)
-        with _lock:
-            _use_threads()
-            k.quantize_x(x, x8, xd, xs)
-            k.PRODUCTS[int(self.qtype)](self.data, x8, xd, xs, dst)
+        launch(k.quantize_x, x, x8, xd, xs)
+        launch(k.PRODUCTS[int(self.qtype)], self.data, x8, xd, xs, dst)
         if dst is not y:
             y[:] = dst
 
@@ -631,8 +622,8 @@ def warm_up(
     """Compile the kernels of these types and the decoding attention's, or load them
     from the on-disk cache, by running each once on a tiny matrix; return the seconds
     it took. A first-ever compile takes seconds per type (a model load can show it
-    as such), a cached one a few milliseconds. ``progress(fraction_done)`` after each type, and while
-    waiting for a helper; it may raise to cancel.
+    as such), a cached one a few milliseconds. ``progress(fraction_done)`` after each
+    type, and while waiting for a helper; it may raise to cancel.
 
     Types not in the cache yet are shared out, when there are several and ``helpers``:
     every other one is compiled by a second process on another core (more for more
