@@ -36,7 +36,6 @@ GPU_ONLY_FLAGS = {
     ("--mlock",): False,
     # sampling on the GPU backend; Mixdesk samples in numpy, with the same probabilities
     ("-bs", "--backend-sampling", "--backend_sampling"): False,
-    ("--no-mmap",): False,
     ("-nkvo", "--no-kv-offload"): False,
 }
 
@@ -255,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
         "to 8-bit integers first (per 256, or per 32 for Q8_0/Q4_0/Q4_1), as llama.cpp "
         "does, and multiplies integers on the CPU's VNNI instructions: faster, not exact "
         "(a CPU without VNNI stays f32)",
+    )
+    m.add_argument(
+        "--mmap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve quantized weights from the model file's memory map (llama.cpp's "
+        "default) instead of reading them into memory (Mixdesk's: huge pages, ~1.2x "
+        "faster decoding on a 1B). A model whose weights would take most of the free "
+        "memory is mapped either way",
     )
     m.add_argument(
         "--draft-max",

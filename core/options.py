@@ -78,6 +78,9 @@ class EngineOptions:
     # dequantizes every matrix to float32 (core/model/weights.py)
     weights: str = "quantized"
     activations: str = "f32"  # --activations: one of ACTIVATION_MODES
+    # --mmap: quantized weights served from the model file's memory map instead of read
+    # into memory (core/model/weights.py: slower decoding; pages the OS may drop)
+    mmap: bool = False
     # --control-vector / --control-vector-scaled: (file, scale) loaded with the first
     # model, in order; --control-vector-layer-range START END (<= 0: llama.cpp's
     # default, layers 1 .. the last), for every vector
@@ -133,6 +136,7 @@ class EngineOptions:
             context_shift=bool(flag(args, "context_shift", False)),
             weights=flag(args, "weights", "quantized"),
             activations=flag(args, "activations", "f32"),
+            mmap=bool(flag(args, "mmap", False)),
             control_vectors=tuple(flag(args, "control_vectors", None) or ()),
             control_vector_layer_range=tuple(
                 flag(args, "control_vector_layer_range", None) or (-1, -1)

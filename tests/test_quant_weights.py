@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from core.gguf.reader import HUGE_PAGE, GGUFError, GGUFFile
+from core.model import weights as weights_module
+from core.model.llama import BatchItem
 from core.model.quant import FusedMatrix, QuantMatrix
-from core.model.weights import ModelLoadError, map_weights, open_model_file
+from core.model.weights import LoadCancelled, ModelLoadError, map_weights, open_model_file
 from core.options import EngineOptions, OptionsError
 from core.paths import cache_dir
 from core.serve.engine import Engine
+from core.serve.loader import load_model
 from core.serve.sampling import SamplingParams
 from tests.mixing import mix_logits
 from tests.tiny_gguf import write_tiny_llama
@@ -81,6 +85,9 @@ def test_a_type_without_kernels_is_held_as_float32_and_named(tmp_path, caplog):
     assert w.f32_tensors and set(w.f32_tensors.values()) == {"IQ4_NL"}
     assert "blk.0.attn_q.weight" in w.f32_tensors
     assert "IQ4_NL" in caplog.text and "float32" in caplog.text
+    # its IQ4_NL bytes are dequantized: a copy of the file in memory would hold them
+    # for nothing, so the rest is served from the map
+    assert w.mapped and not gf.in_memory
     eng = Engine(EngineOptions(ctx_size=64, n_parallel=1))
     eng.load_model(path)
     assert eng.model_info()["f32_tensors"]["blk.1.ffn_down.weight"] == "IQ4_NL"
@@ -137,3 +144,100 @@ def test_old_float32_caches_are_noted_and_can_be_cleared(both, caplog):
     assert n == before >= 1 and freed > 4 * 100_000_000  # SmolLM2's alone is 538 MB
     assert note_f32_caches() is None
     assert not list((cache_dir() / "weights").glob("*"))
+
+
+def _tensor_bytes(path) -> dict[str, bytes]:
+    gf = GGUFFile(path)
+    return {name: gf.raw(name).tobytes() for name in gf.tensors}
+
+
+def test_weights_read_into_memory_are_the_files_bytes_read_only(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q4_K, dim=256, ffn=256)
+    want = _tensor_bytes(path)
+    gf = GGUFFile(path)
+    steps = []
+    gf.read_into_memory(steps.append)
+    assert gf.in_memory and steps[-1] == 1.0
+    for name, b in want.items():
+        got = gf.raw(name)
+        assert got.tobytes() == b, name
+        assert not got.flags.writeable
+        with pytest.raises(ValueError):
+            got[:1] = 0
+    # the copy starts on a huge page (the kernels' reads then need few page walks)
+    first = min(gf.tensors.values(), key=lambda t: t.offset)
+    assert gf.raw(first.name).ctypes.data % HUGE_PAGE == 0
+    gf.read_into_memory()  # a second call keeps the copy it has
+    assert gf.raw(first.name).ctypes.data % HUGE_PAGE == 0
+
+
+def test_a_file_cut_short_while_it_is_read_is_a_clear_error(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256)
+    gf, cfg = open_model_file(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])  # replaced by a shorter file after opening
+    with pytest.raises(GGUFError, match="became shorter while it was being read"):
+        gf.read_into_memory()
+    assert not gf.in_memory
+    with pytest.raises(ModelLoadError, match="m.gguf became shorter"):
+        map_weights(gf, cfg)
+
+
+def test_a_cancel_stops_the_read(tmp_path):
+    import threading
+
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256)
+    gf, cfg = open_model_file(path)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(LoadCancelled):
+        map_weights(gf, cfg, cancel=cancel)
+    assert not gf.in_memory
+
+
+def test_weights_larger_than_the_free_memory_allows_are_mapped(tmp_path, monkeypatch, caplog):
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256)
+    gf, cfg = open_model_file(path)
+    monkeypatch.setattr(weights_module, "available_memory", lambda: gf.data_bytes)
+    with caplog.at_level(logging.INFO):
+        w = map_weights(gf, cfg)
+    assert w.mapped and not gf.in_memory
+    assert "served from its memory map" in caplog.text and "75% of the" in caplog.text
+    # with room, the same file is read
+    monkeypatch.setattr(weights_module, "available_memory", lambda: 2 * gf.data_bytes)
+    gf2, _ = open_model_file(path)
+    assert not map_weights(gf2, cfg).mapped and gf2.in_memory
+
+
+def test_weights_in_memory_and_mapped_give_the_same_logits(smollm_path):
+    """--mmap changes where the blocks are read from, not a number: the same kernels
+    over the same bytes, bit for bit."""
+    got = {}
+    for mmap in (False, True):
+        lm = load_model(smollm_path, lambda f, m: None, lambda: None, mmap=mmap)
+        try:
+            assert lm.model.w.mapped is mmap
+            cache = lm.model.new_cache(64)
+            toks = np.array(lm.tokenizer.encode(PROMPT))
+            first = lm.model([BatchItem(toks, cache)])[0]  # (1, vocab) a prefill
+            step = lm.model([BatchItem(np.array([first.argmax()]), cache)])[0]  # a decode
+            got[mmap] = np.concatenate([first, step])
+        finally:
+            lm.model.lin.close()
+    np.testing.assert_array_equal(got[False], got[True])
+
+
+def test_the_mmap_flag_reaches_the_model_and_its_info(smollm_path):
+    from core.cli import parse_args
+
+    assert EngineOptions.from_args(parse_args(["--mmap"])).mmap
+    assert not EngineOptions.from_args(parse_args(["--no-mmap"])).mmap
+    assert not EngineOptions.from_args(parse_args([])).mmap
+    for mmap in (False, True):
+        eng = Engine(EngineOptions(ctx_size=64, n_parallel=1, mmap=mmap))
+        eng.load_model(smollm_path)
+        eng.start()
+        try:
+            assert eng.model_info()["mapped"] is mmap
+        finally:
+            eng.stop()

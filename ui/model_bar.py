@@ -158,7 +158,10 @@ class ModelBar(FileDropMixin, QWidget):
         # at 1024 px not every fact fits: the architecture, then the parameters and the
         # context go first; the quant, RAM and load time stay
         self.info.set_parts(parts, drop_order=[0, 1, 3])
-        storage = "quantized blocks" if info.get("weights") == "quantized" else "float32"
+        storage = "float32"
+        if info.get("weights") == "quantized":
+            where = "mapped from the file" if info.get("mapped") else "read into memory"
+            storage = f"quantized blocks {where}"
         if info.get("activations") == "q8":
             storage += ", 8-bit activations"
         self.info.setToolTip(

@@ -1,13 +1,17 @@
 """A model's weights: kept in their GGUF block formats (the default), or float32.
 
-Quantized (``map_weights``, the default): every matrix stays in the file's own
-memory map, in its GGUF block format, and the products run on compiled kernels that
-dequantize blocks in registers (core/model/quant.py). A load reads the header and
-checks every tensor's bytes against its shape and type; the OS pages weights in on
-first use, shared with the page cache, never copied: a 1B Q4_K_M serves from 0.8 GB,
-not 4.9 GB. A type without kernels (IQ*, TQ*) is dequantized to float32 in RAM, that
-tensor alone, and the load says so (``Weights.f32_tensors``). Fused matrices (Q|K|V,
-gate|up) are ``FusedMatrix`` of the file's parts, which may differ in type.
+Quantized (``map_weights``, the default): every matrix stays in its GGUF block
+format, and the products run on compiled kernels that dequantize blocks in registers
+(core/model/quant.py): a 1B Q4_K_M serves from 0.8 GB, not 4.9 GB. A load reads the
+header and checks every tensor's bytes against its shape and type. The file's bytes
+are then read into memory (GGUFFile.read_into_memory: huge pages, 1.2x the decode
+speed of serving from the map on a 1B), or, with ``--mmap``, when they would take
+most of the free memory, or when some tensor has no kernels, served from the file's
+own memory map (the OS pages them in on first use, shared with the page cache, and
+may drop them again under memory pressure). A type without kernels (IQ*, TQ*) is
+dequantized to float32 in RAM, that tensor alone, and the load says so
+(``Weights.f32_tensors``). Fused matrices (Q|K|V, gate|up) are ``FusedMatrix`` of
+the file's parts, which may differ in type.
 
 Float32 (``load_weights``, ``--weights f32``: for comparison, and the fallback).
 Cold load dequantizes every tensor (any type ``gguf.quants`` supports) straight
@@ -71,6 +75,12 @@ class LoadCancelled(Exception):
 
 FROM_CACHE = "loaded from cache"  # the progress message of weights mapped from the cache
 MAPPED = "mapped"  # ... and of quantized weights mapped from the model file itself
+READING = "reading"  # ... and of the model file's bytes being read into memory
+# map_weights reads the file into memory when its tensor data is at most this share of
+# the memory the OS says is available: the KV cache, the adapters and the rest of the
+# system need the remainder, and mapped pages can be dropped under pressure, a copy's
+# cannot (it would swap)
+READ_SHARE_OF_AVAILABLE = 0.75
 Matrix = np.ndarray | QuantMatrix | FusedMatrix  # (out, in): what Linear multiplies by
 
 
@@ -113,6 +123,10 @@ class Weights:
     # what the quantized matrices' decode-sized products multiply by: "f32", or "q8"
     # (core/options.py's ACTIVATION_MODES; map_weights's, in force)
     activations: str = "f32"
+    # quantized storage: True when the blocks are read from the model file's memory map
+    # (--mmap, little free memory, tensors without kernels), False when they were read
+    # into memory (map_weights)
+    mapped: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -215,17 +229,33 @@ def map_weights(
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     activations: str = "f32",
+    in_memory: bool = True,
 ) -> Weights:
-    """The model's weights served from the GGUF's own memory map: matrices in their
-    block formats (QuantMatrix; FusedMatrix where the model fuses parts), norms,
-    biases and rope factors (small) as float32 copies. Every matrix's bytes are
-    checked against its shape and type before any kernel can index them (a truncated
-    or corrupt file is a ModelLoadError). A type without kernels is dequantized to
-    float32, that tensor alone, and named in ``f32_tensors``. ``activations``: what
-    the matrices' decode-sized products multiply by (quant.activations_in_force)."""
+    """The model's weights in the GGUF's own bytes: matrices in their block formats
+    (QuantMatrix; FusedMatrix where the model fuses parts), norms, biases and rope
+    factors (small) as float32 copies. Every matrix's bytes are checked against its
+    shape and type before any kernel can index them (a truncated or corrupt file is a
+    ModelLoadError). A type without kernels is dequantized to float32, that tensor
+    alone, and named in ``f32_tensors``. ``activations``: what the matrices'
+    decode-sized products multiply by (quant.activations_in_force). ``in_memory``:
+    read the file's bytes into memory first (read_or_map says when that is skipped);
+    False (--mmap): serve them from the file's memory map."""
     progress = progress or (lambda f, m: None)
     check_tensors(cfg, gf)
     plan = layout.fused_plan(cfg, gf.tensors)
+    if in_memory and read_or_map(gf, plan) is None:
+
+        def reading(frac: float) -> None:
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled()
+            progress(frac, READING)
+
+        try:
+            gf.read_into_memory(reading)
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from None
+        except MemoryError as e:
+            log.warning("%s: served from its memory map: %s", gf.path.name, e)
     arrays: dict[str, Matrix] = {}
     f32: dict[str, str] = {}
     for i, (name, shape, sources) in enumerate(plan):
@@ -258,7 +288,50 @@ def map_weights(
     note = note_f32_caches()
     if note:
         log.info("%s", note)
-    return _assemble(cfg, arrays, storage="quantized", f32_tensors=f32, activations=activations)
+    return _assemble(
+        cfg,
+        arrays,
+        storage="quantized",
+        f32_tensors=f32,
+        activations=activations,
+        mapped=not gf.in_memory,
+    )
+
+
+def read_or_map(gf: GGUFFile, plan) -> str | None:
+    """Why ``gf``'s bytes should stay in its memory map rather than be read into
+    memory (logged), or None to read them: a tensor of the plan without kernels (its
+    bytes would be dequantized, and a copy of them held for nothing), or tensor data
+    of more than READ_SHARE_OF_AVAILABLE of the available memory."""
+    for _, shape, sources in plan:
+        for s in sources:
+            qtype = gf.tensors[s].qtype
+            if len(shape) > 1 and qtype not in SUPPORTED and qtype != GGMLQuantizationType.F32:
+                why = f"tensor {s} is {qtype.name}, which has no compiled kernels"
+                log.info("%s: served from its memory map: %s", gf.path.name, why)
+                return why
+    free = available_memory()
+    if free is not None and gf.data_bytes > READ_SHARE_OF_AVAILABLE * free:
+        why = (
+            f"its {byte_size(gf.data_bytes)} of weights are more than "
+            f"{READ_SHARE_OF_AVAILABLE:.0%} of the {byte_size(free)} of memory available"
+        )
+        log.info("%s: served from its memory map: %s", gf.path.name, why)
+        return why
+    return None
+
+
+def available_memory() -> int | None:
+    """The bytes the OS can give without swapping (Linux's MemAvailable: free
+    memory plus the page cache it can drop), or None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def f32_caches() -> list[Path]:

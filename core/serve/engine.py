@@ -82,6 +82,7 @@ class Engine:
         o = self.options = options or EngineOptions()
         self.weights = o.weights  # "quantized": GGUF blocks in memory; "f32": dequantized
         self.activations = o.activations  # --activations, asked for ("q8" needs VNNI)
+        self.mmap = o.mmap  # --mmap: quantized weights served from the file's map
         self.embeddings = o.embeddings  # --embedding, --pooling, -ub
         self.requested_ctx = o.ctx_size  # 0: the model's training context
         self.context_shift = o.context_shift  # a full context drops old tokens
@@ -179,6 +180,7 @@ class Engine:
                 weights=self.weights,
                 activations=self.activations,
                 threads=self.threads,
+                mmap=self.mmap,
                 template_source=self.template_source,
             )
             model, cfg = got.model, got.cfg
@@ -292,6 +294,9 @@ class Engine:
             "weights": self.model.w.storage,
             # what quantized weights are multiplied by, in force: "f32" or "q8"
             "activations": self.model.w.activations,
+            # quantized blocks served from the file's memory map (--mmap, little free
+            # memory, types without kernels) rather than read into memory
+            "mapped": self.model.w.mapped,
             "f32_tensors": dict(self.model.w.f32_tensors or {}),
             "load_ms": self.load_ms,
             "chat_template": self.chat_template.source if self.chat_template else "",

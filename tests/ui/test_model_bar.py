@@ -16,7 +16,10 @@ def test_open_model_shows_progress_and_info(window, qtbot, smollm_path):
     assert tip.startswith(info)
     # and the tooltip says what the RAM figure counts: the weights as held, and the KV
     info_d = w.engine.model_info()
-    assert "weights (quantized blocks)" in tip and f"at {info_d['n_ctx']} tokens" in tip
+    assert (
+        "weights (quantized blocks read into memory)" in tip
+        and f"at {info_d['n_ctx']} tokens" in tip
+    )
     assert "llama" in info and "params" in info and "Q4_1" in info and "RAM" in info
     assert w.settings.recent_models()[0] == str(smollm_path)
     assert w.engine.ready
