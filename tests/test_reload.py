@@ -123,9 +123,9 @@ def test_progress_never_says_done_before_the_model_is_in_service(engine, files, 
     engine.load_model(files["three"], progress=lambda f, m: seen.append((f, m)))
     fracs = [f for f, _ in seen]
     assert fracs == sorted(fracs) and max(fracs) < 1.0
-    # the weights are mapped from the file itself: the bar says so near the start, and
+    # the weights are read from the file itself: the bar says so near the start, and
     # the products' timing that follows moves it on
-    cached = [i for i, (_, m) in enumerate(seen) if "mapping the weights" in m]
+    cached = [i for i, (_, m) in enumerate(seen) if "reading the weights" in m]
     assert cached and seen[cached[0]][0] < 0.1
     timing = [f for f, m in seen[cached[0] :] if "timing" in m]
     assert len(timing) > 3 and timing[-1] > 0.9

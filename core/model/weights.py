@@ -251,6 +251,7 @@ def map_weights(
             progress(frac, READING)
 
         try:
+            reading(0.0)  # the bar says so before the first read (seconds for an 8B)
             gf.read_into_memory(reading)
         except GGUFError as e:
             raise ModelLoadError(str(e)) from None
