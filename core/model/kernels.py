@@ -2,7 +2,7 @@
 blocks and the products ``y = x @ W.T`` with W left in its GGUF bytes.
 
 W is a (out, row_bytes) uint8 array, each row whole blocks of its type (a view of
-the memory-mapped GGUF). Every type has one dequantizer, ``_run_<type>(w, e0, e1,
+the GGUF's bytes). Every type has one dequantizer, ``_run_<type>(w, e0, e1,
 out)``: elements [e0, e1) of one row (whole blocks) to float32, computed with the
 same float32 operations in the same order as ``gguf.quants`` (gguf==0.19.0), so
 the values are the same bits. It is compiled without fastmath (no FMA contraction
