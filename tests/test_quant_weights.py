@@ -209,6 +209,19 @@ def test_weights_larger_than_the_free_memory_allows_are_mapped(tmp_path, monkeyp
     assert not map_weights(gf2, cfg).mapped and gf2.in_memory
 
 
+def test_a_model_larger_than_the_read_limit_is_mapped(tmp_path, monkeypatch, caplog):
+    """A 3B or an 8B serves as fast from the map and maps in a fraction of the read."""
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256)
+    gf, cfg = open_model_file(path)
+    monkeypatch.setattr(weights_module, "READ_MAX_BYTES", gf.data_bytes - 1)
+    with caplog.at_level(logging.INFO):
+        assert map_weights(gf, cfg).mapped and not gf.in_memory
+    assert "read into memory (faster to map" in caplog.text
+    monkeypatch.setattr(weights_module, "READ_MAX_BYTES", gf.data_bytes)
+    gf2, _ = open_model_file(path)
+    assert not map_weights(gf2, cfg).mapped
+
+
 def test_weights_in_memory_and_mapped_give_the_same_logits(smollm_path):
     """--mmap changes where the blocks are read from, not a number: the same kernels
     over the same bytes, bit for bit."""

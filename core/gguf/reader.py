@@ -377,7 +377,8 @@ class GGUFFile:
         file's 4 KB pages translate. A 1B-shaped Q4_K_M decoded at 15.6-15.7 tok/s
         from the map and 18.7-18.9 from this copy (2 threads, same processes
         alternating, 2026-12-07; its 215 MB Q6_K output matrix alone: 13.1 -> 16.4
-        GB/s). read(), not a copy from the map: a page copied from the map would be
+        GB/s); the 3B and 8B shapes as fast either way (the caller decides: weights.py's
+        read_or_map). read(), not a copy from the map: a page copied from the map would be
         counted twice in the process's RSS while the copy is made."""
         if self._held is not None:
             return

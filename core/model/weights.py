@@ -4,11 +4,12 @@ Quantized (``map_weights``, the default): every matrix stays in its GGUF block
 format, and the products run on compiled kernels that dequantize blocks in registers
 (core/model/quant.py): a 1B Q4_K_M serves from 0.8 GB, not 4.9 GB. A load reads the
 header and checks every tensor's bytes against its shape and type. The file's bytes
-are then read into memory (GGUFFile.read_into_memory: huge pages, 1.2x the decode
-speed of serving from the map on a 1B), or, with ``--mmap``, when they would take
-most of the free memory, or when some tensor has no kernels, served from the file's
-own memory map (the OS pages them in on first use, shared with the page cache, and
-may drop them again under memory pressure). A type without kernels (IQ*, TQ*) is
+are then read into memory (GGUFFile.read_into_memory: huge pages, 1.13-1.20x the
+decode speed of serving from the map on a 1B), or, with ``--mmap``, for a model of
+more than READ_MAX_BYTES (a 3B, an 8B: as fast mapped, and far quicker to load), when
+they would take most of the free memory, or when some tensor has no kernels, served
+from the file's own memory map (the OS pages them in on first use, shared with the
+page cache, and may drop them again under memory pressure). A type without kernels (IQ*, TQ*) is
 dequantized to float32 in RAM, that tensor alone, and the load says so
 (``Weights.f32_tensors``). Fused matrices (Q|K|V, gate|up) are ``FusedMatrix`` of
 the file's parts, which may differ in type.
@@ -81,6 +82,12 @@ READING = "reading"  # ... and of the model file's bytes being read into memory
 # system need the remainder, and mapped pages can be dropped under pressure, a copy's
 # cannot (it would swap)
 READ_SHARE_OF_AVAILABLE = 0.75
+# ... and when it is at most this big. Reading costs load time (0.4-2 s a GB from the
+# page cache, huge pages included) and gains decode speed only where the map was slow:
+# a 1B-shaped Q4_K_M (0.8 GB) decoded 1.13-1.20x faster read than mapped, a 3B (2.0
+# GB) and an 8B (5.0 GB) as fast either way, while the 8B's read took 3.6-15 s against
+# 0.8 s to map (2 threads, this machine, 2026-12-07)
+READ_MAX_BYTES = 1_500_000_000
 Matrix = np.ndarray | QuantMatrix | FusedMatrix  # (out, in): what Linear multiplies by
 
 
@@ -303,7 +310,8 @@ def read_or_map(gf: GGUFFile, plan) -> str | None:
     """Why ``gf``'s bytes should stay in its memory map rather than be read into
     memory (logged), or None to read them: a tensor of the plan without kernels (its
     bytes would be dequantized, and a copy of them held for nothing), or tensor data
-    of more than READ_SHARE_OF_AVAILABLE of the available memory."""
+    of more than READ_MAX_BYTES, or of more than READ_SHARE_OF_AVAILABLE of the
+    available memory."""
     for _, shape, sources in plan:
         for s in sources:
             qtype = gf.tensors[s].qtype
@@ -311,6 +319,13 @@ def read_or_map(gf: GGUFFile, plan) -> str | None:
                 why = f"tensor {s} is {qtype.name}, which has no compiled kernels"
                 log.info("%s: served from its memory map: %s", gf.path.name, why)
                 return why
+    if gf.data_bytes > READ_MAX_BYTES:
+        why = (
+            f"its {byte_size(gf.data_bytes)} of weights are more than the "
+            f"{byte_size(READ_MAX_BYTES)} read into memory (faster to map, as fast to serve)"
+        )
+        log.info("%s: served from its memory map: %s", gf.path.name, why)
+        return why
     free = available_memory()
     if free is not None and gf.data_bytes > READ_SHARE_OF_AVAILABLE * free:
         why = (
