@@ -227,9 +227,13 @@ def test_weights_in_memory_and_mapped_give_the_same_logits(smollm_path):
     over the same bytes, bit for bit."""
     got = {}
     for mmap in (False, True):
-        lm = load_model(smollm_path, lambda f, m: None, lambda: None, mmap=mmap)
+        said = []
+        lm = load_model(smollm_path, lambda f, m: said.append(m), lambda: None, mmap=mmap)
         try:
             assert lm.model.w.mapped is mmap
+            # the load bar says which
+            assert ("mapping the weights" in said) is mmap
+            assert ("reading the weights into memory" in said) is not mmap
             cache = lm.model.new_cache(64)
             toks = np.array(lm.tokenizer.encode(PROMPT))
             first = lm.model([BatchItem(toks, cache)])[0]  # (1, vocab) a prefill
