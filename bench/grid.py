@@ -4,7 +4,7 @@ same ten runs one after another and against one run alone.
 The grid is the scale of one reference adapter over 0, 0.25, 0.5, 0.75, 1 times a
 second adapter off/on: ten distinct mixes. It runs on an engine of its own with ten
 slots, so the whole grid is one batch (the bench engine has eight: it would run in
-two waves). Greedy, prompt cache off, so every run pays its prefill; best of two,
+two waves), while the bench engine's thread is stopped (one team of kernel threads). Greedy, prompt cache off, so every run pays its prefill; best of two,
 interleaved, so a busy neighbour hits all three figures alike (--quick: one go).
 """
 
@@ -28,18 +28,27 @@ def run(ctx) -> None:
         print("grid: skipped (needs two reference adapters that fit this model)")
         return
     n = 16 if ctx.args.quick else 48
-    eng = Engine(
-        EngineOptions(
-            ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0, weights=ctx.args.weights
-        )
-    )
-    eng.load_model(ctx.path)
-    grid_ids = [eng.add_adapter(ctx.eng.adapter(i).path) for i in ids[:2]]
-    eng.start()
+    paths = [ctx.eng.adapter(i).path for i in ids[:2]]
+    # one engine thread at a time: numba's OpenMP layer keeps a team of kernel threads
+    # per launching thread, and with the bench's engine still running beside this one
+    # every launch waited for a worker to wake (the two-team warning in every make bench
+    # log, and pessimistic grid figures). Its thread ends here and starts again after.
+    ctx.eng.stop()
     try:
-        _measure(eng, grid_ids, n, ctx.args.quick)
+        eng = Engine(
+            EngineOptions(
+                ctx_size=512, n_parallel=len(SCALES) * 2, draft_max=0, weights=ctx.args.weights
+            )
+        )
+        eng.load_model(ctx.path)
+        grid_ids = [eng.add_adapter(p) for p in paths]
+        eng.start()
+        try:
+            _measure(eng, grid_ids, n, ctx.args.quick)
+        finally:
+            eng.stop()
     finally:
-        eng.stop()
+        ctx.eng.start()
 
 
 def _measure(eng: Engine, ids: list[int], n: int, quick: bool) -> None:
