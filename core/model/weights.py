@@ -3,16 +3,16 @@
 Quantized (``map_weights``, the default): every matrix stays in its GGUF block
 format, and the products run on compiled kernels that dequantize blocks in registers
 (core/model/quant.py): a 1B Q4_K_M serves from 0.8 GB, not 4.9 GB. A load reads the
-header and checks every tensor's bytes against its shape and type. The file's bytes
-are then read into memory (GGUFFile.read_into_memory: huge pages, 1.13-1.20x the
-decode speed of serving from the map on a 1B), or, with ``--mmap``, for a model of
-more than READ_MAX_BYTES (a 3B, an 8B: as fast mapped, and far quicker to load), when
-they would take most of the free memory, or when some tensor has no kernels, served
-from the file's own memory map (the OS pages them in on first use, shared with the
-page cache, and may drop them again under memory pressure). A type without kernels (IQ*, TQ*) is
-dequantized to float32 in RAM, that tensor alone, and the load says so
-(``Weights.f32_tensors``). Fused matrices (Q|K|V, gate|up) are ``FusedMatrix`` of
-the file's parts, which may differ in type.
+header and checks every tensor's bytes against its shape and type. A model of at most
+READ_MAX_BYTES then has the file's bytes read into memory (GGUFFile.read_into_memory,
+in huge pages: a 1B decodes 1.13-1.20x faster than from the map). A larger one (a 3B,
+an 8B: as fast mapped, and far quicker to load), one that would take most of the free
+memory, one with tensors without kernels, and every model under ``--mmap`` is served
+from the file's own memory map: the OS pages the weights in on first use, shares them
+with the page cache, and may drop them again under memory pressure (``read_or_map``).
+A type without kernels (IQ*, TQ*) is dequantized to float32 in RAM, that tensor
+alone, and the load says so (``Weights.f32_tensors``). Fused matrices (Q|K|V,
+gate|up) are ``FusedMatrix`` of the file's parts, which may differ in type.
 
 Float32 (``load_weights``, ``--weights f32``: for comparison, and the fallback).
 Cold load dequantizes every tensor (any type ``gguf.quants`` supports) straight
@@ -312,29 +312,33 @@ def read_or_map(gf: GGUFFile, plan) -> str | None:
     bytes would be dequantized, and a copy of them held for nothing), or tensor data
     of more than READ_MAX_BYTES, or of more than READ_SHARE_OF_AVAILABLE of the
     available memory."""
-    for _, shape, sources in plan:
-        for s in sources:
-            qtype = gf.tensors[s].qtype
-            if len(shape) > 1 and qtype not in SUPPORTED and qtype != GGMLQuantizationType.F32:
-                why = f"tensor {s} is {qtype.name}, which has no compiled kernels"
-                log.info("%s: served from its memory map: %s", gf.path.name, why)
-                return why
-    if gf.data_bytes > READ_MAX_BYTES:
-        why = (
-            f"its {byte_size(gf.data_bytes)} of weights are more than the "
-            f"{byte_size(READ_MAX_BYTES)} read into memory (faster to map, as fast to serve)"
-        )
-        log.info("%s: served from its memory map: %s", gf.path.name, why)
-        return why
+    size = byte_size(gf.data_bytes)
+    no_kernels = [
+        s
+        for _, shape, sources in plan
+        for s in sources
+        if len(shape) > 1
+        and gf.tensors[s].qtype not in SUPPORTED
+        and gf.tensors[s].qtype != GGMLQuantizationType.F32
+    ]
     free = available_memory()
-    if free is not None and gf.data_bytes > READ_SHARE_OF_AVAILABLE * free:
+    if no_kernels:
+        s = no_kernels[0]
+        why = f"tensor {s} is {gf.tensors[s].qtype.name}, which has no compiled kernels"
+    elif gf.data_bytes > READ_MAX_BYTES:
         why = (
-            f"its {byte_size(gf.data_bytes)} of weights are more than "
-            f"{READ_SHARE_OF_AVAILABLE:.0%} of the {byte_size(free)} of memory available"
+            f"its {size} of weights are more than the {byte_size(READ_MAX_BYTES)} read "
+            "into memory (faster to map, as fast to serve)"
         )
-        log.info("%s: served from its memory map: %s", gf.path.name, why)
-        return why
-    return None
+    elif free is not None and gf.data_bytes > READ_SHARE_OF_AVAILABLE * free:
+        why = (
+            f"its {size} of weights are more than {READ_SHARE_OF_AVAILABLE:.0%} of the "
+            f"{byte_size(free)} of memory available"
+        )
+    else:
+        return None
+    log.info("%s: served from its memory map: %s", gf.path.name, why)
+    return why
 
 
 def available_memory() -> int | None:
