@@ -227,8 +227,10 @@ def test_weights_in_memory_and_mapped_give_the_same_logits(smollm_path):
     over the same bytes, bit for bit."""
     got = {}
     for mmap in (False, True):
-        said = []
-        lm = load_model(smollm_path, lambda f, m: said.append(m), lambda: None, mmap=mmap)
+        said: list[str] = []
+        lm = load_model(
+            smollm_path, lambda f, m, said=said: said.append(m), lambda: None, mmap=mmap
+        )
         try:
             assert lm.model.w.mapped is mmap
             # the load bar says which
