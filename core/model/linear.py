@@ -125,8 +125,8 @@ def calibration_matrices(
 class Linear:
     """Callable ``lin(x, w) -> x @ w.T`` with the regime picked from ``len(x)``.
 
-    Owns ``threads - 1`` helper threads for the blocked regime; the calling thread
-    does one share of the blocks itself.
+    Owns ``threads - 1`` helper threads for the blocked regime, started by its first
+    split; the calling thread does one share of the blocks itself.
     """
 
     def __init__(self, threads: int | None = None, small: str = "gemm", kernels: bool = False):
@@ -135,7 +135,10 @@ class Linear:
         # kernels' threads (numba's), whatever the regime says (see ``forward_context``)
         self.kernels = kernels
         self.force(small)
-        self._helpers = [_Helper() for _ in range(self.threads - 1)]
+        # threads - 1 helpers, started by the first product split between threads (a
+        # quantized model's products run on the kernels' threads and never split)
+        self._helpers: list[_Helper] = []
+        self._closed = False
         weakref.finalize(self, _close_all, self._helpers)
         self._blas = None
         # seconds per 8-row step by regime from the calibration in force ({} without
@@ -146,7 +149,8 @@ class Linear:
 
     def close(self) -> None:
         _close_all(self._helpers)
-        self._helpers = []
+        self._helpers.clear()
+        self._closed = True  # later splits run on the calling thread
 
     def force(self, regime: str) -> None:
         """Use one regime for every row count from 2 to SMALL_ROWS."""
@@ -434,6 +438,8 @@ class Linear:
         which left this thread waiting 16 ms per 8-stream step). ``side`` runs on
         this thread after its range; splits with and without one keep separate
         speed estimates."""
+        if n > 1 and not self._helpers and not self._closed:
+            self._helpers.extend(_Helper() for _ in range(self.threads - 1))
         parts = len(self._helpers) + 1 if n > 1 else 1
         if parts == 1:
             fn(0, n, True)
