@@ -67,6 +67,11 @@ def _b32(n):
     return ir.Constant(_V32B, [n] * 32)
 
 
+def _i32x16(n):
+    """16 int32 lanes, each n."""
+    return ir.Constant(_V16I, [n] * 16)
+
+
 def _load32(builder, bp, at):
     """The 32 bytes at byte ``at`` past bp."""
     return builder.load(builder.bitcast(builder.gep(bp, [_c(at)]), _V32B.as_pointer()), align=1)
@@ -206,13 +211,18 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
         for p in range(4):
             qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
             q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+            # each half of the bytes widened once, to 16 int32 lanes: its low nibbles
+            # index the table, its high ones are the lanes shifted right by 4 (rather
+            # than the bytes shifted, masked and widened again: the Q4_K dot 4-10%
+            # faster, one and two threads, the same bits, 2026-12-07)
+            wide = [_half(builder, q, k, builder.zext) for k in range(2)]  # (16,) each
             # the low nibbles: d * scale * q from a table (vpermps reads an index's low
             # four bits: no mask), on the shuffle port
             lo = 2 * p
             table = builder.fmul(_splat(builder, f, lo, _V16F), iota)  # (16,) d*sc*(0..15)
             t = None
             for k in range(2):
-                vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])  # (16,)
+                vals = builder.call(permvar, [table, wide[k]])  # (16,)
                 xv = x16(64 * p + 16 * k)
                 t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
             accs[lo] = builder.fadd(accs[lo], t)
@@ -220,10 +230,9 @@ def _q4_k_wide(typingctx, w, o, x, xo, xs, acc):
             # scaled once. Splitting the work between the two ports measured 1.5x the
             # numba dot, against 1.35x with tables or conversions alone (one thread,
             # 1024 rows of the 1B's gate matrix in cache, 2026-12-06)
-            hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
             t = None
             for k in range(2):
-                vals = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)  # (16,) q
+                vals = builder.sitofp(builder.lshr(wide[k], _i32x16(4)), _V16F)  # (16,) q
                 xv = x16(64 * p + 32 + 16 * k)
                 t = builder.fmul(vals, xv) if t is None else builder.call(fma, [vals, xv, t])
             sc = _splat(builder, f, lo + 1, _V16F)
@@ -350,14 +359,15 @@ def _k_deq(typingctx, code, w, o, out, oo):
         for p in range(4):
             qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
             q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+            wide = [_half(builder, q, k, builder.zext) for k in range(2)]  # (16,) each
             for h in range(2):  # low nibbles: sub-block 2p; high: 2p + 1
                 j = 2 * p + h
                 # no FMA: a product rounded, then the difference, as numpy does
                 a = builder.fmul(_splat(builder, f, j, _V16F), iota)
                 table = builder.fsub(a, _splat(builder, mins, j, _V16F))  # (16,)
-                nib = q if h == 0 else builder.lshr(q, ir.Constant(_V32B, [4] * 32))
-                for k in range(2):
-                    vals = builder.call(permvar, [table, _half(builder, nib, k, builder.zext)])
+                for k in range(2):  # vpermps reads an index's low four bits
+                    nib = wide[k] if h == 0 else builder.lshr(wide[k], _i32x16(4))
+                    vals = builder.call(permvar, [table, nib])
                     put(vals, 64 * p + 32 * h + 16 * k)
         return context.get_dummy_value()
 
@@ -440,14 +450,14 @@ def _k_block_rows(typingctx, code, n_rows, w, o, x, t, xo, xs, acc):
             for p in range(4):
                 qp = builder.bitcast(builder.gep(bp, [_c(16 + 32 * p)]), _V32B.as_pointer())
                 q = builder.load(qp, align=1)  # (32,) two sub-blocks of nibbles
+                wide = [_half(builder, q, k, builder.zext) for k in range(2)]  # (16,) each
                 table = builder.fmul(_splat(builder, f, 2 * p, _V16F), iota)  # d*sc*(0..15)
                 for k in range(2):
-                    vals = builder.call(permvar, [table, _half(builder, q, k, builder.zext)])
+                    vals = builder.call(permvar, [table, wide[k]])
                     feed(vals, 64 * p + 16 * k, k)
-                hi = builder.lshr(q, ir.Constant(_V32B, [4] * 32))
                 sc = _splat(builder, f, 2 * p + 1, _V16F)
                 for k in range(2):
-                    q16 = builder.sitofp(_half(builder, hi, k, builder.zext), _V16F)
+                    q16 = builder.sitofp(builder.lshr(wide[k], _i32x16(4)), _V16F)
                     feed(builder.fmul(q16, sc), 64 * p + 32 + 16 * k, k)
         else:
             s = _q6_k_head(builder, bp)  # (16,) d * scale of each 16
