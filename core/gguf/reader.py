@@ -32,6 +32,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import UserError
+from ..memory import anonymous
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -384,7 +385,10 @@ class GGUFFile:
             return
         start = self._data_from()
         n = self.file_size - start
-        buf = _anonymous(n + HUGE_PAGE)
+        try:
+            buf = anonymous(n + HUGE_PAGE, huge_pages=True)
+        except OSError as e:  # ENOMEM: no address space left
+            raise MemoryError(f"cannot reserve {byte_size(n)} ({e.strerror or e})") from None
         whole = np.frombuffer(buf, dtype=np.uint8)  # (n + HUGE_PAGE,)
         pad = -whole.ctypes.data % HUGE_PAGE
         held = whole[pad : pad + n]  # (n,) the file's bytes [start, file_size)
@@ -435,25 +439,6 @@ class GGUFFile:
             self._mm.close()
         except (BufferError, ValueError):
             pass  # numpy views still reference the map; it is freed with them
-
-
-def _anonymous(n: int) -> mmap.mmap:
-    """``n`` bytes of private anonymous memory (zeros until written), advised for
-    transparent huge pages where the OS has them. Private: a shared anonymous map
-    (Python's default on Unix) is shmem, where huge pages are usually off."""
-    try:
-        if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-            buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        else:  # Windows: the page file's anonymous memory
-            buf = mmap.mmap(-1, n)
-    except OSError as e:  # ENOMEM: no address space left
-        raise MemoryError(f"cannot reserve {byte_size(n)} ({e.strerror or e})") from None
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # a kernel without transparent huge pages: 4 KB pages, still a copy
-    return buf
 
 
 def byte_size(n_bytes: int) -> str:

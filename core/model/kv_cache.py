@@ -8,13 +8,10 @@ batched matmul instead of a Python loop over sequences.
 
 from __future__ import annotations
 
-import mmap
-import platform
-import sys
-
 import numpy as np
 
 from ..errors import UserError
+from ..memory import anonymous
 from .config import ModelConfig
 
 
@@ -322,25 +319,11 @@ class KVPool:
         cache.written = 0
 
 
-# Python's mmap module names MAP_NORESERVE only from 3.13; on 3.11 take Linux's value
-# (0x4000 on x86-64 and arm64). Elsewhere the flag is left out.
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0) or (
-    0x4000
-    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
-    else 0
-)
-
-
 def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of zeros whose memory is committed page by page on first touch."""
+    """A float32 array of zeros whose memory is committed page by page on first touch,
+    in 4 KB pages. Address space only (no commit charge): a long context reserves
+    it, and the kernel's overcommit heuristic must not refuse a pool that will mostly
+    stay empty."""
     n = int(np.prod(shape)) * 4
-    # MAP_NORESERVE: a long context reserves address space, not commit charge, so the
-    # kernel's overcommit heuristic does not refuse a pool that will mostly stay empty
-    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        buf = mmap.mmap(-1, max(n, 1), flags=flags)
-    else:  # Windows: a page-file backed, zeroed section
-        buf = mmap.mmap(-1, max(n, 1))
-    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
-        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    buf = anonymous(n, huge_pages=False, reserve=False)
     return np.frombuffer(buf, dtype=np.float32, count=n // 4).reshape(shape)

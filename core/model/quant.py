@@ -1,7 +1,8 @@
 """Weight matrices kept in their GGUF block formats, multiplied in place (issue 35).
 
-``QuantMatrix`` wraps a (out, row_bytes) uint8 array, usually a view of the
-GGUF's bytes (read into memory, or its memory map: core/model/weights.py), and offers what the model needs of a weight matrix:
+``QuantMatrix`` wraps a (out, row_bytes) uint8 array, usually a view of the GGUF's
+bytes (read into memory, or its memory map: core/model/weights.py), and offers what
+the model needs of a weight matrix:
 
 * ``matmul(x)``: ``x @ W.T`` for float32 activations (T, in) -> (T, out). Up to
   SMALL rows (decode, a batch of mixes) run on the compiled small-batch kernels
