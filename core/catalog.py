@@ -91,15 +91,18 @@ class CatalogModel:
         """Disk a float32 weight cache takes (``--weights f32`` only): 4 bytes a weight."""
         return 4 * self.params
 
-    def ram_bytes(self, ctx_size: int = 4096, n_seq: int = 1) -> int:
+    def ram_bytes(
+        self, ctx_size: int = 4096, n_seq: int = 1, kv_types: tuple[str, str] = ("f32", "f32")
+    ) -> int:
         """RAM to run it at ctx_size (0: its own context, as the engine runs without
-        -c): its tensors held in their own blocks plus a float32 K and V cache per
-        sequence (core/model/kv_cache.py: ram_bytes, the model bar's own formula)."""
+        -c): its tensors held in their own blocks plus a K and V cache per sequence,
+        stored as ``kv_types`` (-ctk/-ctv; core/model/kv_cache.py: ram_bytes, the model
+        bar's own formula)."""
         from .model.kv_cache import ram_bytes
 
         ctx = ctx_size or self.n_ctx_train
         return ram_bytes(
-            self.tensor_bytes, self.n_layers, self.n_kv_heads, self.head_dim, ctx, n_seq
+            self.tensor_bytes, self.n_layers, self.n_kv_heads, self.head_dim, ctx, n_seq, kv_types
         )
 
     def summary(self) -> str:

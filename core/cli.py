@@ -23,6 +23,7 @@ from .options import (
     DEFAULT_HOST,
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
+    KV_CACHE_TYPES,
 )
 from .version import version
 
@@ -65,7 +66,6 @@ REFUSED_FLAGS = {
 }
 # llama-server flags whose behaviour is always on here: accepted silently
 ALWAYS_ON_FLAGS = [("-cb", "--cont-batching")]
-KV_TYPES_KEPT = ("f32", "f16")  # -ctk/-ctv accepted: the engine's KV cache is f32 anyway
 
 
 class CliError(UserError):
@@ -424,14 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-type-k",
         default=None,
         metavar="TYPE",
-        help="KV cache type: f32 or f16 accepted (the engine keeps f32)",
+        help="how the KV cache stores keys: f32 (default: exact) or f16 (half the memory, "
+        "llama-server's default)",
     )
     s.add_argument(
         "-ctv",
         "--cache-type-v",
         default=None,
         metavar="TYPE",
-        help="KV cache type: f32 or f16 accepted (the engine keeps f32)",
+        help="how the KV cache stores values: f32 (default) or f16",
     )
 
     g = p.add_argument_group(
@@ -708,13 +709,10 @@ def _ctx_per_slot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def _check_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """llama-server's flags with a value Mixdesk cannot honour are refused by name."""
     for flag, value in (("-ctk", args.cache_type_k), ("-ctv", args.cache_type_v)):
-        if value is not None and value not in KV_TYPES_KEPT:
+        if value is not None and value not in KV_CACHE_TYPES:
             parser.error(
-                f"{flag} {value}: not supported; the KV cache is kept in f32 "
-                f"(f32 and f16 are accepted)"
+                f"{flag} {value}: not supported; the KV cache holds {' or '.join(KV_CACHE_TYPES)}"
             )
-        if value == "f16":
-            print(f"mixdesk: {flag} f16: the KV cache is kept in f32", file=sys.stderr)
     for flag, value in (("--batch-size", args.batch_size), ("--ubatch-size", args.ubatch_size)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1")

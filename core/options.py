@@ -36,6 +36,11 @@ WEIGHT_STORAGES = ("quantized", "f32")  # how a model's matrices are held (core/
 # activations rounded to int8 (per 256 for the K-quants, per 32 for Q8_0/Q4_0/Q4_1)
 # times the integer quants on VNNI, as llama.cpp does (core/model/kernel_q8.py)
 ACTIVATION_MODES = ("f32", "q8")
+# -ctk/-ctv (--cache-type-k/-v): how the KV cache stores keys and values. "f32" (the
+# default: the numbers llama.cpp's reference data were recorded with) or "f16", half the
+# memory and half the bytes a long context's attention reads (llama-server's default),
+# keys and values rounded to float16 as llama.cpp's f16 cache rounds them
+KV_CACHE_TYPES = ("f32", "f16")
 
 
 class OptionsError(UserError):
@@ -81,6 +86,8 @@ class EngineOptions:
     # --mmap: quantized weights served from the model file's memory map instead of read
     # into memory (core/model/weights.py: slower decoding; pages the OS may drop)
     mmap: bool = False
+    cache_type_k: str = "f32"  # -ctk: one of KV_CACHE_TYPES
+    cache_type_v: str = "f32"  # -ctv
     # --control-vector / --control-vector-scaled: (file, scale) loaded with the first
     # model, in order; --control-vector-layer-range START END (<= 0: llama.cpp's
     # default, layers 1 .. the last), for every vector
@@ -97,6 +104,12 @@ class EngineOptions:
                 f"--activations must be one of {', '.join(ACTIVATION_MODES)}, "
                 f"not {self.activations!r}"
             )
+        for flag_, value in (("-ctk", self.cache_type_k), ("-ctv", self.cache_type_v)):
+            if value not in KV_CACHE_TYPES:
+                raise OptionsError(
+                    f"{flag_} {value}: not supported; the KV cache holds "
+                    f"{' or '.join(KV_CACHE_TYPES)}"
+                )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -137,6 +150,8 @@ class EngineOptions:
             weights=flag(args, "weights", "quantized"),
             activations=flag(args, "activations", "f32"),
             mmap=bool(flag(args, "mmap", False)),
+            cache_type_k=flag(args, "cache_type_k", "f32"),
+            cache_type_v=flag(args, "cache_type_v", "f32"),
             control_vectors=tuple(flag(args, "control_vectors", None) or ()),
             control_vector_layer_range=tuple(
                 flag(args, "control_vector_layer_range", None) or (-1, -1)

@@ -58,9 +58,15 @@ def _compile_kernels_alongside() -> None:
     on the 2-core CI machine), and the suite would otherwise wait for it a type at a time
     (test_quant_kernels' setup, the first Gemma or Qwen load) on one core. With the cache
     warm it only loads (a second or two). numba writes its cache files whole (a temporary
-    file, then a rename), so a test compiling the same type meanwhile is safe."""
+    file, then a rename), so a test compiling the same type meanwhile is safe. The
+    decoding attention over float16 keys and/or values (-ctk/-ctv f16,
+    tests/test_kv_f16.py) too: each pair of types is a compile of its own."""
     global _KERNEL_WARMER
-    code = "from core.model import quant; quant.warm_up(quant.SUPPORTED, helpers=False)"
+    code = (
+        "from core.model import quant; quant.warm_up(quant.SUPPORTED, helpers=False)\n"
+        "for kv in (('f16', 'f16'), ('f16', 'f32'), ('f32', 'f16')):\n"
+        "    quant.warm_up((), helpers=False, kv_types=kv)"
+    )
     _KERNEL_WARMER = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=Path(__file__).resolve().parents[1],

@@ -18,7 +18,7 @@ from test_http_headless import REPO, free_port, http, start, stop, wait_healthy
 from core.cli import parse_args
 from core.errors import UserError
 from core.http.app import ServerSettings
-from core.options import DEFAULT_CTX, EngineOptions
+from core.options import DEFAULT_CTX, EngineOptions, OptionsError
 
 
 def usage_error(argv: list[str], capsys) -> str:
@@ -65,10 +65,31 @@ def test_llama_server_flags_we_lack_are_refused_by_name(argv, named, capsys):
     assert "invalid int value" not in err
 
 
-def test_kv_cache_types_f32_f16_are_accepted_with_a_note(capsys):
+def test_kv_cache_types_reach_the_engine_options(capsys):
+    """-ctk/-ctv f16 are honoured now (keys and values stored as float16): no notice,
+    and each flag reaches EngineOptions apart; without them the cache stays f32."""
     a = parse_args(["-ctk", "f16", "-ctv", "f32"])
     assert a.cache_type_k == "f16" and a.cache_type_v == "f32"
-    assert "-ctk f16: the KV cache is kept in f32" in capsys.readouterr().err
+    assert "-ctk" not in capsys.readouterr().err
+    o = EngineOptions.from_args(a)
+    assert (o.cache_type_k, o.cache_type_v) == ("f16", "f32")
+    o = EngineOptions.from_args(parse_args([]))
+    assert (o.cache_type_k, o.cache_type_v) == ("f32", "f32")
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [(["-ctk", "q8_0"], "-ctk q8_0"), (["-ctv", "bf16"], "-ctv bf16"),
+     (["--cache-type-v", "q4_0"], "-ctv q4_0")],
+)  # fmt: skip
+def test_kv_cache_types_we_lack_are_refused_by_name(argv, named, capsys):
+    err = usage_error(argv, capsys)
+    assert f"{named}: not supported; the KV cache holds f32 or f16" in err
+
+
+def test_engine_options_refuse_a_kv_cache_type_we_lack():
+    with pytest.raises(OptionsError, match="-ctk q8_0: not supported"):
+        EngineOptions(cache_type_k="q8_0")
 
 
 def test_negative_numbers_are_values_not_flags():

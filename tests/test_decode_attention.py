@@ -1,7 +1,8 @@
 """The compiled decoding attention (attention.decode_attention, core/model/kernel_attn.py)
 against softmax(q kᵀ) v written out in float64: each query over its own slot and its
 own positions only, in chunks merged exactly, with windows and Gemma 2's soft cap, and
-every index checked before the kernel reads raw memory."""
+every index checked before the kernel reads raw memory; keys and values stored as
+float16 (-ctk/-ctv f16) widened exactly as they are read."""
 
 from __future__ import annotations
 
@@ -82,6 +83,32 @@ def test_window_and_softcap():
     assert np.abs(plain - want).max() > 1e-2  # the cap changed the result
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "k16,v16", [(True, True), (True, False), (False, True)], ids=["both", "keys", "values"]
+)
+def test_float16_keys_and_values_are_read_as_the_values_they_hold(monkeypatch, threads, k16, v16):
+    """A float16 cache's keys or values (each apart, as -ctk/-ctv set them) give the
+    product of exactly the float16 values, widened: the float64 textbook on the same
+    rounded arrays, as tight as float32's. Rounding did change the inputs (the float32
+    arrays' product differs by far more), so reading the bits as anything else, or
+    the float32 arrays, would fail."""
+    rng = np.random.default_rng(8)
+    q, kc, vc = arrays(rng, 3, 2, 4, 64, 4, 600)
+    q *= 4.0  # peaked scores: the keys' rounding shows in the result
+    slots, lo, hi = np.array([3, 0, 1]), np.array([0, 0, 100]), np.array([600, 37, 400])
+    k = kc.astype(np.float16) if k16 else kc
+    v = vc.astype(np.float16) if v16 else vc
+    for s_, b in zip(slots, hi):  # past each length: values that would show if read
+        k[s_, :, b:], v[s_, :, b:] = 6e4, 6e4
+    monkeypatch.setattr(quant, "_threads", threads)
+    got = decode_attention(q, k, v, spans(slots, lo, hi))
+    want = textbook(q, k, v, slots, lo, hi)  # float64 from the float16 values
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    unrounded = textbook(q, kc, vc, slots, lo, hi)
+    assert np.abs(unrounded - want).max() > 1e-4
+
+
 def test_non_finite_keys_stay_with_their_sequence():
     rng = np.random.default_rng(5)
     q, kc, vc = arrays(rng, 2, 1, 2, 16, 2, 64)
@@ -115,3 +142,5 @@ def test_shapes_and_layouts_are_checked():
         decode_attention(q, kc[:, :, ::2], vc[:, :, ::2], spans([0], [0], [4]))  # strided
     with pytest.raises(ValueError):
         decode_attention(q.astype(np.float64), kc, vc, spans([0], [0], [8]))
+    with pytest.raises(ValueError):  # a cache holds float32 or float16, nothing else
+        decode_attention(q, kc.astype(np.float64), vc, spans([0], [0], [8]))

@@ -177,7 +177,7 @@ def test_kv_reservation_failure_is_a_clear_error_and_keeps_the_old_model(smollm_
     try:
         old_model, old_sched = eng.model, eng.scheduler
 
-        def refuse(shape):
+        def refuse(shape, dtype):
             raise OSError(12, "Cannot allocate memory")
 
         monkeypatch.setattr(kv, "_zero_pages", refuse)
@@ -283,3 +283,34 @@ def test_release_with_scrub_zeroes_only_the_rows_written(tmp_path):
     pool.release(a, scrub=True)
     assert not pool.k[:, a.slot].any() and not pool.v[:, a.slot].any()
     assert a.written == 0
+
+
+def test_float16_pool_and_caches_round_what_they_store(tmp_path):
+    """-ctk/-ctv f16 on a tiny model: the pool, its slots, standalone caches and the
+    prefix cache's snapshots all hold float16 (keys and values each in its own type);
+    what is stored reads back as the float16 rounding of what was written, and
+    kv_bytes counts 2 bytes a value."""
+    from core.model.kv_cache import KVCache, kv_bytes
+
+    model, _ = build(tmp_path, n_heads=4, n_kv_heads=2)
+    cfg = model.cfg
+    assert kv_bytes(2, 3, 8, 100, 1, ("f16", "f32")) == 2 * 3 * 8 * (2 + 4) * 100
+    assert (
+        kv_bytes(2, 3, 8, 100, 2, ("f16", "f16")) == kv_bytes(2, 3, 8, 100) == 2 * 3 * 8 * 8 * 100
+    )
+    pool = KVPool(cfg, 2, 16, ("f16", "f32"))
+    assert pool.k.dtype == np.float16 and pool.v.dtype == np.float32
+    c = pool.acquire()
+    assert c.k.dtype == np.float16 and c.types == ("f16", "f32")
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, cfg.n_kv_heads, cfg.head_dim)).astype(np.float32)  # (n, KV, hd)
+    v = rng.standard_normal((3, cfg.n_kv_heads, cfg.head_dim)).astype(np.float32)
+    for li in range(cfg.n_layers):
+        keys, values = c.update_and_fetch(li, k, v, [1, 2, 3])
+    assert np.array_equal(keys, k.transpose(1, 0, 2).astype(np.float16))  # (KV, 3, hd)
+    assert np.array_equal(values, v.transpose(1, 0, 2))
+    snap = pool.snapshot(c, 8)
+    assert (snap.k.dtype, snap.v.dtype) == (np.float16, np.float32)
+    assert np.array_equal(snap.state[1], c.state[1]) and snap.tokens == [1, 2, 3]
+    alone = KVCache(cfg, 4, types=("f16", "f16"))
+    assert alone.nbytes == KVCache(cfg, 4).nbytes // 2

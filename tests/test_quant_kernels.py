@@ -745,9 +745,9 @@ print(json.dumps([t for t in ("Q4_0", "Q5_0", "Q8_0") if not quant._cached(quant
     assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
     assert again == []  # all cached now: a next load starts no helper
     cached = sorted({p.name.split("-")[0] for p in (tmp_path / "numba").rglob("*.nbi")})
-    assert cached == ["kernel_attn.decode_attention"] + [
+    assert cached == ["kernel_attn.attention_f32_f32"] + [
         f"kernels.{k}_{n}" for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0")
-    ]  # and decoding attention's, which every load compiles here
+    ]  # and decoding attention's over an f32 cache, which every load compiles here
     check = """
 import json, numpy as np
 from gguf import quants, GGMLQuantizationType as Q

@@ -46,7 +46,9 @@ COLUMNS = ("Model", "Family", "Download", "On disk", "RAM needed", "License", "S
 FetchFn = Callable[..., Path]
 
 
-def model_facts(m: CatalogModel, ctx: int) -> dict[str, str]:
+def model_facts(
+    m: CatalogModel, ctx: int, kv_types: tuple[str, str] = ("f32", "f32")
+) -> dict[str, str]:
     """The columns of one catalogue row as the dialog shows them (tests read these)."""
     return {
         "Model": m.title,
@@ -54,7 +56,7 @@ def model_facts(m: CatalogModel, ctx: int) -> dict[str, str]:
         "Download": human_bytes(m.download_size),
         # the GGUF, plus the float32 weights the engine caches next to it on first load
         "On disk": human_bytes(m.file_size),
-        "RAM needed": human_bytes(m.ram_bytes(ctx)),
+        "RAM needed": human_bytes(m.ram_bytes(ctx, kv_types=kv_types)),
         "License": m.license,
     }
 
@@ -72,6 +74,7 @@ class GetModelDialog(QDialog):
         fetch: FetchFn = catalog.fetch,
         directory: Path | None = None,
         models: tuple[CatalogModel, ...] = catalog.CATALOG,
+        kv_types: tuple[str, str] = ("f32", "f32"),
     ):
         super().__init__(parent)
         self.setWindowTitle("Get a model")
@@ -80,6 +83,7 @@ class GetModelDialog(QDialog):
         self.directory = directory  # None: core.catalog's models dir (the user's cache)
         self.models = models
         self.ctx = ctx_size  # 0: the window runs each model at its own context
+        self.kv_types = kv_types  # how the engine's KV cache stores keys and values
         self.worker: Worker | None = None
 
         intro = QLabel(
@@ -157,7 +161,7 @@ class GetModelDialog(QDialog):
         current = self.selected_model()
         self.tree.clear()
         for m in self.models:
-            facts = model_facts(m, self.ctx)
+            facts = model_facts(m, self.ctx, self.kv_types)
             facts["Status"] = "Downloaded" if self.is_fetched(m) else "Not downloaded"
             item = QTreeWidgetItem([facts[c] for c in COLUMNS])
             item.setData(0, Qt.UserRole, m.name)

@@ -24,6 +24,14 @@ from .get_model import GetModelDialog
 from .util import ElidedLabel, FactsLabel, FileDropMixin, human_bytes, human_count
 
 
+def _kv_storage(info: dict) -> str:
+    """How the KV cache stores keys and values, when not the default float32."""
+    k, v = info.get("cache_type_k", "f32"), info.get("cache_type_v", "f32")
+    if (k, v) == ("f32", "f32"):
+        return ""
+    return f" (keys {k}, values {v})" if k != v else f" ({k})"
+
+
 class ModelBar(FileDropMixin, QWidget):
     message = Signal(str)
     open_requested = Signal(str)  # a path chosen by the user (main window loads it)
@@ -98,7 +106,8 @@ class ModelBar(FileDropMixin, QWidget):
         way a file chosen with Open model… does. One dialog, reused: a fetch in
         progress keeps its progress when the dialog is shown again."""
         if self.get_dialog is None:
-            self.get_dialog = GetModelDialog(self.bridge.engine.requested_ctx, self)
+            engine = self.bridge.engine
+            self.get_dialog = GetModelDialog(engine.requested_ctx, self, kv_types=engine.kv_types)
             self.get_dialog.open_requested.connect(self.open_requested)
         self.get_dialog.show()
         self.get_dialog.raise_()
@@ -168,6 +177,7 @@ class ModelBar(FileDropMixin, QWidget):
             f"{self.info.full_text}\nRAM (as Get a model counts it): weights ({storage}) "
             f"{human_bytes(info.get('memory_bytes', 0))} + KV cache of one sequence at "
             f"{info.get('n_ctx', 0)} tokens {human_bytes(info.get('kv_bytes', 0))}"
+            f"{_kv_storage(info)}"
         )
 
     def files_dropped(self, paths: list[str]) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import quant
-from .kv_cache import KVCache, KVPool
+from .kv_cache import KV_DTYPES, KVCache, KVPool
 
 ATTN_BLOCK = 128  # queries per attention block during prefill
 # decoding (decode_attention): chunks of positions per kernel thread, over all the
@@ -59,33 +59,53 @@ def sdpa(
     return o
 
 
+# what a KV cache holds: its arrays' dtypes, each with its -ctk/-ctv name
+_STORED = {dtype: name for name, dtype in KV_DTYPES.items()}
+
+
 def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
     """softmax(q kᵀ) v of one new query per sequence over its own positions, compiled
     (core/model/kernel_attn.py): q (n, KV, g, hd) float32 already scaled; query i reads
-    kc/vc[slot, :, lo:hi] of (S, KV, cap, hd) float32 arrays, spans[i] = (slot, lo, hi).
-    Returns (n, KV, g, hd). Launched as the matrix kernels are (quant.launch); the
-    kernel checks every span before it reads (raw memory): IndexError if one is out."""
+    kc/vc[slot, :, lo:hi] of (S, KV, cap, hd) arrays, float32 or float16 each (the KV
+    cache's -ctk/-ctv), spans[i] = (slot, lo, hi). Returns (n, KV, g, hd). Launched as
+    the matrix kernels are (quant.launch); the kernel checks every span before it reads
+    (raw memory): IndexError if one is out."""
     n, KV, g, hd = q.shape
     if (
         vc.shape != kc.shape
         or kc.shape[1] != KV
         or kc.shape[3] != hd
-        or not (q.dtype == kc.dtype == vc.dtype == np.float32)
+        or q.dtype != np.float32
+        or kc.dtype not in _STORED
+        or vc.dtype not in _STORED
         or not (q.flags.c_contiguous and kc.flags.c_contiguous and vc.flags.c_contiguous)
     ):
         raise ValueError(f"decode_attention: q {q.shape} does not fit keys {kc.shape}")
+    kernel = quant.attention_kernel((_STORED[kc.dtype], _STORED[vc.dtype]))
+    kc, vc = _bits(kc), _bits(vc)  # float16 as its bits: numba has no float16 on CPU
     spans = np.asarray(spans, dtype=np.int64).reshape(n, 3)  # (n, 3) slot, lo, hi
     out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
     if n == 0:
         return out
     bad = quant.launch(
-        quant.attention_kernel(),
+        kernel,
         q, kc, vc, spans, float(softcap),
         quant.kernel_threads(), ATTN_ITEMS_PER_THREAD, ATTN_CHUNK_MIN, out,
     )  # fmt: skip
     if bad:
         raise IndexError(f"decode_attention: span {spans[bad - 1]} is not in keys {kc.shape}")
     return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """A float16 array as the uint16 view the compiled kernel widens; float32 as is."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def widened(a: np.ndarray) -> np.ndarray:
+    """Keys or values as float32 for numpy's products: a float16 cache's (-ctk/-ctv f16)
+    widened, exactly, in one copy per layer and forward; float32 as is."""
+    return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
 def causal_mask(p0: int, n: int) -> np.ndarray | None:
@@ -131,6 +151,7 @@ def attend(
         return o.reshape(1, n_heads * hd)  # (1, H*hd)
     if window or softcap:
         return _attend_window(keys, values, q, n, n_heads, scale, window or L, softcap)
+    keys, values = widened(keys), widened(values)  # (KV, L, hd) float32 each
     # Query head h reads kv head h // g, so group the g query heads per kv head.
     q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 2, 0, 3)  # (KV, g, n, hd)
     out = np.empty((KV, g, n, hd), dtype=np.float32)
@@ -182,8 +203,8 @@ def _attend_window(
         def masked(s, m=m, nb=nb, n_k=Lb - k0):
             s.reshape(KV, g, nb, n_k)[...] += m
 
-        kc = keys[:, k0:Lb]  # (KV, Lb-k0, hd)
-        vc = values[:, k0:Lb]
+        kc = widened(keys[:, k0:Lb])  # (KV, Lb-k0, hd): only what the window reaches
+        vc = widened(values[:, k0:Lb])
         out[:, :, i0:i1] = sdpa(qb, kc, vc, masked, softcap).reshape(KV, g, nb, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)  # (n, H*hd)
 

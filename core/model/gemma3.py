@@ -20,14 +20,15 @@ import math
 import numpy as np
 
 from .attention import attend
+from .kv_cache import F32
 from .llama import LlamaModel
 from .primitives import RopeTable, gelu_mul, rms_norm, rms_norm_heads, rope_neox
 from .weights import LayerWeights
 
 
 class Gemma3Model(LlamaModel):
-    def __init__(self, cfg, weights, threads=None):
-        super().__init__(cfg, weights, threads=threads)
+    def __init__(self, cfg, weights, threads=None, kv_types=F32):
+        super().__init__(cfg, weights, threads=threads, kv_types=kv_types)
         # gemma3's sliding-window layers keep their own base and no position scaling
         self.rope_local = (
             RopeTable(cfg, None, base=cfg.rope_base_swa, scale=1.0)

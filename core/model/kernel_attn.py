@@ -9,6 +9,10 @@ matrix kernels' team), with the positions of each kv head split into chunks so t
 both cores work even for one sequence of three kv heads ("flash decoding": each chunk
 keeps its own maximum, sum and weighted values, and a second pass merges them).
 
+Keys and values are float32, or float16 (-ctk/-ctv f16) passed as their uint16 bits:
+each is widened to float32 as it is read (``_widen``: LLVM's half-to-float conversion,
+vcvtph2ps where the loops vectorize), exactly, so the rest runs as for float32.
+
 Values: float32 throughout, exp(s - max) as numpy's, the softmax's sums and the
 dot products summed in another order (fastmath's reassociation lets LLVM vectorize
 the head_dim loops; no nnan/ninf: -inf and NaN are values here). A sequence whose
@@ -21,29 +25,78 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
 
 from .kernel_base import _jit
 
 _FASTMATH = {"reassoc", "contract"}
 
 
+@intrinsic
+def _widen(typingctx, x):
+    """A stored key or value as float32: itself, or from float16's bits (uint16)."""
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, sig, args: args[0]
+    if x == types.uint16:
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(x), codegen
+    return None
+
+
+ROWS = 32  # key or value rows widened at a time (a float16 cache), per thread
+
+
+def _rows(a, slot, h, t0, t1, buf):
+    """Rows t0..t1-1 (at most ROWS) of kv head h of ``slot`` as float32 (t1-t0, hd): the
+    array's own rows, or (float16's bits) widened into ``buf`` in one flat loop, once
+    for all the query heads that read them."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+@overload(_rows, inline="always")
+def _rows_typed(a, slot, h, t0, t1, buf):
+    if a.dtype == types.float32:
+        return lambda a, slot, h, t0, t1, buf: a[slot, h, t0:t1]
+    if a.dtype == types.uint16:
+
+        def widened(a, slot, h, t0, t1, buf):
+            src = a[slot, h, t0:t1].reshape(-1)  # contiguous rows: one loop
+            out = buf[: t1 - t0].reshape(-1)
+            for e in range(src.shape[0]):
+                out[e] = _widen(src[e])
+            return buf[: t1 - t0]
+
+        return widened
+    return None
+
+
 @_jit(fastmath=_FASTMATH)
-def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po):
+def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po, rows):
     """Query i's g heads of kv head h over positions a..b-1 (a < b) of ``slot``: each
     head's maximum score pm (g,), sum of exp(score - maximum) ps (g,) and values
-    weighted by those exps po (g, hd). ``sc`` (g, >= b-a): scratch for the scores."""
+    weighted by those exps po (g, hd). ``sc`` (g, >= b-a): scratch for the scores;
+    ``rows`` (ROWS, hd): a float16 cache's rows, widened ROWS at a time for the g
+    queries (widened in each query's loop, or a row at a time, a 1B's decode at 8000
+    positions ran slower than on a float32 cache)."""
     g, hd = q.shape[2], q.shape[3]
     cap = np.float32(softcap)
     inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
-    for t in range(a, b):  # each key row read once for the g queries of its head
-        for j in range(g):
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += q[i, h, j, d] * kc[slot, h, t, d]
-            if softcap > 0:
-                acc = cap * np.float32(math.tanh(acc * inv_cap))
-            sc[j, t - a] = acc
+    for t0 in range(a, b, ROWS):  # each key row read once for the g queries of its head
+        t1 = min(b, t0 + ROWS)
+        ks = _rows(kc, slot, h, t0, t1, rows)  # (t1-t0, hd)
+        for t in range(t0, t1):
+            for j in range(g):
+                acc = np.float32(0.0)
+                for d in range(hd):
+                    acc += q[i, h, j, d] * ks[t - t0, d]
+                if softcap > 0:
+                    acc = cap * np.float32(math.tanh(acc * inv_cap))
+                sc[j, t - a] = acc
     for j in range(g):
         m = sc[j, 0]
         for t in range(1, b - a):
@@ -57,18 +110,21 @@ def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po):
         ps[j] = total
         for d in range(hd):
             po[j, d] = 0.0
-    for t in range(a, b):  # each value row read once for the g queries
-        for j in range(g):
-            p = sc[j, t - a]
-            for d in range(hd):
-                po[j, d] += p * vc[slot, h, t, d]
+    for t0 in range(a, b, ROWS):  # each value row read once for the g queries
+        t1 = min(b, t0 + ROWS)
+        vs = _rows(vc, slot, h, t0, t1, rows)  # (t1-t0, hd)
+        for t in range(t0, t1):
+            for j in range(g):
+                p = sc[j, t - a]
+                for d in range(hd):
+                    po[j, d] += p * vs[t - t0, d]
 
 
-@_jit(entry=True, parallel=True, nogil=True, fastmath=_FASTMATH)
-def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+@_jit(parallel=True, nogil=True, fastmath=_FASTMATH)
+def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
     """out[i] = softmax(q[i] . keys) values for each query i (n, KV, g, hd), q already
     scaled; its keys and values are kc/vc[slot, kv head, lo:hi] of (S, KV, cap, hd)
-    arrays, spans[i] = (slot, lo, hi). ``softcap`` c > 0: scores become c*tanh(s/c)
+    arrays (float32, or float16's bits as uint16), spans[i] = (slot, lo, hi). ``softcap`` c > 0: scores become c*tanh(s/c)
     (Gemma 2). Returns 0, or i + 1 when query i's span lies outside the arrays (nothing
     is read then). Each (query, kv head) runs as chunks of at least ``chunk_min``
     positions, about ``per_thread`` non-empty chunks for each of the ``threads``
@@ -98,6 +154,7 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
     part_s = np.empty((work, g), dtype=np.float32)  # and sum of exp(score - maximum)
     part_o = np.empty((work, g, hd), dtype=np.float32)  # and exp-weighted values
     scores = np.empty((nt, g, chunk), dtype=np.float32)  # a thread's scratch
+    rows = np.empty((nt, ROWS, hd), dtype=np.float32)  # and its widened rows
     for th in prange(nt):
         for w in range(th, work, nt):
             i = w // (KV * n_chunks)
@@ -109,7 +166,7 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
                     part_s[w, j] = 0.0
             else:
                 _part(q, kc, vc, i, h, spans[i, 0], a, b, softcap, scores[th],
-                      part_m[w], part_s[w], part_o[w])  # fmt: skip
+                      part_m[w], part_s[w], part_o[w], rows[th])  # fmt: skip
                 if n_chunks == 1:  # the (query, kv head) whole: its sums are the softmax's
                     for j in range(g):
                         for d in range(hd):
@@ -138,3 +195,38 @@ def decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, 
             for d in range(hd):
                 out[i, h, j, d] /= total
     return 0
+
+
+# One entry point per pair of stored types (keys, values), each compiled for its own
+# arrays and cached on its own: numba's cache index of one function is read, extended
+# and rewritten without a lock, so two processes compiling two signatures of one entry
+# at once (a load with -ctk f16 beside one without) could leave an index naming one
+# signature's code for the other (core/model/kernel_base.py's _jit says how that went
+# for the matrix kernels).
+@_jit(entry=True, nogil=True)
+def attention_f32_f32(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+
+
+@_jit(entry=True, nogil=True)
+def attention_f16_f16(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+
+
+@_jit(entry=True, nogil=True)
+def attention_f16_f32(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+
+
+@_jit(entry=True, nogil=True)
+def attention_f32_f16(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+
+
+# (keys' type, values' type) -> its entry point; "f16" arrays are passed as their bits
+ENTRIES = {
+    ("f32", "f32"): attention_f32_f32,
+    ("f16", "f16"): attention_f16_f16,
+    ("f16", "f32"): attention_f16_f32,
+    ("f32", "f16"): attention_f32_f16,
+}

@@ -12,35 +12,58 @@ import numpy as np
 
 from ..errors import UserError
 from ..memory import anonymous
+from ..options import KV_CACHE_TYPES
 from .config import ModelConfig
+
+# what each of core/options.py's KV_CACHE_TYPES (-ctk/-ctv) stores keys or values as
+KV_DTYPES = {name: np.dtype(f"float{name[1:]}") for name in KV_CACHE_TYPES}
+KVTypes = tuple[str, str]  # (keys, values): names in KV_CACHE_TYPES
+F32: KVTypes = ("f32", "f32")
 
 
 class ContextOverflow(UserError):
     pass
 
 
-def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, ctx: int, n_seq: int = 1) -> int:
-    """Bytes of float32 keys and values for n_seq sequences of ctx positions: the one
-    formula behind every RAM figure Mixdesk shows (the model bar, Get a model, the
-    catalogue), as pages a sequence has written (a pool's untouched pages cost none)."""
-    return 2 * n_layers * n_kv_heads * head_dim * 4 * ctx * n_seq
+def kv_bytes(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ctx: int,
+    n_seq: int = 1,
+    types: KVTypes = F32,
+) -> int:
+    """Bytes of keys and values (stored as ``types``, -ctk/-ctv) for n_seq sequences of
+    ctx positions: the one formula behind every RAM figure Mixdesk shows (the model
+    bar, Get a model, the catalogue), as pages a sequence has written (a pool's
+    untouched pages cost none)."""
+    per_value = sum(KV_DTYPES[t].itemsize for t in types)  # a key's and a value's bytes
+    return n_layers * n_kv_heads * head_dim * per_value * ctx * n_seq
 
 
 def ram_bytes(
-    weight_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, ctx: int, n_seq: int = 1
+    weight_bytes: int,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ctx: int,
+    n_seq: int = 1,
+    types: KVTypes = F32,
 ) -> int:
     """RAM to run a model, as every figure Mixdesk shows counts it: the weights as held
     (a GGUF's tensors in their own blocks, or float32 under --weights f32) plus the
     keys and values of n_seq sequences at ctx positions (``kv_bytes``)."""
-    return weight_bytes + kv_bytes(n_layers, n_kv_heads, head_dim, ctx, n_seq)
+    return weight_bytes + kv_bytes(n_layers, n_kv_heads, head_dim, ctx, n_seq, types)
 
 
 class KVCache:
     """Keys/values of one sequence for every layer, written only through its methods.
 
-    ``k``/``v`` are (n_layers, n_kv_heads, capacity, head_dim) float32 (own arrays,
-    or views of a pool slot). ``tokens`` lists the token ids whose keys are stored,
-    which is what the prefix cache matches on.
+    ``k``/``v`` are (n_layers, n_kv_heads, capacity, head_dim) arrays (own arrays, or
+    views of a pool slot) of float32, or float16 under -ctk/-ctv f16 (``types``): what
+    is stored is rounded so, and every reader widens it back to float32. ``tokens``
+    lists the token ids whose keys are stored, which is what the prefix cache matches
+    on.
 
     The forward pass appends with one call per layer, ``update_and_fetch`` (mlx-lm's
     shape): it stores the layer's new keys/values after the cached ones and returns
@@ -57,12 +80,14 @@ class KVCache:
         _kv: tuple | None = None,
         pool: KVPool | None = None,
         slot: int = -1,
+        types: KVTypes = F32,
     ):
         if _kv is None:
             # np.empty: untouched capacity costs no RSS
             shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
-            _kv = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+            _kv = tuple(np.empty(shape, dtype=KV_DTYPES[t]) for t in types)
         self.k, self.v = _kv  # (L, n_kv, cap, hd) each
+        self.types = types
         self.capacity = capacity
         self.pool, self.slot = pool, slot
         self.origin: tuple[int, int] = (-1, -1)  # prefix-cache copies: (pool slot, generation)
@@ -80,12 +105,13 @@ class KVCache:
         v: np.ndarray,
         capacity: int | None = None,
         origin: tuple[int, int] = (-1, -1),
+        types: KVTypes = F32,
     ) -> KVCache:
         """A standalone cache holding ``tokens`` with keys/values (L, n_kv, n, hd)
-        (a restored slot, a prefix-cache copy); ``origin``: the pool slot and its
-        generation they came from, whose rows may still hold them."""
+        (a restored slot, a prefix-cache copy), stored as ``types``; ``origin``: the
+        pool slot and its generation they came from, whose rows may still hold them."""
         n = len(tokens)
-        cache = cls(cfg, max(n, capacity or n))
+        cache = cls(cfg, max(n, capacity or n), types=types)
         cache.k[:, :, :n] = k  # (L, n_kv, n, hd)
         cache.v[:, :, :n] = v
         cache.tokens = [int(t) for t in tokens]
@@ -174,13 +200,15 @@ class KVPool:
     resident at once: each (layer, slot, head) run of positions starts on one.)
     """
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, capacity: int):
+    def __init__(self, cfg: ModelConfig, n_slots: int, capacity: int, types: KVTypes = F32):
         self.cfg = cfg
         shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k, self.v = _zero_pages(shape), _zero_pages(shape)
+        self.k, self.v = (_zero_pages(shape, KV_DTYPES[t]) for t in types)
         self.capacity = capacity
+        self.types = types
         self._caches = [
-            KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i) for i in range(n_slots)
+            KVCache(cfg, capacity, (self.k[:, i], self.v[:, i]), self, i, types)
+            for i in range(n_slots)
         ]
         # Free slots, least recently released first: a released slot keeps its keys
         # and values until it is handed out again, so handing out the oldest one
@@ -309,7 +337,7 @@ class KVPool:
         n = cache.length
         return KVCache.from_state(
             self.cfg, cache.tokens, cache.k[:, :, :n], cache.v[:, :, :n],
-            capacity, origin=(cache.slot, self._gen[cache.slot]),
+            capacity, origin=(cache.slot, self._gen[cache.slot]), types=self.types,
         )  # fmt: skip
 
     def scrub(self, cache: KVCache) -> None:
@@ -319,11 +347,11 @@ class KVPool:
         cache.written = 0
 
 
-def _zero_pages(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of zeros whose memory is committed page by page on first touch,
-    in 4 KB pages. Address space only (no commit charge): a long context reserves
-    it, and the kernel's overcommit heuristic must not refuse a pool that will mostly
-    stay empty."""
-    n = int(np.prod(shape)) * 4
-    buf = anonymous(n, huge_pages=False, reserve=False)
-    return np.frombuffer(buf, dtype=np.float32, count=n // 4).reshape(shape)
+def _zero_pages(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array of zeros whose memory is committed page by page on first touch, in
+    4 KB pages. Address space only (no commit charge): a long context reserves it, and
+    the kernel's overcommit heuristic must not refuse a pool that will mostly stay
+    empty."""
+    count = int(np.prod(shape))
+    buf = anonymous(count * dtype.itemsize, huge_pages=False, reserve=False)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)

@@ -22,7 +22,7 @@ from . import layout, quant
 from .attention import PooledDecode, attend, causal_mask
 from .config import ModelConfig
 from .deltas import NO_DELTAS, Deltas, batch_spans
-from .kv_cache import KVCache, KVPool
+from .kv_cache import F32, KVCache, KVPool, KVTypes
 from .linear import STEP_ROWS, Linear, calibration_matrices, rows_of
 from .primitives import RopeTable, rms_norm, rms_norm_heads, rope, rope_neox, silu_mul
 from .weights import LayerWeights, Weights
@@ -54,9 +54,11 @@ class LlamaModel:
         cfg: ModelConfig,
         weights: Weights,
         threads: int | None = None,
+        kv_types: KVTypes = F32,
     ):
         self.cfg = cfg
         self.w = weights
+        self.kv_types = kv_types  # how its KV caches store keys and values (-ctk/-ctv)
         # every x @ W.T goes through here; small batches in the regime per row count
         # that calibrate() picks for this CPU ("gemm" for all until then)
         self.lin = Linear(threads, kernels=weights.quantized)
@@ -115,7 +117,7 @@ class LlamaModel:
         probe = copy.copy(self)  # the same Linear, rope and adapters; fewer layers
         probe.w = replace(self.w, layers=self.w.layers[:k])
         # a pool of its own, built directly: phi3's new_pool re-picks the model's rope
-        pool = KVPool(replace(self.cfg, n_layers=k), rows, ctx + 1)
+        pool = KVPool(replace(self.cfg, n_layers=k), rows, ctx + 1, self.kv_types)
         caches = [pool.acquire() for _ in range(rows)]
         zeros = np.zeros((ctx, self.cfg.n_kv_heads, self.cfg.head_dim), dtype=np.float32)
         for c in caches:  # ctx tokens of history: the pool's rows are zeros already
@@ -131,10 +133,10 @@ class LlamaModel:
         return run
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.cfg, capacity)
+        return KVCache(self.cfg, capacity, types=self.kv_types)
 
     def new_pool(self, n_slots: int, capacity: int) -> KVPool:
-        return KVPool(self.cfg, n_slots, capacity)
+        return KVPool(self.cfg, n_slots, capacity, self.kv_types)
 
     def __call__(self, items: Sequence[BatchItem], deltas: Deltas = NO_DELTAS) -> list[np.ndarray]:
         return self.forward(items, deltas)

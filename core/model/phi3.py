@@ -11,14 +11,14 @@ and by the long ones past it, and scales cos/sin by rope.scaling.attn_factor.
 
 from __future__ import annotations
 
-from .kv_cache import KVPool
+from .kv_cache import F32, KVPool
 from .llama import LlamaModel
 from .primitives import RopeTable
 
 
 class Phi3Model(LlamaModel):
-    def __init__(self, cfg, weights, threads=None):
-        super().__init__(cfg, weights, threads=threads)
+    def __init__(self, cfg, weights, threads=None, kv_types=F32):
+        super().__init__(cfg, weights, threads=threads, kv_types=kv_types)
         self.rope = self.rope_for(cfg.ctx_len if not cfg.rope_ctx_orig else cfg.rope_ctx_orig)
 
     def rope_for(self, n_ctx: int) -> RopeTable:

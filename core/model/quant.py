@@ -140,10 +140,11 @@ def _q8():
     return _later("kernel_q8")
 
 
-def attention_kernel():
-    """The compiled decoding attention (core/model/kernel_attn.py), for
-    core/model/attention.py's decode_attention to launch."""
-    return _later("kernel_attn").decode_attention
+def attention_kernel(kv_types: tuple[str, str] = ("f32", "f32")):
+    """The compiled decoding attention (core/model/kernel_attn.py) over keys and values
+    stored as ``kv_types`` (-ctk/-ctv), for core/model/attention.py's decode_attention
+    to launch."""
+    return _later("kernel_attn").ENTRIES[kv_types]
 
 
 def launch(kernel, *args, threads: int = 0):
@@ -619,6 +620,7 @@ def warm_up(
     progress: Callable[[float], None] | None = None,
     helpers: bool = True,
     activations: str = "f32",
+    kv_types: tuple[str, str] = ("f32", "f32"),
 ) -> float:
     """Compile the kernels of these types and the decoding attention's, or load them
     from the on-disk cache, by running each once on a tiny matrix; return the seconds
@@ -631,10 +633,12 @@ def warm_up(
     cores) into the same disk cache, and this process then loads it from there. numba
     compiles under Python's lock, so threads would not run side by side. A helper that
     fails costs nothing but time: this process compiles what it did not cache.
-    ``activations`` ("f32", or "q8" in force): the products a model so loaded runs."""
+    ``activations`` ("f32", or "q8" in force): the products a model so loaded runs;
+    ``kv_types``: how its KV cache stores keys and values (-ctk/-ctv), which the
+    decoding attention is compiled for."""
     t0 = time.perf_counter()
     todo = sorted({qtype_of(q) for q in qtypes} & SUPPORTED - {T.F32})
-    on_passing_thread(lambda: _warm(todo, progress, helpers, activations))
+    on_passing_thread(lambda: _warm(todo, progress, helpers, activations, kv_types))
     if threading_layer() == "workqueue":
         log.warning(
             "numba runs the matrix kernels on its workqueue thread pool (it found no "
@@ -655,7 +659,13 @@ def threading_layer() -> str:
         return ""
 
 
-def _warm(todo: list, progress: Callable[[float], None] | None, helpers: bool, activations: str):
+def _warm(
+    todo: list,
+    progress: Callable[[float], None] | None,
+    helpers: bool,
+    activations: str,
+    kv_types: tuple[str, str],
+):
     """warm_up's work, on the thread it makes for it."""
     cold = [qt for qt in todo if not _cached(qt, activations)]
     spawned = _compile_elsewhere(cold, activations) if helpers else {}
@@ -674,15 +684,23 @@ def _warm(todo: list, progress: Callable[[float], None] | None, helpers: bool, a
             m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
             if progress is not None:
                 progress((i + 1) / len(todo))
-        kv = np.zeros((1, 1, 2, 32), dtype=np.float32)  # (slots, KV, cap, hd): as a cache's
+        # (slots, KV, cap, hd) keys and values as the cache stores them (float16 as its
+        # bits: attention.decode_attention's view)
+        kc, vc = (np.zeros((1, 1, 2, 32), dtype=_KV_BITS[t]) for t in kv_types)
         spans = np.array([[0, 0, 2]], dtype=np.int64)  # (n, 3)
         out = np.empty((1, 1, 2, 32), dtype=np.float32)  # (n, KV, g, hd)
-        launch(attention_kernel(), out.copy(), kv, kv, spans, 0.0, kernel_threads(), 1, 1, out)
+        kernel = attention_kernel(kv_types)
+        launch(kernel, out.copy(), kc, vc, spans, 0.0, kernel_threads(), 1, 1, out)
     finally:
         for proc in set(spawned.values()):
             if proc.poll() is None:  # cancelled: a helper must not outlive the load
                 proc.kill()
             proc.wait()
+
+
+# the array type the decoding attention reads for each KV cache type (core/options.py's
+# KV_CACHE_TYPES): float16 as its bits, numba having no float16 on the CPU
+_KV_BITS = {"f32": np.float32, "f16": np.uint16}
 
 
 def _cached(qt: GGMLQuantizationType, activations: str = "f32") -> bool:

@@ -83,6 +83,7 @@ class Engine:
         self.weights = o.weights  # "quantized": GGUF blocks in memory; "f32": dequantized
         self.activations = o.activations  # --activations, asked for ("q8" needs VNNI)
         self.mmap = o.mmap  # --mmap: quantized weights served from the file's map
+        self.kv_types = (o.cache_type_k, o.cache_type_v)  # -ctk/-ctv: keys', values' storage
         self.embeddings = o.embeddings  # --embedding, --pooling, -ub
         self.requested_ctx = o.ctx_size  # 0: the model's training context
         self.context_shift = o.context_shift  # a full context drops old tokens
@@ -181,6 +182,7 @@ class Engine:
                 activations=self.activations,
                 threads=self.threads,
                 mmap=self.mmap,
+                kv_types=self.kv_types,
                 template_source=self.template_source,
             )
             model, cfg = got.model, got.cfg
@@ -269,6 +271,7 @@ class Engine:
         if self.config is None:
             return {}
         c = self.config
+        kv = self.model.kv_types
         return {
             "path": str(self.path),
             "name": c.name,
@@ -284,11 +287,14 @@ class Engine:
             "head_dim": c.head_dim,
             "memory_bytes": self.model.w.nbytes,  # the weights as held
             # one sequence's keys and values at n_ctx (kv_bytes, as Get a model counts)
-            "kv_bytes": kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size),
+            "kv_bytes": kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size, 1, kv),
             # the two together (ram_bytes: the model bar's and Get a model's one figure)
             "ram_bytes": ram_bytes(
-                self.model.w.nbytes, c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size
+                self.model.w.nbytes, c.n_layers, c.n_kv_heads, c.head_dim, self.ctx_size, 1, kv
             ),
+            # how the KV cache stores keys and values (-ctk/-ctv): "f32" or "f16" each
+            "cache_type_k": kv[0],
+            "cache_type_v": kv[1],
             # "quantized" (GGUF blocks, compiled kernels) or "f32"; tensors of a type
             # without kernels that a quantized load holds as float32 {name: type}
             "weights": self.model.w.storage,

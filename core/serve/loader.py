@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..model import quant
 from ..model.config import ModelConfig
 from ..model.families import model_class
+from ..model.kv_cache import F32, KVTypes
 from ..model.llama import LlamaModel
 from ..model.weights import (
     FROM_CACHE,
@@ -75,6 +76,7 @@ def load_model(
     threads: int | None = None,
     template_source: str | None = None,
     mmap: bool = False,
+    kv_types: KVTypes = F32,
 ) -> LoadedModel:
     """Everything that serves ``path``; ModelLoadError naming the file for a file that
     cannot be served, LoadCancelled when ``check`` or ``cancel`` says so."""
@@ -129,7 +131,7 @@ def load_model(
         say(lo + (LOAD_KERNELS - lo) * frac, msg)
 
     # the decoding attention's kernel, and the matrix kernels of a quantized model
-    took = quant.warm_up(w.qtypes(), compiling, activations=w.activations)
+    took = quant.warm_up(w.qtypes(), compiling, activations=w.activations, kv_types=kv_types)
     log.info(
         "compiled kernels (decoding attention%s) ready in %.2f s (numba's %s threads)",
         "".join(f", {t}" for t in sorted(w.qtypes())),
@@ -142,6 +144,7 @@ def load_model(
         check()
         say(lo + (LOAD_CALIBRATED - lo) * frac, "timing the matrix products")
 
-    model = model_class(cfg)(cfg, w, threads=threads)  # the forward pass of this architecture
+    # the forward pass of this architecture
+    model = model_class(cfg)(cfg, w, threads=threads, kv_types=kv_types)
     model.calibrate(calibrating)  # closes the model's threads if cancelled
     return LoadedModel(Path(path), cfg, n_params, tok, template, model)

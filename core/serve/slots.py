@@ -234,7 +234,9 @@ def put_image(sched, model, slot: int, img: SlotImage) -> None:
     sched.slot_last[slot] = SlotTask(-1, img.mix, n, 0, 0, 0)  # a later save keeps the mix
     if n == 0:
         return
-    entry = KVCache.from_state(model.cfg, img.tokens, img.k, img.v, origin=(slot, gen))
+    entry = KVCache.from_state(
+        model.cfg, img.tokens, img.k, img.v, origin=(slot, gen), types=sched.pool.types
+    )
     sched.prefix.put(img.mix, entry)
 
 

@@ -64,3 +64,43 @@ def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
     assert not w.model_bar.progress.isVisible() and not w.model_bar.cancel_btn.isVisible()
     assert not w.banner.isVisible()  # a cancel is not an error
     assert any("Load cancelled" in m for m in said)
+
+
+def test_an_f16_kv_cache_halves_the_kv_share_of_the_ram_figures(qtbot, smollm_path):
+    """-ctk/-ctv f16: the model bar's RAM and Get a model's RAM needed are one figure
+    again, both with the KV cache at 2 bytes a value, and the tooltip says so."""
+    import asyncio
+
+    from test_get_model import _row
+
+    from core.model.kv_cache import kv_bytes
+    from core.options import EngineOptions
+    from core.serve.engine import Engine
+    from core.settings import Settings
+    from ui.main_window import MainWindow
+    from ui.util import human_bytes
+
+    opts = EngineOptions(ctx_size=1024, n_parallel=1, cache_type_k="f16", cache_type_v="f16")
+    eng = Engine(opts)
+    eng.load_model(smollm_path)
+    w = MainWindow(eng, Settings())
+    try:
+        w.show()
+        info = eng.model_info()
+        half = kv_bytes(info["n_layers"], info["n_kv_heads"], info["head_dim"], 1024) // 2
+        assert info["kv_bytes"] == half
+        w.model_bar.show_info(info)
+        shown = human_bytes(info["memory_bytes"] + half)
+        assert f"{shown} RAM" in w.model_bar.info.full_text
+        tip = w.model_bar.info.toolTip()
+        assert f"at 1024 tokens {human_bytes(half)} (f16)" in tip
+        dlg = w.model_bar.get_model()
+        assert _row(dlg, "smollm2-135m")["RAM needed"] == shown
+        dlg.close()
+    finally:
+        if w.server.runner is not None:
+            fut = asyncio.ensure_future(w.server.stop(remember=False))
+            qtbot.waitUntil(fut.done, timeout=10000)
+        w.close()
+        w.deleteLater()
+        eng.stop()
