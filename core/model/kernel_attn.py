@@ -10,8 +10,9 @@ both cores work even for one sequence of three kv heads ("flash decoding": each 
 keeps its own maximum, sum and weighted values, and a second pass merges them).
 
 Keys and values are float32, or float16 (-ctk/-ctv f16) passed as their uint16 bits:
-each is widened to float32 as it is read (``_widen``: LLVM's half-to-float conversion,
-vcvtph2ps where the loops vectorize), exactly, so the rest runs as for float32.
+those are widened to float32 ROWS rows at a time into a thread's scratch (``_rows``,
+``_widen``: LLVM's half-to-float conversion, vcvtph2ps), exactly, so the rest runs as
+for float32.
 
 Values: float32 throughout, exp(s - max) as numpy's, the softmax's sums and the
 dot products summed in another order (fastmath's reassociation lets LLVM vectorize
@@ -36,16 +37,14 @@ _FASTMATH = {"reassoc", "contract"}
 
 @intrinsic
 def _widen(typingctx, x):
-    """A stored key or value as float32: itself, or from float16's bits (uint16)."""
-    if x == types.float32:
-        return types.float32(x), lambda context, builder, sig, args: args[0]
-    if x == types.uint16:
+    """A float16 key or value, given as its bits (uint16), as float32 (exact)."""
+    if x != types.uint16:
+        return None
 
-        def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
-        return types.float32(x), codegen
-    return None
+    return types.float32(x), codegen
 
 
 ROWS = 32  # key or value rows widened at a time (a float16 cache), per thread
@@ -124,13 +123,15 @@ def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po, rows):
 def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
     """out[i] = softmax(q[i] . keys) values for each query i (n, KV, g, hd), q already
     scaled; its keys and values are kc/vc[slot, kv head, lo:hi] of (S, KV, cap, hd)
-    arrays (float32, or float16's bits as uint16), spans[i] = (slot, lo, hi). ``softcap`` c > 0: scores become c*tanh(s/c)
-    (Gemma 2). Returns 0, or i + 1 when query i's span lies outside the arrays (nothing
-    is read then). Each (query, kv head) runs as chunks of at least ``chunk_min``
-    positions, about ``per_thread`` non-empty chunks for each of the ``threads``
-    numba runs this on (set by the caller: numba.get_num_threads in here would keep
-    the kernel out of the disk cache). Always on the threads: even 64 positions of
-    SmolLM2's three kv heads ran faster so (10.7 against 11.8 us on this thread)."""
+    arrays (float32, or float16's bits as uint16), spans[i] = (slot, lo, hi).
+    ``softcap`` c > 0: scores become c*tanh(s/c) (Gemma 2). Returns 0, or i + 1 when
+    query i's span lies outside the arrays (nothing is read then). Each (query, kv
+    head) runs as chunks of at least ``chunk_min`` positions, about ``per_thread``
+    non-empty chunks for each of the ``threads`` numba runs this on (set by the caller:
+    numba.get_num_threads in here would keep the kernel out of the disk cache). Always
+    on the threads: even 64 positions of SmolLM2's three kv heads ran faster so (10.7
+    against 11.8 us on this thread). Called through one entry point per pair of stored
+    types (ENTRIES)."""
     n, KV, g, hd = q.shape
     S, cap = kc.shape[0], kc.shape[2]
     longest = positions = 0
