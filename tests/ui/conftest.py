@@ -10,6 +10,7 @@ import os
 os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before anything imports Qt
 
 import pytest  # noqa: E402
+from windows import close_window  # noqa: E402
 
 ADAPTERS = ("lora_all_q8", "lora_attn", "lora_ffn")
 
@@ -57,14 +58,7 @@ def make_window(qtbot, clean_engine):
 
     yield make
     for win in made:  # closed here, not by qtbot: the server must stop first
-        try:
-            if win.server.runner is not None:
-                fut = asyncio.ensure_future(win.server.stop(remember=False))
-                qtbot.waitUntil(fut.done, timeout=10000)
-            win.close()
-            win.deleteLater()
-        except RuntimeError:  # already deleted
-            pass
+        close_window(win, qtbot)
 
 
 @pytest.fixture

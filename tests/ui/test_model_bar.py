@@ -69,9 +69,8 @@ def test_cancel_after_the_weights_is_honoured_and_100_percent_means_done(
 def test_an_f16_kv_cache_halves_the_kv_share_of_the_ram_figures(qtbot, smollm_path):
     """-ctk/-ctv f16: the model bar's RAM and Get a model's RAM needed are one figure
     again, both with the KV cache at 2 bytes a value, and the tooltip says so."""
-    import asyncio
-
     from test_get_model import _row
+    from windows import close_window
 
     from core.model.kv_cache import kv_bytes
     from core.options import EngineOptions
@@ -98,9 +97,5 @@ def test_an_f16_kv_cache_halves_the_kv_share_of_the_ram_figures(qtbot, smollm_pa
         assert _row(dlg, "smollm2-135m")["RAM needed"] == shown
         dlg.close()
     finally:
-        if w.server.runner is not None:
-            fut = asyncio.ensure_future(w.server.stop(remember=False))
-            qtbot.waitUntil(fut.done, timeout=10000)
-        w.close()
-        w.deleteLater()
+        close_window(w, qtbot)
         eng.stop()
