@@ -158,3 +158,25 @@ def test_a_saved_slot_restores_into_a_float16_cache(smollm_path, tmp_path):
     finally:
         srv.stop()
         eng.stop()
+
+
+def test_the_headless_server_runs_with_an_f16_cache_and_says_so(smollm_path, reference):
+    """`main.py --headless -ctk f16 -ctv f16`, as a llama-server user types it: no
+    notice that the flags are ignored, the load log names the cache's types, and a real
+    HTTP client gets llama.cpp's greedy tokens."""
+    from test_http_headless import free_port, http, start, stop, wait_healthy
+
+    case = reference["greedy"][0]  # no adapter
+    port = free_port()
+    proc = start(["-m", str(smollm_path), "--port", str(port), "-ctk", "f16", "-ctv", "f16"])
+    try:
+        wait_healthy(proc, port)
+        body = {"prompt": case["prompt_tokens"], "n_predict": 16, "temperature": 0}
+        body |= {"ignore_eos": True, "return_tokens": True}
+        st, out = http(port, "POST", "/completion", body)
+        assert st == 200, out
+        assert out["tokens"] == case["tokens"]
+    finally:
+        err = stop(proc)
+    assert "KV cache f16/f16 (keys/values)" in err
+    assert "kept in f32" not in err

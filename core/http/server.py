@@ -164,10 +164,13 @@ async def _serve_headless(args, settings: ServerSettings) -> int:
         set_engine(app, eng)
         info = eng.model_info()
         log.info(
-            "model %s loaded: n_ctx %d, %d slots, %d adapter(s); ready",
+            "model %s loaded: n_ctx %d, %d slots, KV cache %s/%s (keys/values), "
+            "%d adapter(s); ready",
             info.get("name"),
             eng.ctx_size,
             eng.n_parallel,
+            info.get("cache_type_k"),
+            info.get("cache_type_v"),
             len(eng.adapters()),
         )
         await waiter
