@@ -505,8 +505,6 @@ def _linear_threads() -> set:
 def test_helper_threads_start_with_the_first_split_and_end_with_close():
     """A quantized model's products never split between Linear's threads: it starts
     none. A float32 blocked product starts threads - 1 of them, once."""
-    import time
-
     before = _linear_threads()
     lin = Linear(threads=3, small="blocked")
     assert not _linear_threads() - before
@@ -519,10 +517,8 @@ def test_helper_threads_start_with_the_first_split_and_end_with_close():
     lin(x, w)
     assert _linear_threads() - before == started
     lin.close()
-    for _ in range(100):  # each helper returns from its queue and ends
-        if not any(t.is_alive() for t in started):
-            break
-        time.sleep(0.01)
+    for t in started:  # each helper returns from its queue and ends (a wait, not a measure)
+        t.join(timeout=60)
     assert not any(t.is_alive() for t in started)
     np.testing.assert_allclose(lin(x, w), x @ w.T, rtol=1e-5, atol=1e-5)  # on this thread
     assert not _linear_threads() - before

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import quant
-from .kv_cache import KV_DTYPES, KVCache, KVPool
+from .kv_cache import KV_DTYPES, KVCache, KVPool, kernel_view
 
 ATTN_BLOCK = 128  # queries per attention block during prefill
 # decoding (decode_attention): chunks of positions per kernel thread, over all the
@@ -82,7 +82,7 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
     ):
         raise ValueError(f"decode_attention: q {q.shape} does not fit keys {kc.shape}")
     kernel = quant.attention_kernel((_STORED[kc.dtype], _STORED[vc.dtype]))
-    kc, vc = _bits(kc), _bits(vc)  # float16 as its bits: numba has no float16 on CPU
+    kc, vc = kernel_view(kc), kernel_view(vc)  # float16 as its bits
     spans = np.asarray(spans, dtype=np.int64).reshape(n, 3)  # (n, 3) slot, lo, hi
     out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
     if n == 0:
@@ -95,11 +95,6 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
     if bad:
         raise IndexError(f"decode_attention: span {spans[bad - 1]} is not in keys {kc.shape}")
     return out
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    """A float16 array as the uint16 view the compiled kernel widens; float32 as is."""
-    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def widened(a: np.ndarray) -> np.ndarray:

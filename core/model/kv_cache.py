@@ -21,6 +21,12 @@ KVTypes = tuple[str, str]  # (keys, values): names in KV_CACHE_TYPES
 F32: KVTypes = ("f32", "f32")
 
 
+def kernel_view(a: np.ndarray) -> np.ndarray:
+    """Stored keys or values as the compiled decoding attention takes them: float16 as
+    its bits (a uint16 view; numba has no float16 on the CPU), float32 as is."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
 class ContextOverflow(UserError):
     pass
 

@@ -55,6 +55,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..gguf.reader import GGUFError
 from ..options import ACTIVATION_MODES
+from .kv_cache import KV_DTYPES, kernel_view
 
 T = GGMLQuantizationType
 R = TypeVar("R")
@@ -684,9 +685,9 @@ def _warm(
             m.matmul(np.zeros((2, n_in), dtype=np.float32))  # (2, 1)
             if progress is not None:
                 progress((i + 1) / len(todo))
-        # (slots, KV, cap, hd) keys and values as the cache stores them (float16 as its
-        # bits: attention.decode_attention's view)
-        kc, vc = (np.zeros((1, 1, 2, 32), dtype=_KV_BITS[t]) for t in kv_types)
+        # (slots, KV, cap, hd) keys and values as the cache stores them, in the view the
+        # kernel takes (kv_cache.kernel_view)
+        kc, vc = (kernel_view(np.zeros((1, 1, 2, 32), dtype=KV_DTYPES[t])) for t in kv_types)
         spans = np.array([[0, 0, 2]], dtype=np.int64)  # (n, 3)
         out = np.empty((1, 1, 2, 32), dtype=np.float32)  # (n, KV, g, hd)
         kernel = attention_kernel(kv_types)
@@ -696,11 +697,6 @@ def _warm(
             if proc.poll() is None:  # cancelled: a helper must not outlive the load
                 proc.kill()
             proc.wait()
-
-
-# the array type the decoding attention reads for each KV cache type (core/options.py's
-# KV_CACHE_TYPES): float16 as its bits, numba having no float16 on the CPU
-_KV_BITS = {"f32": np.float32, "f16": np.uint16}
 
 
 def _cached(qt: GGMLQuantizationType, activations: str = "f32") -> bool:
