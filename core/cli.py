@@ -23,7 +23,7 @@ from .options import (
     DEFAULT_HOST,
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
-    KV_CACHE_TYPES,
+    kv_type_problem,
 )
 from .version import version
 
@@ -709,10 +709,8 @@ def _ctx_per_slot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def _check_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """llama-server's flags with a value Mixdesk cannot honour are refused by name."""
     for flag, value in (("-ctk", args.cache_type_k), ("-ctv", args.cache_type_v)):
-        if value is not None and value not in KV_CACHE_TYPES:
-            parser.error(
-                f"{flag} {value}: not supported; the KV cache holds {' or '.join(KV_CACHE_TYPES)}"
-            )
+        if value is not None and (problem := kv_type_problem(flag, value)):
+            parser.error(problem)
     for flag, value in (("--batch-size", args.batch_size), ("--ubatch-size", args.ubatch_size)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1")

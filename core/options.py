@@ -43,6 +43,14 @@ ACTIVATION_MODES = ("f32", "q8")
 KV_CACHE_TYPES = ("f32", "f16")
 
 
+def kv_type_problem(flag_: str, value: str) -> str | None:
+    """Why ``value`` cannot be the KV cache's type given by ``flag_`` (-ctk/-ctv), or None:
+    the one wording the CLI (a usage error) and EngineOptions (OptionsError) refuse with."""
+    if value in KV_CACHE_TYPES:
+        return None
+    return f"{flag_} {value}: not supported; the KV cache holds {' or '.join(KV_CACHE_TYPES)}"
+
+
 class OptionsError(UserError):
     """An option that cannot be used (an unreadable --chat-template-file)."""
 
@@ -105,11 +113,8 @@ class EngineOptions:
                 f"not {self.activations!r}"
             )
         for flag_, value in (("-ctk", self.cache_type_k), ("-ctv", self.cache_type_v)):
-            if value not in KV_CACHE_TYPES:
-                raise OptionsError(
-                    f"{flag_} {value}: not supported; the KV cache holds "
-                    f"{' or '.join(KV_CACHE_TYPES)}"
-                )
+            if problem := kv_type_problem(flag_, value):
+                raise OptionsError(problem)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
