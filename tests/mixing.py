@@ -38,16 +38,25 @@ def mix_logits(eng, mix: Mapping[int, float], tokens: Sequence[int]) -> np.ndarr
     return forward(eng.model, [item], [mix_weights(eng, mix)])[0]
 
 
-def check_teacher_forced(model, mw: MixWeights | None, case: Mapping, tol: float = 0.05) -> None:
+def check_teacher_forced(
+    model, mw: MixWeights | None, case: Mapping, tol: float = 0.05, chunk: int = 0
+) -> None:
     """One recorded llama-server case, teacher-forced through ``model`` under ``mw``:
     the same top-1 token at every step and the reference's top-5 logprobs within
-    ``tol``."""
+    ``tol``. In one forward, or with ``chunk`` > 0 the prompt first and then the reply
+    ``chunk`` tokens a forward, as speculative decoding verifies a draft."""
     from core.serve.sampling import log_softmax
 
     toks = np.array(case["prompt_tokens"] + case["tokens"])  # (T,)
-    item = BatchItem(toks, model.new_cache(max(64, len(toks))), all_logits=True)
-    logits = forward(model, [item], [mw])[0]  # (T, vocab)
     n = len(case["prompt_tokens"])
+    cache = model.new_cache(max(64, len(toks)))
+    cuts = [0, n, *range(n + chunk, len(toks), chunk)] if chunk else [0]
+    logits = np.concatenate(
+        [
+            forward(model, [BatchItem(toks[a:b], cache, all_logits=True)], [mw])[0]
+            for a, b in zip(cuts, [*cuts[1:], len(toks)])
+        ]
+    )  # (T, vocab)
     for step, top in enumerate(case["top_logprobs"]):
         lp = log_softmax(logits[n - 1 + step])
         assert int(np.argmax(lp)) == top[0][0], f"step {step}: top-1 differs"

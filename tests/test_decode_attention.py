@@ -13,19 +13,23 @@ from core.model import attention, quant
 from core.model.attention import decode_attention
 
 
-def textbook(q, kc, vc, slots, lo, hi, softcap=0.0):
-    """The same product in float64, one (query, kv head) at a time."""
+def textbook(q, kc, vc, slots, lo, hi, softcap=0.0, back=None):
+    """The same product in float64, one (query, kv head, head) at a time; head j stops
+    back[j] positions short of hi."""
     n, KV, g, hd = q.shape
+    back = np.zeros(g, dtype=int) if back is None else back
     out = np.empty((n, KV, g, hd))
     for i in range(n):
         for h in range(KV):
-            k = kc[slots[i], h, lo[i] : hi[i]].astype(np.float64)  # (m, hd)
-            v = vc[slots[i], h, lo[i] : hi[i]].astype(np.float64)
-            s = q[i, h].astype(np.float64) @ k.T  # (g, m)
-            if softcap:
-                s = softcap * np.tanh(s / softcap)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[i, h] = (p / p.sum(-1, keepdims=True)) @ v
+            for j in range(g):
+                end = hi[i] - back[j]
+                k = kc[slots[i], h, lo[i] : end].astype(np.float64)  # (m, hd)
+                v = vc[slots[i], h, lo[i] : end].astype(np.float64)
+                s = q[i, h, j].astype(np.float64) @ k.T  # (m,)
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                out[i, h, j] = (p / p.sum()) @ v
     return out
 
 
@@ -109,6 +113,49 @@ def test_float16_keys_and_values_are_read_as_the_values_they_hold(monkeypatch, t
     assert np.abs(unrounded - want).max() > 1e-4
 
 
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("per_thread", [1, 4, 40])
+def test_heads_that_stop_short_see_only_their_own_positions(monkeypatch, f16, per_thread):
+    """A draft's tokens as one query's heads (attention.attend): head j reads up to
+    hi - back[j]. The positions a head must not see hold huge values that would show,
+    and with many chunks some chunks hold none of a head's positions (merged as
+    nothing); both cache types, both thread counts."""
+    rng = np.random.default_rng(9)
+    q, kc, vc = arrays(rng, 2, 2, 6, 32, 2, 900)
+    q *= 3.0
+    if f16:
+        kc, vc = kc.astype(np.float16), vc.astype(np.float16)
+    slots, lo, hi = np.array([1, 0]), np.array([0, 0]), np.array([900, 700])
+    back = np.array([0, 5, 1, 2, 4, 3])  # (g,)
+    monkeypatch.setattr(attention, "ATTN_ITEMS_PER_THREAD", per_thread)
+    want = textbook(q, kc, vc, slots, lo, hi, back=back)
+    for threads in (1, 2):
+        monkeypatch.setattr(quant, "_threads", threads)
+        got = decode_attention(q, kc, vc, spans(slots, lo, hi), back=back)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    vc[1, :, 895:900], vc[0, :, 695:700] = 6e4, 6e4  # the last 5: head 0 alone sees all
+    got = decode_attention(q, kc, vc, spans(slots, lo, hi), back=back)
+    want = textbook(q, kc, vc, slots, lo, hi, back=back)
+    assert np.abs(want[:, :, 1]).max() < 10 < np.abs(want[:, :, 0]).max()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_scores_far_below_the_maximum_weigh_nothing_and_nan_stays():
+    """The kernel's own exp: a key scoring ~1e4 below the best adds nothing (exp
+    underflows to 0, as numpy's), a score of exactly the maximum weighs 1, and a NaN
+    score makes its head's result NaN rather than being clamped away."""
+    q = np.zeros((1, 1, 2, 4), dtype=np.float32)
+    q[0, 0, :, 0] = 100.0
+    kc = np.zeros((1, 1, 3, 4), dtype=np.float32)
+    vc = np.zeros((1, 1, 3, 4), dtype=np.float32)
+    kc[0, 0, :, 0] = [1.0, -100.0, 1.0]  # scores 100, -1e4, 100
+    vc[0, 0, :, 1] = [2.0, 1e6, 4.0]
+    got = decode_attention(q, kc, vc, spans([0], [0], [3]))
+    np.testing.assert_array_equal(got[0, 0, :, 1], [3.0, 3.0])  # (2 + 4) / 2, exactly
+    kc[0, 0, 1, 0] = np.nan
+    assert np.isnan(decode_attention(q, kc, vc, spans([0], [0], [3]))[0, 0]).all()
+
+
 def test_non_finite_keys_stay_with_their_sequence():
     rng = np.random.default_rng(5)
     q, kc, vc = arrays(rng, 2, 1, 2, 16, 2, 64)
@@ -122,15 +169,21 @@ def test_non_finite_keys_stay_with_their_sequence():
 
 
 @pytest.mark.parametrize(
-    "slots,lo,hi",
-    [([2], [0], [8]), ([-1], [0], [8]), ([0], [0], [9]), ([0], [-1], [8]), ([0], [5], [5])],
-    ids=["slot", "negative-slot", "past-capacity", "negative-start", "no-keys"],
-)
-def test_indices_are_checked_before_the_kernel_reads(slots, lo, hi):
+    "slots,lo,hi,back",
+    [
+        ([2], [0], [8], 0), ([-1], [0], [8], 0), ([0], [0], [9], 0), ([0], [-1], [8], 0),
+        ([0], [5], [5], 0), ([0], [2], [8], 6), ([0], [0], [8], -1),
+    ],
+    ids=[
+        "slot", "negative-slot", "past-capacity", "negative-start", "no-keys",
+        "stopped-before-its-start", "past-the-end",
+    ],
+)  # fmt: skip
+def test_indices_are_checked_before_the_kernel_reads(slots, lo, hi, back):
     rng = np.random.default_rng(6)
     q, kc, vc = arrays(rng, 1, 1, 1, 8, 2, 8)
     with pytest.raises(IndexError):
-        decode_attention(q, kc, vc, spans(slots, lo, hi))
+        decode_attention(q, kc, vc, spans(slots, lo, hi), back=[back])
 
 
 def test_shapes_and_layouts_are_checked():
@@ -142,5 +195,7 @@ def test_shapes_and_layouts_are_checked():
         decode_attention(q, kc[:, :, ::2], vc[:, :, ::2], spans([0], [0], [4]))  # strided
     with pytest.raises(ValueError):
         decode_attention(q.astype(np.float64), kc, vc, spans([0], [0], [8]))
+    with pytest.raises(ValueError):  # one stop per head
+        decode_attention(q, kc, vc, spans([0], [0], [8]), back=[0, 1])
     with pytest.raises(ValueError):  # a cache holds float32 or float16, nothing else
         decode_attention(q, kc.astype(np.float64), vc, spans([0], [0], [8]))

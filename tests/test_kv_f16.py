@@ -22,6 +22,7 @@ from test_parity_families import Q8_ADAPTER, Q8_TOL, TOL
 
 from core.http import ServerSettings, ServerThread
 from core.lora.mix import mix_key
+from core.model import attention
 from core.model.kv_cache import kv_bytes
 from core.options import EngineOptions
 from core.serve.engine import Engine
@@ -86,6 +87,28 @@ def test_teacher_forced_cases_keep_llamacpp_parity(family):
     for case in ref["greedy"]:
         mw = eng.lora.mixes.get(mix_key(case_mix(case)), adapters)
         check_teacher_forced(eng.model, mw, case, Q8_TOL if q8_mixed(name, case) else TOL)
+
+
+def test_drafts_verified_over_a_float16_cache_keep_llamacpp_parity(family, monkeypatch):
+    """Every reference case with its reply fed 5 tokens a forward, as speculative
+    decoding verifies a draft: those forwards read the float16 cache in the compiled
+    kernel, each token over the keys up to its own position (one query of 5*g heads),
+    and keep llama.cpp's top-1 and top-5 bounds."""
+    name, eng, ref = family
+    calls: list[tuple[int, int]] = []  # (heads, queries) of each compiled call
+    real = attention.decode_attention
+
+    def spy(q, kc, vc, spans, softcap=0.0, back=None):
+        calls.append((q.shape[2], q.shape[0]))
+        return real(q, kc, vc, spans, softcap, back)
+
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    adapters = {a["id"]: eng.adapter(a["id"]) for a in eng.adapters()}
+    for case in ref["greedy"]:
+        mw = eng.lora.mixes.get(mix_key(case_mix(case)), adapters)
+        check_teacher_forced(eng.model, mw, case, Q8_TOL if q8_mixed(name, case) else TOL, chunk=5)
+    g = eng.config.n_heads // eng.config.n_kv_heads
+    assert (5 * g, 1) in calls  # the drafts' forwards took the kernel
 
 
 def test_free_running_greedy_two_at_a_time(family):

@@ -3,7 +3,9 @@
 A prompt's queries go through :func:`sdpa` (in blocks, with the causal mask on each
 block's diagonal square); decoding queries, one per sequence, through the compiled
 kernel (:func:`decode_attention`, core/model/kernel_attn.py): one sequence's, or
-several sequences' of one KV pool in one call (:class:`PooledDecode`). Keys and
+several sequences' of one KV pool in one call (:class:`PooledDecode`). So do a few
+new tokens of one sequence over a float16 cache (a draft being verified), which
+numpy's products could only read widened whole, in every layer, at every step. Keys and
 values are written and read through the cache objects of core/model/kv_cache.py;
 nothing here owns their arrays.
 """
@@ -24,6 +26,14 @@ ATTN_BLOCK = 128  # queries per attention block during prefill
 # sequence at 2048 positions run as 9 chunks of 683 on 2 threads)
 ATTN_ITEMS_PER_THREAD = 4
 ATTN_CHUNK_MIN = 64
+# new tokens of one sequence over a float16 cache that take the compiled kernel, at
+# most: numpy's products need the layer's keys and values widened first, which cost
+# more than the kernel's per-token work up to ~12-16 tokens (a 1B's layer at 8000
+# positions: 2 tokens 20.5 ms against 3.9, 9 tokens 25.5 against 14.4; at 2048
+# positions 9 tokens 5.3 against 3.1). On a float32 cache numpy's products are the
+# faster from ~5 tokens and about as fast below (9 tokens 9.3 against 11.9 ms), so
+# those keep them.
+ATTN_F16_QUERIES_MAX = 12
 
 
 def exp_normalized_inplace(x: np.ndarray) -> np.ndarray:
@@ -63,13 +73,14 @@ def sdpa(
 _STORED = {dtype: name for name, dtype in KV_DTYPES.items()}
 
 
-def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
+def decode_attention(q, kc, vc, spans, softcap: float = 0.0, back=None) -> np.ndarray:
     """softmax(q kᵀ) v of one new query per sequence over its own positions, compiled
     (core/model/kernel_attn.py): q (n, KV, g, hd) float32 already scaled; query i reads
     kc/vc[slot, :, lo:hi] of (S, KV, cap, hd) arrays, float32 or float16 each (the KV
-    cache's -ctk/-ctv), spans[i] = (slot, lo, hi). Returns (n, KV, g, hd). Launched as
-    the matrix kernels are (quant.launch); the kernel checks every span before it reads
-    (raw memory): IndexError if one is out."""
+    cache's -ctk/-ctv), spans[i] = (slot, lo, hi); ``back`` (g,) ints: head j reads
+    only up to hi - back[j] (default 0: all). Returns (n, KV, g, hd). Launched as the
+    matrix kernels are (quant.launch); the kernel checks every span before it reads
+    (raw memory): IndexError if one is out or leaves a head no position."""
     n, KV, g, hd = q.shape
     if (
         vc.shape != kc.shape
@@ -84,12 +95,15 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0) -> np.ndarray:
     kernel = quant.attention_kernel((_STORED[kc.dtype], _STORED[vc.dtype]))
     kc, vc = kernel_view(kc), kernel_view(vc)  # float16 as its bits
     spans = np.asarray(spans, dtype=np.int64).reshape(n, 3)  # (n, 3) slot, lo, hi
+    back = np.zeros(g, dtype=np.int64) if back is None else np.asarray(back, dtype=np.int64)
+    if back.shape != (g,):
+        raise ValueError(f"decode_attention: back {back.shape} is not one per head ({g})")
     out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
     if n == 0:
         return out
     bad = quant.launch(
         kernel,
-        q, kc, vc, spans, float(softcap),
+        q, kc, vc, spans, back, float(softcap),
         quant.kernel_threads(), ATTN_ITEMS_PER_THREAD, ATTN_CHUNK_MIN, out,
     )  # fmt: skip
     if bad:
@@ -136,14 +150,19 @@ def attend(
     p0 = cache.length
     L = p0 + n
     keys, values = cache.update_and_fetch(li, k, v, tokens)  # (KV, L, hd) each
-    if n == 1:
+    f16 = keys.dtype != np.float32 or values.dtype != np.float32
+    if n == 1 or (f16 and not window and n <= ATTN_F16_QUERIES_MAX):
         # Decoding: one query over this sequence's keys, compiled (numpy's two thin
-        # matmuls took longer than the token's products from ~1000 positions on)
+        # matmuls took longer than the token's products from ~1000 positions on); or a
+        # few over a float16 cache as one query of n*g heads, token t's head gi as
+        # head t*g + gi, seeing the keys up to its own position p0 + t
         kc, vc = cache.layer(li)  # (1, KV, cap, hd) each
-        q4 = (q * scale).reshape(1, KV, g, hd)  # (1, KV, g, hd)
-        lo = max(0, p0 - window + 1) if window else 0
-        o = decode_attention(q4, kc, vc, [0, lo, L], softcap)  # (1, KV, g, hd)
-        return o.reshape(1, n_heads * hd)  # (1, H*hd)
+        q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 0, 2, 3)  # (KV, n, g, hd)
+        q4 = q4.reshape(1, KV, n * g, hd)  # (1, KV, n*g, hd), a copy unless n == 1
+        back = np.repeat(np.arange(n - 1, -1, -1), g)  # (n*g,) token t stops n-1-t short
+        lo = max(0, p0 - window + 1) if window else 0  # (n == 1 with a window)
+        o = decode_attention(q4, kc, vc, [0, lo, L], softcap, back)  # (1, KV, n*g, hd)
+        return o.reshape(KV, n, g, hd).transpose(1, 0, 2, 3).reshape(n, n_heads * hd)
     if window or softcap:
         return _attend_window(keys, values, q, n, n_heads, scale, window or L, softcap)
     keys, values = widened(keys), widened(values)  # (KV, L, hd) float32 each

@@ -1,4 +1,5 @@
-"""Decoding attention, compiled: one query per sequence over its own keys and values.
+"""Decoding attention, compiled: a query per sequence over its own keys and values, or a
+few queries of one sequence (speculative decoding's drafts) each over its own prefix.
 
 numpy's decode attention (core/model/attention.py's sdpa on (KV, g, hd) queries) makes
 two batched matmuls of g rows each, which numpy runs far below the memory's speed, and
@@ -14,8 +15,14 @@ those are widened to float32 ROWS rows at a time into a thread's scratch (``_row
 ``_widen``: LLVM's half-to-float conversion, vcvtph2ps), exactly, so the rest runs as
 for float32.
 
-Values: float32 throughout, exp(s - max) as numpy's, the softmax's sums and the
-dot products summed in another order (fastmath's reassociation lets LLVM vectorize
+A few new tokens of one sequence (a draft being verified) run as one query whose g
+heads are the tokens' heads side by side, head j seeing the positions before
+hi - back[j]: each key and value row is read, and widened, once for all of them.
+
+Values: float32 throughout, exp(s - max) to within a unit or two in the last place
+(``_exp``: straight-line code LLVM vectorizes, where calling expf per score took a
+third of a long sequence's time), the softmax's sums and the dot products summed in
+another order (fastmath's reassociation lets LLVM vectorize
 the head_dim loops; no nnan/ninf: -inf and NaN are values here). A sequence whose
 keys or values are NaN or inf gets a non-finite result, alone: nothing past its
 own length is ever read, so no neighbour's stale rows reach it.
@@ -47,6 +54,49 @@ def _widen(typingctx, x):
     return types.float32(x), codegen
 
 
+@intrinsic
+def _as_float(typingctx, x):
+    """The low 32 bits of an integer read as a float32 (its sign, exponent and mantissa)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = args[0]
+        if x.bitwidth > 32:
+            bits = builder.trunc(bits, ir.IntType(32))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@_jit()
+def _exp(x):
+    """exp(x) of a float32 score less its maximum (x <= 0), in straight-line code LLVM
+    vectorizes (numba's math.exp is a call per number): Cephes' expf, x = n ln2 + r
+    with |r| <= ln2/2 (ln2 in two parts, so n ln2 is exact), e^r a degree-6
+    polynomial, 2^n written into the exponent's bits. Within 2 ulp of numpy's exp;
+    exp(0) is 1 exactly, below -87 (e^-87 ~ 1.6e-38) gives 0, NaN stays NaN. Compiled
+    without fastmath, so LLVM keeps the order the reduction needs (reassociated,
+    n ln2's two parts would merge and lose the low bits)."""
+    y = max(x, np.float32(-87.0))
+    n = np.float32(np.int32(y * np.float32(1.44269504088896341) - np.float32(0.5)))  # round(y/ln2)
+    r = y - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    out = p * _as_float((np.int64(n) + 127) << 23)  # p * 2^n
+    if x < np.float32(-87.0):
+        out = np.float32(0.0)
+    if x != x:
+        out = x
+    return out
+
+
 ROWS = 32  # key or value rows widened at a time (a float16 cache), per thread
 
 
@@ -75,10 +125,12 @@ def _rows_typed(a, slot, h, t0, t1, buf):
 
 
 @_jit(fastmath=_FASTMATH)
-def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po, rows):
-    """Query i's g heads of kv head h over positions a..b-1 (a < b) of ``slot``: each
-    head's maximum score pm (g,), sum of exp(score - maximum) ps (g,) and values
-    weighted by those exps po (g, hd). ``sc`` (g, >= b-a): scratch for the scores;
+def _part(q, kc, vc, i, h, slot, a, b, hi, back, softcap, sc, pm, ps, po, rows):
+    """Query i's g heads of kv head h over positions a..b-1 (a < b) of ``slot``, head j
+    only over those before hi - back[j]: each head's maximum score pm (g,), sum of
+    exp(score - maximum) ps (g,) and values weighted by those exps po (g, hd); a head
+    that sees none of them gets ps 0 (merged as nothing). ``sc`` (g, >= b-a): scratch
+    for the scores;
     ``rows`` (ROWS, hd): a float16 cache's rows, widened ROWS at a time for the g
     queries (widened in each query's loop, or a row at a time, a 1B's decode at 8000
     positions ran slower than on a float32 cache)."""
@@ -97,35 +149,44 @@ def _part(q, kc, vc, i, h, slot, a, b, softcap, sc, pm, ps, po, rows):
                     acc = cap * np.float32(math.tanh(acc * inv_cap))
                 sc[j, t - a] = acc
     for j in range(g):
-        m = sc[j, 0]
-        for t in range(1, b - a):
-            m = max(m, sc[j, t])
-        total = np.float32(0.0)
-        for t in range(b - a):
-            e = np.float32(math.exp(sc[j, t] - m))
-            sc[j, t] = e
-            total += e
-        pm[j] = m
-        ps[j] = total
         for d in range(hd):
             po[j, d] = 0.0
+        e = min(b, hi - back[j]) - a  # head j's positions in this chunk
+        if e <= 0:
+            pm[j] = -np.inf
+            ps[j] = 0.0
+            continue
+        m = sc[j, 0]
+        for t in range(1, e):
+            m = max(m, sc[j, t])
+        total = np.float32(0.0)
+        for t in range(e):
+            x = _exp(sc[j, t] - m)
+            sc[j, t] = x
+            total += x
+        pm[j] = m
+        ps[j] = total
     for t0 in range(a, b, ROWS):  # each value row read once for the g queries
         t1 = min(b, t0 + ROWS)
         vs = _rows(vc, slot, h, t0, t1, rows)  # (t1-t0, hd)
         for t in range(t0, t1):
             for j in range(g):
+                if t >= hi - back[j]:  # past what head j sees (a draft's later token)
+                    continue
                 p = sc[j, t - a]
                 for d in range(hd):
                     po[j, d] += p * vs[t - t0, d]
 
 
 @_jit(parallel=True, nogil=True, fastmath=_FASTMATH)
-def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
+def _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out):
     """out[i] = softmax(q[i] . keys) values for each query i (n, KV, g, hd), q already
     scaled; its keys and values are kc/vc[slot, kv head, lo:hi] of (S, KV, cap, hd)
-    arrays (float32, or float16's bits as uint16), spans[i] = (slot, lo, hi).
+    arrays (float32, or float16's bits as uint16), spans[i] = (slot, lo, hi), and its
+    head j stops back[j] (g,) positions short of hi (0: a query per sequence).
     ``softcap`` c > 0: scores become c*tanh(s/c) (Gemma 2). Returns 0, or i + 1 when
-    query i's span lies outside the arrays (nothing is read then). Each (query, kv
+    query i's span lies outside the arrays or leaves one of its heads no position
+    (nothing is read then). Each (query, kv
     head) runs as chunks of at least ``chunk_min`` positions, about ``per_thread``
     non-empty chunks for each of the ``threads`` numba runs this on (set by the caller:
     numba.get_num_threads in here would keep the kernel out of the disk cache). Always
@@ -139,6 +200,9 @@ def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min,
         slot, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
         if slot < 0 or slot >= S or lo < 0 or hi <= lo or hi > cap:
             return i + 1
+        for j in range(g):
+            if back[j] < 0 or hi - back[j] <= lo:
+                return i + 1
         longest = max(longest, hi - lo)
         positions += hi - lo
     # chunks of about an items-th of all the key rows: a long sequence beside short ones
@@ -166,7 +230,7 @@ def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min,
                 for j in range(g):
                     part_s[w, j] = 0.0
             else:
-                _part(q, kc, vc, i, h, spans[i, 0], a, b, softcap, scores[th],
+                _part(q, kc, vc, i, h, spans[i, 0], a, b, spans[i, 2], back, softcap, scores[th],
                       part_m[w], part_s[w], part_o[w], rows[th])  # fmt: skip
                 if n_chunks == 1:  # the (query, kv head) whole: its sums are the softmax's
                     for j in range(g):
@@ -205,23 +269,23 @@ def _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min,
 # signature's code for the other (core/model/kernel_base.py's _jit says how that went
 # for the matrix kernels).
 @_jit(entry=True, nogil=True)
-def attention_f32_f32(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
-    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+def attention_f32_f32(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out)
 
 
 @_jit(entry=True, nogil=True)
-def attention_f16_f16(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
-    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+def attention_f16_f16(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out)
 
 
 @_jit(entry=True, nogil=True)
-def attention_f16_f32(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
-    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+def attention_f16_f32(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out)
 
 
 @_jit(entry=True, nogil=True)
-def attention_f32_f16(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out):
-    return _decode_attention(q, kc, vc, spans, softcap, threads, per_thread, chunk_min, out)
+def attention_f32_f16(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out):
+    return _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chunk_min, out)
 
 
 # (keys' type, values' type) -> its entry point; "f16" arrays are passed as their bits

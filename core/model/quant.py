@@ -691,7 +691,8 @@ def _warm(
         spans = np.array([[0, 0, 2]], dtype=np.int64)  # (n, 3)
         out = np.empty((1, 1, 2, 32), dtype=np.float32)  # (n, KV, g, hd)
         kernel = attention_kernel(kv_types)
-        launch(kernel, out.copy(), kc, vc, spans, 0.0, kernel_threads(), 1, 1, out)
+        back = np.zeros(2, dtype=np.int64)  # (g,)
+        launch(kernel, out.copy(), kc, vc, spans, back, 0.0, kernel_threads(), 1, 1, out)
     finally:
         for proc in set(spawned.values()):
             if proc.poll() is None:  # cancelled: a helper must not outlive the load
