@@ -90,10 +90,10 @@ def test_teacher_forced_cases_keep_llamacpp_parity(family):
 
 
 def test_drafts_verified_over_a_float16_cache_keep_llamacpp_parity(family, monkeypatch):
-    """Every reference case with its reply fed 5 tokens a forward, as speculative
-    decoding verifies a draft: those forwards read the float16 cache in the compiled
-    kernel, each token over the keys up to its own position (one query of 5*g heads),
-    and keep llama.cpp's top-1 and top-5 bounds."""
+    """Every third reference case (each mix of adapters among them) with its reply fed
+    5 tokens a forward, as speculative decoding verifies a draft: those forwards read
+    the float16 cache in the compiled kernel, each token over the keys up to its own
+    position (one query of 5*g heads), and keep llama.cpp's top-1 and top-5 bounds."""
     name, eng, ref = family
     calls: list[tuple[int, int]] = []  # (heads, queries) of each compiled call
     real = attention.decode_attention
@@ -104,7 +104,7 @@ def test_drafts_verified_over_a_float16_cache_keep_llamacpp_parity(family, monke
 
     monkeypatch.setattr(attention, "decode_attention", spy)
     adapters = {a["id"]: eng.adapter(a["id"]) for a in eng.adapters()}
-    for case in ref["greedy"]:
+    for case in ref["greedy"][::3]:
         mw = eng.lora.mixes.get(mix_key(case_mix(case)), adapters)
         check_teacher_forced(eng.model, mw, case, Q8_TOL if q8_mixed(name, case) else TOL, chunk=5)
     g = eng.config.n_heads // eng.config.n_kv_heads
