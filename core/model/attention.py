@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -95,7 +96,7 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0, back=None) -> np.nd
     kernel = quant.attention_kernel((_STORED[kc.dtype], _STORED[vc.dtype]))
     kc, vc = kernel_view(kc), kernel_view(vc)  # float16 as its bits
     spans = np.asarray(spans, dtype=np.int64).reshape(n, 3)  # (n, 3) slot, lo, hi
-    back = np.zeros(g, dtype=np.int64) if back is None else np.asarray(back, dtype=np.int64)
+    back = _stops(1, g) if back is None else np.asarray(back, dtype=np.int64)  # (g,)
     if back.shape != (g,):
         raise ValueError(f"decode_attention: back {back.shape} is not one per head ({g})")
     out = np.empty((n, KV, g, hd), dtype=np.float32)  # (n, KV, g, hd)
@@ -109,6 +110,14 @@ def decode_attention(q, kc, vc, spans, softcap: float = 0.0, back=None) -> np.nd
     if bad:
         raise IndexError(f"decode_attention: span {spans[bad - 1]} is not in keys {kc.shape}")
     return out
+
+
+@lru_cache(maxsize=64)
+def _stops(n: int, g: int) -> np.ndarray:
+    """(n*g,) how far short of the last position each head of n new tokens' g heads
+    each stops: token t's n-1-t (built once per shape, not per layer and step; kept
+    writeable, as numba compiles a read-only array as another type)."""
+    return np.repeat(np.arange(n - 1, -1, -1, dtype=np.int64), g)  # (n*g,)
 
 
 def widened(a: np.ndarray) -> np.ndarray:
@@ -159,7 +168,7 @@ def attend(
         kc, vc = cache.layer(li)  # (1, KV, cap, hd) each
         q4 = (q * scale).reshape(n, KV, g, hd).transpose(1, 0, 2, 3)  # (KV, n, g, hd)
         q4 = q4.reshape(1, KV, n * g, hd)  # (1, KV, n*g, hd), a copy unless n == 1
-        back = np.repeat(np.arange(n - 1, -1, -1), g)  # (n*g,) token t stops n-1-t short
+        back = _stops(n, g)  # (n*g,) token t's heads stop n-1-t short
         lo = max(0, p0 - window + 1) if window else 0  # (n == 1 with a window)
         o = decode_attention(q4, kc, vc, [0, lo, L], softcap, back)  # (1, KV, n*g, hd)
         return o.reshape(KV, n, g, hd).transpose(1, 0, 2, 3).reshape(n, n_heads * hd)
