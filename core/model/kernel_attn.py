@@ -19,7 +19,7 @@ A few new tokens of one sequence (a draft being verified) run as one query whose
 heads are the tokens' heads side by side, head j seeing the positions before
 hi - back[j]: each key and value row is read, and widened, once for all of them.
 
-Values: float32 throughout, exp(s - max) to within a unit or two in the last place
+Values: float32 throughout, exp(s - max) to within one unit in the last place
 (``_exp``: straight-line code LLVM vectorizes, where calling expf per score took a
 third of a long sequence's time), the softmax's sums and the dot products summed in
 another order (fastmath's reassociation lets LLVM vectorize
@@ -74,7 +74,8 @@ def _exp(x):
     """exp(x) of a float32 score less its maximum (x <= 0), in straight-line code LLVM
     vectorizes (numba's math.exp is a call per number): Cephes' expf, x = n ln2 + r
     with |r| <= ln2/2 (ln2 in two parts, so n ln2 is exact), e^r a degree-6
-    polynomial, 2^n written into the exponent's bits. Within 2 ulp of numpy's exp;
+    polynomial, 2^n written into the exponent's bits. Within 0.97 ulp of the exact
+    value over [-87, 0] (numpy's float32 exp: 2.4; 3 million points against float64),
     exp(0) is 1 exactly, below -87 (e^-87 ~ 1.6e-38) gives 0, NaN stays NaN. Compiled
     without fastmath, so LLVM keeps the order the reduction needs (reassociated,
     n ln2's two parts would merge and lose the low bits)."""
@@ -186,8 +187,8 @@ def _decode_attention(q, kc, vc, spans, back, softcap, threads, per_thread, chun
     head j stops back[j] (g,) positions short of hi (0: a query per sequence).
     ``softcap`` c > 0: scores become c*tanh(s/c) (Gemma 2). Returns 0, or i + 1 when
     query i's span lies outside the arrays or leaves one of its heads no position
-    (nothing is read then). Each (query, kv
-    head) runs as chunks of at least ``chunk_min`` positions, about ``per_thread``
+    (nothing is read then). Each (query, kv head) runs as chunks of at least
+    ``chunk_min`` positions, about ``per_thread``
     non-empty chunks for each of the ``threads`` numba runs this on (set by the caller:
     numba.get_num_threads in here would keep the kernel out of the disk cache). Always
     on the threads: even 64 positions of SmolLM2's three kv heads ran faster so (10.7
