@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import quant
-from .kv_cache import KV_DTYPES, KVCache, KVPool, kernel_view
+from .kv_cache import F32, KV_DTYPES, KVCache, KVPool, kernel_view
 
 ATTN_BLOCK = 128  # queries per attention block during prefill
 # decoding (decode_attention): chunks of positions per kernel thread, over all the
@@ -159,7 +159,7 @@ def attend(
     p0 = cache.length
     L = p0 + n
     keys, values = cache.update_and_fetch(li, k, v, tokens)  # (KV, L, hd) each
-    f16 = keys.dtype != np.float32 or values.dtype != np.float32
+    f16 = cache.types != F32  # either of them float16 (-ctk/-ctv f16)
     if n == 1 or (f16 and not window and n <= ATTN_F16_QUERIES_MAX):
         # Decoding: one query over this sequence's keys, compiled (numpy's two thin
         # matmuls took longer than the token's products from ~1000 positions on); or a
