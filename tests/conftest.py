@@ -60,12 +60,17 @@ def _compile_kernels_alongside() -> None:
     warm it only loads (a second or two). numba writes its cache files whole (a temporary
     file, then a rename), so a test compiling the same type meanwhile is safe. The
     decoding attention over float16 keys and/or values (-ctk/-ctv f16,
-    tests/test_kv_f16.py) too: each pair of types is a compile of its own."""
+    tests/test_kv_f16.py) too: each pair of types is a compile of its own. Then the
+    int8-activation products (--activations q8, tests/test_quant_q8.py), last because
+    their tests come late: ~40 s of the module's setup on an empty cache."""
     global _KERNEL_WARMER
     code = (
-        "from core.model import quant; quant.warm_up(quant.SUPPORTED, helpers=False)\n"
+        "from core.model import kernel_q8, quant\n"
+        "quant.warm_up(quant.SUPPORTED, helpers=False)\n"
         "for kv in (('f16', 'f16'), ('f16', 'f32'), ('f32', 'f16')):\n"
-        "    quant.warm_up((), helpers=False, kv_types=kv)"
+        "    quant.warm_up((), helpers=False, kv_types=kv)\n"
+        "if kernel_q8.available():\n"
+        "    quant.warm_up(sorted(kernel_q8.PRODUCTS), helpers=False, activations='q8')"
     )
     _KERNEL_WARMER = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -73,6 +78,14 @@ def _compile_kernels_alongside() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def pytest_collection_finish(session):
+    """Start the slow subprocess checks of the collected tests (tests/background.py)."""
+    from tests import background
+
+    names = [m.args[0] for item in session.items for m in item.iter_markers("background")]
+    background.start(list(dict.fromkeys(names)))
 
 
 _EXIT_STATUS: int | None = None  # pytest's status, once the session has finished
@@ -88,6 +101,9 @@ def pytest_unconfigure(config):
     if _KERNEL_WARMER is not None and _KERNEL_WARMER.poll() is None:
         _KERNEL_WARMER.kill()  # a short session ends before the warm-up does
         _KERNEL_WARMER.wait()
+    from tests import background
+
+    background.stop()
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
     if _EXIT_STATUS is not None and "PySide6" in sys.modules:

@@ -11,6 +11,7 @@ Q6_K, Q5_0, Q8_0) tensors.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from core.gguf.reader import GGUFFile
 from core.model import quant
 from core.model.quant import FusedMatrix, QuantLayoutError, QuantMatrix, check_layout
+from tests import background
 from tests.tiny_gguf import random_matrix
 
 TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -558,29 +560,25 @@ print(json.dumps({"wide": kernel_wide.WIDE, "errs": errs}))
 """
 
 
-def test_k_quant_products_without_avx512_are_the_portable_ones(tmp_path):
+@background.job
+def portable_dots(folder: Path):
+    """The Q4_K and Q6_K products compiled for numba's generic x86-64 from nothing."""
+    env = {k: None for k in os.environ if k.startswith("NUMBA_CPU_")}
+    env.update(NUMBA_CACHE_DIR=str(folder / "numba"), NUMBA_CPU_NAME="generic")
+    return background.python(_PORTABLE_DOTS, folder, env=env)
+
+
+@pytest.mark.background("portable_dots")
+def test_k_quant_products_without_avx512_are_the_portable_ones():
     """The Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 dots are written for AVX-512
     (kernel_wide.WIDE). Compiled for a CPU without it (numba's generic x86-64, as a
     portable build would be), where LLVM could not lower one AVX-512 instruction, the
     products take the numba dots and the dequantize-then-dot kernel instead, and are
     as exact. Checked on Q4_K and Q6_K: the other types take the same ``if WIDE``
     branches of kernel_dots._dot and _dot_rows2, and compiling their dots a second time
-    for this CPU added 80-100 s to the suite (measured, 2026-12-06)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    env["NUMBA_CPU_NAME"] = "generic"
-    run = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_DOTS],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        timeout=900,
-    )
+    for this CPU added 80-100 s to the suite (measured, 2026-12-06). The compile (~90 s)
+    runs in the background from the session's start (tests/background.py)."""
+    run = background.result("portable_dots")
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["wide"] is False
@@ -712,20 +710,7 @@ def test_old_kernel_cache_folders_are_deleted_when_unused_for_two_weeks(tmp_path
     assert kernel_base.prune_caches(tmp_path / "missing" / "file.txt" / "x", "k") == []
 
 
-def test_a_first_compile_shares_the_types_with_a_helper_process(tmp_path):
-    """With an empty kernel cache and several types, every other type is compiled by a
-    second process into the shared disk cache, and this process loads it from there
-    (numba's own hit and miss counts); a type already cached spawns nothing.
-
-    The two processes write the cache at once, so only per-type entry points may go
-    there (kernel_base._jit): a shared helper's index written by both once gave a type
-    another type's code, and every later load segfaulted. So the cache holds entry
-    points only, and a third process serves every type from it correctly."""
-    import os
-    import subprocess
-    import sys
-
-    code = """
+_SHARED_FIRST_COMPILE = """
 import os, json
 os.cpu_count = lambda: 2  # a 2-core machine, whatever this one is
 from core.model import kernels, quant
@@ -735,20 +720,8 @@ print(json.dumps({n: [sum(s.cache_hits.values()), sum(s.cache_misses.values())]
                   for n, s in stats.items()}))
 print(json.dumps([t for t in ("Q4_0", "Q5_0", "Q8_0") if not quant._cached(quant.T[t])]))
 """
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert run.returncode == 0, run.stderr
-    counts, again = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
-    assert counts["q5_0"] == [1, 0]  # the helper's: loaded from the cache
-    assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
-    assert again == []  # all cached now: a next load starts no helper
-    cached = sorted({p.name.split("-")[0] for p in (tmp_path / "numba").rglob("*.nbi")})
-    assert cached == ["kernel_attn.attention_f32_f32"] + [
-        f"kernels.{k}_{n}" for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0")
-    ]  # and decoding attention's over an f32 cache, which every load compiles here
-    check = """
+
+_SERVED_FROM_THE_SHARED_CACHE = """
 import json, numpy as np
 from gguf import quants, GGMLQuantizationType as Q
 from core.model import kernels, quant
@@ -767,40 +740,49 @@ misses = sum(sum(getattr(kernels, k + "_" + n).stats.cache_misses.values())
              for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0"))
 print(json.dumps([worst, misses]))
 """
-    run = subprocess.run(
-        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900,
-        cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr  # (a segfault is -11)
-    worst, misses = json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@background.job
+def shared_first_compile(folder: Path):
+    """Three types compiled from nothing by a process and its helper, then a third
+    process served from their cache (once the first has succeeded)."""
+    env = {"NUMBA_CACHE_DIR": str(folder / "numba")}
+    first = background.python(_SHARED_FIRST_COMPILE, folder, env=env)
+    if first.returncode != 0:
+        return first, None, folder
+    return first, background.python(_SERVED_FROM_THE_SHARED_CACHE, folder, env=env), folder
+
+
+@pytest.mark.background("shared_first_compile")
+def test_a_first_compile_shares_the_types_with_a_helper_process():
+    """With an empty kernel cache and several types, every other type is compiled by a
+    second process into the shared disk cache, and this process loads it from there
+    (numba's own hit and miss counts); a type already cached spawns nothing.
+
+    The two processes write the cache at once, so only per-type entry points may go
+    there (kernel_base._jit): a shared helper's index written by both once gave a type
+    another type's code, and every later load segfaulted. So the cache holds entry
+    points only, and a third process serves every type from it correctly. (The
+    compiles run in the background from the session's start: tests/background.py.)"""
+    run, check, folder = background.result("shared_first_compile")
+    assert run.returncode == 0, run.stderr
+    counts, again = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    assert counts["q5_0"] == [1, 0]  # the helper's: loaded from the cache
+    assert counts["q4_0"][1] == 1 and counts["q8_0"][1] == 1  # compiled here
+    assert again == []  # all cached now: a next load starts no helper
+    cached = sorted({p.name.split("-")[0] for p in (folder / "numba").rglob("*.nbi")})
+    assert cached == ["kernel_attn.attention_f32_f32"] + [
+        f"kernels.{k}_{n}" for k in ("rows", "small") for n in ("q4_0", "q5_0", "q8_0")
+    ]  # and decoding attention's over an f32 cache, which every load compiles here
+    assert check.returncode == 0, check.stderr  # (a segfault is -11)
+    worst, misses = json.loads(check.stdout.strip().splitlines()[-1])
     assert misses == 0 and worst < TOL  # every type from the cache, each its own code
 
 
-def test_the_packaged_apps_helper_is_the_app_itself_started_to_compile(tmp_path):
-    """In the packaged app sys.executable is the app: its helper is the app started with
-    quant.COMPILE_ENV naming the types, which main.py compiles before parsing any flag
-    (and without importing Qt). Here the "app" is a script running main.py as a frozen
-    app (sys.frozen, sys.executable), and the helper's type is then a numba cache hit in
-    the loading process."""
-    import os
-    import stat
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    app = tmp_path / "mixdesk"
-    app.write_text(
-        f"#!/bin/sh\n"
-        f'echo "$MIXDESK_COMPILE_KERNELS" >> {tmp_path / "asked"}\n'
-        f'exec {sys.executable} -c \'import sys; sys.frozen, sys.executable = True, "{app}"; '
-        f'import main; r = main.main(); sys.exit(99 if "PySide6" in sys.modules else r)\'\n'
-    )  # frozen as the app is: numba then stamps its cache with the executable's file
-    app.chmod(app.stat().st_mode | stat.S_IEXEC)
-    code = f"""
+_FROZEN_APPS_HELPER = """
 import os, sys, json
 os.cpu_count = lambda: 2
-sys.frozen, sys.executable = True, {str(app)!r}
+sys.frozen, sys.executable = True, {app!r}
 from core.model import kernels, quant
 spawned = quant._compile_elsewhere([quant.T.Q4_0, quant.T.Q5_0])
 (proc,) = set(spawned.values())
@@ -809,13 +791,39 @@ quant.warm_up(["Q5_0"], helpers=False)  # Q4_0 was left to this process: not nee
 s = kernels.small_q5_0.stats
 print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))
 """
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
+
+
+@background.job
+def frozen_apps_helper(folder: Path):
+    """A "packaged app" (a script running main.py as a frozen app) asked by a loading
+    process to compile a type; what each said, and the types the app was asked for."""
+    import stat
+    import sys
+
+    app = folder / "mixdesk"
+    app.write_text(
+        f"#!/bin/sh\n"
+        f'echo "$MIXDESK_COMPILE_KERNELS" >> {folder / "asked"}\n'
+        f'exec {sys.executable} -c \'import sys; sys.frozen, sys.executable = True, "{app}"; '
+        f'import main; r = main.main(); sys.exit(99 if "PySide6" in sys.modules else r)\'\n'
+    )  # frozen as the app is: numba then stamps its cache with the executable's file
+    app.chmod(app.stat().st_mode | stat.S_IEXEC)
+    code = _FROZEN_APPS_HELPER.format(app=str(app))
+    run = background.python(code, folder, env={"NUMBA_CACHE_DIR": str(folder / "numba")})
+    asked = folder / "asked"
+    return run, asked.read_text() if asked.exists() else None
+
+
+@pytest.mark.background("frozen_apps_helper")
+def test_the_packaged_apps_helper_is_the_app_itself_started_to_compile():
+    """In the packaged app sys.executable is the app: its helper is the app started with
+    quant.COMPILE_ENV naming the types, which main.py compiles before parsing any flag
+    (and without importing Qt). Here the "app" is a script running main.py as a frozen
+    app (sys.frozen, sys.executable), and the helper's type is then a numba cache hit in
+    the loading process. (In the background from the session's start.)"""
+    run, asked = background.result("frozen_apps_helper")
     assert run.returncode == 0, run.stderr
     helper, counts = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
     assert helper == [["Q5_0"], 0]  # the app compiled Q5_0 and exited cleanly, Qt-free
-    assert (tmp_path / "asked").read_text().split() == ["Q5_0"]
+    assert asked is not None and asked.split() == ["Q5_0"]
     assert counts == [1, 0]  # the app's compile is what this process loaded
