@@ -96,11 +96,15 @@ def prefill(qt: Q, rows: int, cols: int, n_rows: int, rounds: int, rng) -> str:
 
 
 def compile_times(types: list[str]) -> str:
-    """warm_up(types) in a fresh process with an empty kernel cache, then again."""
+    """warm_up(types) in a fresh process with an empty kernel cache, then again: the
+    first-ever compile, and what the cached kernels add to a warm start, apart from
+    importing numba and the kernel modules (quant.import_kernels), which a load does
+    while it reads the weights (core/serve/loader.py)."""
     code = (
         "import time; t = time.perf_counter(); from core.model import quant; "
+        "quant.import_kernels(); imported = time.perf_counter() - t; "
         f"s = quant.warm_up({types!r}); "
-        "print(time.perf_counter() - t, s, time.process_time())"
+        "print(time.perf_counter() - t, s, time.process_time(), imported)"
     )
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
@@ -112,11 +116,14 @@ def compile_times(types: list[str]) -> str:
             if run.returncode:
                 return f"compile: failed: {run.stderr.strip().splitlines()[-1:]}"
             out.append(run.stdout.split())
-    (first_all, first, first_cpu), (warm_all, warm, warm_cpu) = (map(float, o) for o in out)
+    (first_all, first, first_cpu, _), (warm_all, warm, warm_cpu, imported) = (
+        map(float, o) for o in out
+    )
     return (
         f"compile {'+'.join(types)}: first-ever {first:.1f} s ({first_cpu:.1f} s CPU), "
-        f"cached {warm:.2f} s; with importing numba: {first_all:.1f} s / {warm_all:.2f} s "
-        f"({warm_cpu:.2f} s CPU)"
+        f"cached {warm:.2f} s; importing numba and the kernel modules first {imported:.2f} s "
+        f"(a load does it while reading the weights); in all {first_all:.1f} s / "
+        f"{warm_all:.2f} s ({warm_cpu:.2f} s CPU)"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import zipfile
 
 import numpy as np
@@ -297,3 +298,56 @@ def test_token_embd_lora_is_flipped_like_llama_cpp(tmp_path, tiny_engine):
     )
     with pytest.raises(AdapterError, match="token_embd.weight"):
         tiny_engine.add_adapter(bad)
+
+
+def test_a_load_imports_the_kernels_while_it_reads_the_weights(tmp_path, monkeypatch):
+    """numba and the kernel modules take ~0.5 s to import, most of what the compiled
+    kernels add to a warm start: a load imports them on a thread of its own, started
+    before the weights are read, and waits for it before the kernels' warm-up. When
+    that import fails there, the load still succeeds or fails on its own thread, as
+    warm_up decides."""
+    from core.model import quant
+    from core.serve import loader
+
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0)
+    seen: list[tuple[str, str]] = []
+    import_started = threading.Event()
+    real_import, real_map, real_warm = quant.import_kernels, loader.map_weights, quant.warm_up
+
+    def importing():
+        import_started.set()
+        seen.append(("import", threading.current_thread().name))
+        real_import()
+        time.sleep(0.3)  # (in this session numba is imported already)
+        seen.append(("imported", threading.current_thread().name))
+
+    def mapping(*a, **k):
+        # the import must be under way while the weights are being read
+        assert import_started.wait(10), "the kernels' import did not start before the read ended"
+        seen.append(("read", threading.current_thread().name))
+        return real_map(*a, **k)
+
+    def warming(*a, **k):
+        seen.append(("warm", threading.current_thread().name))
+        return real_warm(*a, **k)
+
+    monkeypatch.setattr(quant, "import_kernels", importing)
+    monkeypatch.setattr(loader, "map_weights", mapping)
+    monkeypatch.setattr(quant, "warm_up", warming)
+    here = threading.current_thread().name
+    loaded = loader.load_model(path, lambda *a: None, lambda: None)
+    steps = dict(seen)
+    assert list(steps) == ["import", "read", "imported", "warm"]  # the warm-up waited
+    assert steps["read"] == here and steps["warm"] == here
+    assert steps["import"] == "mixdesk-import-kernels"
+    assert loaded.model.w.qtypes() == {"Q8_0"}
+
+    def failing():
+        raise ImportError("numba: no such module")
+
+    seen.clear()
+    import_started.set()
+    monkeypatch.setattr(quant, "import_kernels", failing)
+    again = loader.load_model(path, lambda *a: None, lambda: None)
+    assert again.model.w.qtypes() == {"Q8_0"}  # warm_up imported them
+    assert [s for s, _ in seen] == ["read", "warm"]

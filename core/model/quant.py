@@ -136,6 +136,16 @@ def _later(name: str):
     return mod
 
 
+def import_kernels() -> None:
+    """Import numba and the kernel modules every load runs (the matrix kernels and the
+    decoding attention): ~0.5 s, most of what the compiled kernels add to a warm start.
+    A loader calls it on a thread of its own while the model's weights are read, which
+    release Python's lock; warm_up then only loads (or compiles) the kernels. It
+    compiles one tiny helper and launches nothing, so it leaves no thread pool behind
+    (on_passing_thread)."""
+    _later("kernel_attn")
+
+
 def _q8():
     """core/model/kernel_q8.py, imported on first use."""
     return _later("kernel_q8")

@@ -66,6 +66,15 @@ class LoadedModel:
     model: LlamaModel  # its helper threads are the caller's to close (model.lin.close())
 
 
+def _import_kernels() -> None:
+    """quant.import_kernels on the loader's helper thread. A failure is left for
+    warm_up to raise where the load reports it."""
+    try:
+        quant.import_kernels()
+    except Exception:  # noqa: BLE001 — warm_up raises it again, on the loading thread
+        log.debug("importing the kernels ahead of warm-up failed", exc_info=True)
+
+
 def load_model(
     path: str | Path,
     report: Report,
@@ -108,6 +117,11 @@ def load_model(
     if template_source is not None:
         template = template.with_source(template_source)
     check()
+    # numba and the kernel modules take ~0.5 s to import, which a warm start would
+    # otherwise spend after the weights are read: import them meanwhile (a read
+    # releases Python's lock)
+    importing = threading.Thread(target=_import_kernels, name="mixdesk-import-kernels", daemon=True)
+    importing.start()
     if weights == "quantized":
         mode = quant.activations_in_force(activations)
         if mode != activations:
@@ -123,6 +137,7 @@ def load_model(
     else:  # float32 matrices: numpy's products, float32 activations
         w = load_weights(gf, cfg, progress=weights_progress, cancel=cancel)
     check()
+    importing.join()
     lo = at[0]
 
     def compiling(frac: float) -> None:
