@@ -4,6 +4,7 @@ computes today's numbers, and that a bad file is refused before a kernel reads i
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -169,6 +170,109 @@ def test_weights_read_into_memory_are_the_files_bytes_read_only(tmp_path):
     assert gf.raw(first.name).ctypes.data % HUGE_PAGE == 0
     gf.read_into_memory()  # a second call keeps the copy it has
     assert gf.raw(first.name).ctypes.data % HUGE_PAGE == 0
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """read_into_memory's parts and reads made small, so that a tiny file is read in
+    several parts on several threads, each in several reads, as a model is."""
+    from core.gguf import reader
+
+    monkeypatch.setattr(reader, "READ_CHUNK", 8192)
+    monkeypatch.setattr(reader, "HUGE_PAGE", 16384)
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 4)
+
+
+def test_a_read_in_parts_on_threads_is_the_files_bytes(tmp_path, small_parts, monkeypatch):
+    """The copy is read in parts, on up to READ_THREADS threads: every byte lands where
+    the file has it, progress never goes back and ends at 1, and the calling thread is
+    the one that sees it."""
+    import threading
+
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256, ffn=512)
+    want = _tensor_bytes(path)
+    gf = GGUFFile(path)
+    assert gf.file_size - gf._data_from() > 3 * 16384  # four parts of whole "huge pages"
+    names = set()
+    real_start = threading.Thread.start
+
+    def start(self):
+        names.add(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    steps, callers = [], set()
+
+    def step(f):
+        steps.append(f)
+        callers.add(threading.current_thread().name)
+
+    gf.read_into_memory(step)
+    assert {n for n in names if n.startswith("mixdesk-read-")} == {
+        f"mixdesk-read-{i}" for i in range(4)
+    }
+    assert callers == {threading.current_thread().name}
+    assert steps == sorted(steps) and steps[-1] == 1.0
+    for name, b in want.items():
+        assert gf.raw(name).tobytes() == b, name
+
+
+def test_a_read_stopped_by_its_progress_stops_every_part(tmp_path, small_parts, monkeypatch):
+    """A cancel raised from the progress callback stops the parts' threads at their next
+    read, drops the copy and is raised to the caller; a later read starts again and
+    completes."""
+    import threading
+
+    from core.gguf import reader
+
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256, ffn=512)
+    want = _tensor_bytes(path)
+    gf = GGUFFile(path)
+    reads = []
+
+    class Slow:  # a file whose reads take 10 ms, as a disk's might
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, at):
+            self.f.seek(at)
+
+        def readinto(self, view):
+            time.sleep(0.01)
+            reads.append(len(view))
+            return self.f.readinto(view)
+
+    monkeypatch.setattr(reader, "open", lambda *a, **k: Slow(open(*a, **k)), raising=False)
+
+    def step(f):
+        raise LoadCancelled()
+
+    with pytest.raises(LoadCancelled):
+        gf.read_into_memory(step)
+    assert not gf.in_memory
+    assert not any(t.name.startswith("mixdesk-read-") for t in threading.enumerate())
+    total = -(-(gf.file_size - gf._data_from()) // 8192)  # reads a whole copy takes
+    assert len(reads) < total / 2, (len(reads), total)
+    reads.clear()
+    gf.read_into_memory()
+    assert gf.in_memory and all(gf.raw(n).tobytes() == b for n, b in want.items())
+    assert len(reads) >= total
+
+
+def test_a_file_cut_short_while_it_is_read_in_parts_is_a_clear_error(tmp_path, small_parts):
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0, dim=256, ffn=512)
+    gf = GGUFFile(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 20000])  # the last part's end is gone
+    with pytest.raises(GGUFError, match="became shorter while it was being read"):
+        gf.read_into_memory()
+    assert not gf.in_memory
 
 
 def test_a_file_cut_short_while_it_is_read_is_a_clear_error(tmp_path):

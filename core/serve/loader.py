@@ -106,6 +106,11 @@ def load_model(
         else:
             say(LOAD_OPENED + (LOAD_WEIGHTS_DONE - LOAD_OPENED) * frac, msg)
 
+    # numba and the kernel modules take ~0.5 s to import, which a warm start would
+    # otherwise spend after the weights are read: import them meanwhile (a read
+    # releases Python's lock), from the start
+    importing = threading.Thread(target=_import_kernels, name="mixdesk-import-kernels", daemon=True)
+    importing.start()
     gf, cfg = open_model_file(path)
     n_params = sum(t.n_elements for t in gf.tensors.values())
     say(LOAD_OPENED / 2, "reading the tokenizer")
@@ -117,11 +122,6 @@ def load_model(
     if template_source is not None:
         template = template.with_source(template_source)
     check()
-    # numba and the kernel modules take ~0.5 s to import, which a warm start would
-    # otherwise spend after the weights are read: import them meanwhile (a read
-    # releases Python's lock)
-    importing = threading.Thread(target=_import_kernels, name="mixdesk-import-kernels", daemon=True)
-    importing.start()
     if weights == "quantized":
         mode = quant.activations_in_force(activations)
         if mode != activations:
