@@ -22,6 +22,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,8 +377,8 @@ class GGUFFile:
         returns views of the copy from then on (read-only, as before; the same layout,
         so tensors that lie back to back still do). ``step(fraction done)`` runs on the
         calling thread while the copy is made and may raise to stop it (the copy is
-        then dropped). GGUFError if the file cannot be
-        read or has become shorter since it was opened; MemoryError if no memory.
+        then dropped). GGUFError if the file cannot be read or has become shorter
+        since it was opened; MemoryError if no memory.
 
         Why: the compiled kernels stream a decode step's weights faster than the
         file's 4 KB pages translate. A 1B-shaped Q4_K_M decoded at 15.6-15.7 tok/s
@@ -454,8 +455,6 @@ def _read_parts(path: Path, start: int, held: np.ndarray, step: Callable[[float]
     read(). ``step(fraction done)`` runs on the calling thread while they read, and may
     raise to stop them (the exception is raised once they have stopped); a read error
     or a file that became shorter is a GGUFError."""
-    import threading
-
     n = len(held)
     k = max(1, min(READ_THREADS, os.cpu_count() or 1, -(-n // READ_CHUNK)))
     per = -(-n // k // HUGE_PAGE) * HUGE_PAGE  # each part whole huge pages, but the last
