@@ -537,3 +537,48 @@ def test_a_quantized_model_starts_no_linear_helpers(smollm_path):
         assert not _linear_threads() - before
     finally:
         lm.model.lin.close()
+
+
+_TIMEOUT_WHEN_NUMPY_LOADS = """
+import json, os, sys
+seen = []
+
+class Watch:  # the environment at the moment numpy is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not seen:
+            seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+        return None
+
+sys.meta_path.insert(0, Watch())
+import importlib
+importlib.import_module(sys.argv[1])
+import numpy  # (the window's module loads numpy only with its engine, after core)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("entry", ["core.startup", "ui.app", "bench.weights", "bench.engine"])
+def test_openblas_spins_briefly_from_every_entry_point(entry):
+    """OpenBLAS's threads spin 2**28 cycles (~0.1 s) after a call by default, which took
+    the cores from the kernels' threads after every prefill (core/__init__.py has the
+    figures). Every entry point (the headless server and the window build their engine
+    through core.startup; the window's module; the benches) imports core before numpy
+    loads OpenBLAS, so OPENBLAS_THREAD_TIMEOUT=20 is in force when it does; a value the
+    user set is kept."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env.update(PYTHONPATH=str(root), QT_QPA_PLATFORM="offscreen")
+    for user, want in ((None, "20"), ("8", "8")):
+        run_env = env if user is None else {**env, "OPENBLAS_THREAD_TIMEOUT": user}
+        run = subprocess.run(
+            [sys.executable, "-c", _TIMEOUT_WHEN_NUMPY_LOADS, entry],
+            env=run_env, cwd=root, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(run.stdout.strip().splitlines()[-1]) == [want], (entry, user)
