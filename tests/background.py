@@ -41,9 +41,7 @@ def job(fn: Callable[[Path], object]) -> Callable[[Path], object]:
     return fn
 
 
-def python(
-    code: str, folder: Path, env: dict | None = None, timeout: int = 900
-) -> subprocess.CompletedProcess:
+def python(code: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """``code`` run by a fresh Python at the lowest priority, in the repository, with
     ``env`` over this process's environment (a None there removes the variable); its
     CompletedProcess, whatever its exit."""

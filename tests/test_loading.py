@@ -314,17 +314,21 @@ def test_a_load_imports_the_kernels_while_it_reads_the_weights(tmp_path, monkeyp
     import_started = threading.Event()
     real_import, real_map, real_warm = quant.import_kernels, loader.map_weights, quant.warm_up
 
+    read_seen = threading.Event()
+
     def importing():
         import_started.set()
         seen.append(("import", threading.current_thread().name))
         real_import()
-        time.sleep(0.3)  # (in this session numba is imported already)
+        read_seen.wait(10)  # it ends during the read, as a real import of numba does
+        time.sleep(0.3)  # and lasts past it (in this session numba is imported already)
         seen.append(("imported", threading.current_thread().name))
 
     def mapping(*a, **k):
         # the import must be under way while the weights are being read
         assert import_started.wait(10), "the kernels' import did not start before the read ended"
         seen.append(("read", threading.current_thread().name))
+        read_seen.set()
         return real_map(*a, **k)
 
     def warming(*a, **k):

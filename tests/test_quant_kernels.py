@@ -565,7 +565,7 @@ def portable_dots(folder: Path):
     """The Q4_K and Q6_K products compiled for numba's generic x86-64 from nothing."""
     env = {k: None for k in os.environ if k.startswith("NUMBA_CPU_")}
     env.update(NUMBA_CACHE_DIR=str(folder / "numba"), NUMBA_CPU_NAME="generic")
-    return background.python(_PORTABLE_DOTS, folder, env=env)
+    return background.python(_PORTABLE_DOTS, env=env)
 
 
 @pytest.mark.background("portable_dots")
@@ -747,10 +747,10 @@ def shared_first_compile(folder: Path):
     """Three types compiled from nothing by a process and its helper, then a third
     process served from their cache (once the first has succeeded)."""
     env = {"NUMBA_CACHE_DIR": str(folder / "numba")}
-    first = background.python(_SHARED_FIRST_COMPILE, folder, env=env)
+    first = background.python(_SHARED_FIRST_COMPILE, env=env)
     if first.returncode != 0:
         return first, None, folder
-    return first, background.python(_SERVED_FROM_THE_SHARED_CACHE, folder, env=env), folder
+    return first, background.python(_SERVED_FROM_THE_SHARED_CACHE, env=env), folder
 
 
 @pytest.mark.background("shared_first_compile")
@@ -809,7 +809,7 @@ def frozen_apps_helper(folder: Path):
     )  # frozen as the app is: numba then stamps its cache with the executable's file
     app.chmod(app.stat().st_mode | stat.S_IEXEC)
     code = _FROZEN_APPS_HELPER.format(app=str(app))
-    run = background.python(code, folder, env={"NUMBA_CACHE_DIR": str(folder / "numba")})
+    run = background.python(code, env={"NUMBA_CACHE_DIR": str(folder / "numba")})
     asked = folder / "asked"
     return run, asked.read_text() if asked.exists() else None
 

@@ -4,7 +4,6 @@ computes today's numbers, and that a bad file is refused before a kernel reads i
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -220,8 +219,10 @@ def test_a_read_in_parts_on_threads_is_the_files_bytes(tmp_path, small_parts, mo
 def test_a_read_stopped_by_its_progress_stops_every_part(tmp_path, small_parts, monkeypatch):
     """A cancel raised from the progress callback stops the parts' threads at their next
     read, drops the copy and is raised to the caller; a later read starts again and
-    completes."""
+    completes. Each part's read is held until the cancel has been raised and the stop
+    set, so every part has made exactly the read it was in, however fast the machine."""
     import threading
+    import types
 
     from core.gguf import reader
 
@@ -229,8 +230,14 @@ def test_a_read_stopped_by_its_progress_stops_every_part(tmp_path, small_parts, 
     want = _tensor_bytes(path)
     gf = GGUFFile(path)
     reads = []
+    cancelled = threading.Event()
+    stops: list[threading.Event] = []  # the stop flag read_into_memory's parts share
 
-    class Slow:  # a file whose reads take 10 ms, as a disk's might
+    def event():
+        stops.append(threading.Event())
+        return stops[-1]
+
+    class Held:  # a file whose reads wait for the cancel and the stop it sets
         def __init__(self, f):
             self.f = f
 
@@ -244,13 +251,17 @@ def test_a_read_stopped_by_its_progress_stops_every_part(tmp_path, small_parts, 
             self.f.seek(at)
 
         def readinto(self, view):
-            time.sleep(0.01)
+            if len(stops) == 1:  # the first read_into_memory's parts
+                assert cancelled.wait(10) and stops[0].wait(10)
             reads.append(len(view))
             return self.f.readinto(view)
 
-    monkeypatch.setattr(reader, "open", lambda *a, **k: Slow(open(*a, **k)), raising=False)
+    held = types.SimpleNamespace(Thread=threading.Thread, Event=event)
+    monkeypatch.setattr(reader, "threading", held)
+    monkeypatch.setattr(reader, "open", lambda *a, **k: Held(open(*a, **k)), raising=False)
 
     def step(f):
+        cancelled.set()
         raise LoadCancelled()
 
     with pytest.raises(LoadCancelled):
@@ -258,9 +269,9 @@ def test_a_read_stopped_by_its_progress_stops_every_part(tmp_path, small_parts, 
     assert not gf.in_memory
     assert not any(t.name.startswith("mixdesk-read-") for t in threading.enumerate())
     total = -(-(gf.file_size - gf._data_from()) // 8192)  # reads a whole copy takes
-    assert len(reads) < total / 2, (len(reads), total)
+    assert total > 8 and len(reads) == 4, (len(reads), total)  # the four parts' first
     reads.clear()
-    gf.read_into_memory()
+    gf.read_into_memory()  # (its own stop, never set: reads go straight through)
     assert gf.in_memory and all(gf.raw(n).tobytes() == b for n, b in want.items())
     assert len(reads) >= total
 
